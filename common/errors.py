@@ -1,0 +1,60 @@
+"""The only exceptions that decoders in `common` raise on bad input.
+
+Every error carries a short machine-readable ``code`` that goes into the wire ``error``
+message, and a human-readable message that says what was wrong and which limit applied.
+"""
+
+from __future__ import annotations
+
+
+class ProtocolError(Exception):
+    """A message broke the wire protocol. The connection that sent it is at fault."""
+
+    code = "bad_message"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class FrameError(ProtocolError):
+    """The outer frame (length prefix, header JSON, payload bounds) is malformed."""
+
+    code = "bad_frame"
+
+
+class LimitExceeded(ProtocolError):
+    """A named limit (frame size, header size, tensor shape, ...) was exceeded."""
+
+    code = "limit_exceeded"
+
+
+class TensorCodecError(ProtocolError):
+    """A tensor descriptor does not match the payload or uses a forbidden dtype/shape."""
+
+    code = "bad_tensor"
+
+
+class SignatureError(ProtocolError):
+    """A task bundle's signature is missing, malformed, or not made by the pinned key."""
+
+    code = "bad_signature"
+
+
+class KeyMismatchError(Exception):
+    """The coordinator presented a different key from the one pinned at first join."""
+
+    def __init__(self, url: str, pinned: str, presented: str) -> None:
+        super().__init__(
+            f"coordinator key changed for {url}: pinned {pinned}, presented {presented}. "
+            "Refusing to compute. If the operator really rotated the key, remove the pin "
+            f"with `cleave-worker --forget {url}`."
+        )
+        self.url = url
+        self.pinned = pinned
+        self.presented = presented

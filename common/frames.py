@@ -1,0 +1,83 @@
+"""Outer frame of every protocol message.
+
+``u32 header length (big endian) | header (UTF-8 JSON object) | payload``
+
+The header is padded with spaces so the payload starts on a 64-byte boundary of the
+frame: tensors placed at aligned payload offsets can then be viewed in place
+(``torch.frombuffer``) without a copy on the receiving side.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from common.errors import FrameError, LimitExceeded
+from common.limits import DEFAULT_LIMITS, WireLimits
+
+PAYLOAD_ALIGN = 64
+_PREFIX = struct.Struct(">I")
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: dict[str, Any]
+    payload: memoryview
+
+    @property
+    def type(self) -> str:
+        return str(self.header["type"])
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON: what signatures are computed over, on both sides."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def encode_frame(header: dict[str, Any], payload: Sequence[Buffer] = ()) -> bytes:
+    """Build one wire message. ``payload`` parts are concatenated as given."""
+    body = canonical_json(header)
+    pad = (-(_PREFIX.size + len(body))) % PAYLOAD_ALIGN
+    body += b" " * pad
+    return b"".join([_PREFIX.pack(len(body)), body, *payload])
+
+
+def decode_frame(data: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Frame:
+    """Split a wire message into its header and a zero-copy view of its payload.
+
+    Raises FrameError or LimitExceeded only.
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    if len(view) > limits.max_frame_bytes:
+        raise LimitExceeded(
+            f"frame of {len(view)} bytes exceeds max_frame_bytes={limits.max_frame_bytes}"
+        )
+    if len(view) < _PREFIX.size:
+        raise FrameError(f"frame of {len(view)} bytes is shorter than its 4-byte length prefix")
+    (header_len,) = _PREFIX.unpack_from(view, 0)
+    if header_len > limits.max_header_bytes:
+        raise LimitExceeded(
+            f"header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}"
+        )
+    end = _PREFIX.size + header_len
+    if end > len(view):
+        raise FrameError(f"header length {header_len} runs past the end of a {len(view)}-byte frame")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : end]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FrameError(f"header is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise FrameError("header must be a JSON object")
+    msg_type = header.get("type")
+    if not isinstance(msg_type, str) or not msg_type:
+        raise FrameError('header needs a non-empty string "type"')
+    if not isinstance(header.get("v"), int) or isinstance(header.get("v"), bool):
+        raise FrameError('header needs an integer protocol version "v"')
+    return Frame(header=header, payload=view[end:])

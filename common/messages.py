@@ -1,0 +1,412 @@
+"""Protocol messages (v1): typed views of frame headers, validated on the way in.
+
+Each message is a frozen dataclass with ``to_header()`` and ``from_header()``; tensors
+(task operands, result tiles) travel in the frame payload and are described by the
+header's ``"tensors"`` list (see ``common.tensors``). ``parse_message`` is the single
+entry point for received bytes and raises only ``ProtocolError`` subclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from common import PROTOCOL_VERSION
+from common.errors import ProtocolError, TensorCodecError
+from common.frames import Frame, decode_frame, encode_frame
+from common.limits import DEFAULT_LIMITS, WireLimits
+from common.signing import SIGNATURE_FIELD, sign_bundle, verify_bundle
+from common.tensors import decode_tensors, encode_tensors
+
+TILE_OPS = ("mm", "bmm")  # the op whitelist: a worker computes nothing else
+WORKER_STATES = ("working", "idle", "paused")
+
+
+# ---- field readers: each names the message and field in its error ------------------
+
+
+def _req(h: dict[str, Any], key: str, kind: type | tuple[type, ...], msg: str) -> Any:
+    value = h.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
+        raise ProtocolError(f'{msg}: field "{key}" is missing or not {_kind_name(kind)}')
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def _str(h: dict[str, Any], key: str, msg: str, limits: WireLimits, *, max_chars: int = 0) -> str:
+    value = _req(h, key, str, msg)
+    if len(value) > (max_chars or limits.max_string_chars):
+        raise ProtocolError(f'{msg}: field "{key}" is too long')
+    return str(value)
+
+
+def _int(h: dict[str, Any], key: str, msg: str, *, lo: int = 0, hi: int = 1 << 62) -> int:
+    value = _req(h, key, int, msg)
+    if not lo <= value <= hi:
+        raise ProtocolError(f'{msg}: field "{key}"={value} outside [{lo}, {hi}]')
+    return int(value)
+
+
+def _num(h: dict[str, Any], key: str, msg: str, *, lo: float = 0.0, hi: float = 1e18) -> float:
+    value = _req(h, key, (int, float), msg)
+    if not lo <= value <= hi:
+        raise ProtocolError(f'{msg}: field "{key}"={value} outside [{lo}, {hi}]')
+    return float(value)
+
+
+def _obj(h: dict[str, Any], key: str, msg: str) -> dict[str, Any]:
+    value = h.get(key, {})
+    if not isinstance(value, dict):
+        raise ProtocolError(f'{msg}: field "{key}" must be an object')
+    return value
+
+
+# ---- messages ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    device: str = "cpu"  # "cpu" or "cuda"
+    device_name: str = ""
+    threads: int = 1
+    ram_bytes: int = 0
+    mem_cap_bytes: int = 0  # largest tile (operands + output) this worker accepts
+    gflops: float = 0.0  # measured at start-up
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "device_name": self.device_name,
+            "threads": self.threads,
+            "ram_bytes": self.ram_bytes,
+            "mem_cap_bytes": self.mem_cap_bytes,
+            "gflops": self.gflops,
+        }
+
+    @classmethod
+    def from_json(cls, h: dict[str, Any], limits: WireLimits) -> DeviceProfile:
+        m = "hello.profile"
+        device = _str(h, "device", m, limits)
+        if device not in ("cpu", "cuda"):
+            raise ProtocolError(f'{m}: device must be "cpu" or "cuda", not {device!r}')
+        return cls(
+            device=device,
+            device_name=_str(h, "device_name", m, limits),
+            threads=_int(h, "threads", m, lo=1, hi=4096),
+            ram_bytes=_int(h, "ram_bytes", m),
+            mem_cap_bytes=_int(h, "mem_cap_bytes", m),
+            gflops=_num(h, "gflops", m),
+        )
+
+
+@dataclass(frozen=True)
+class Hello:
+    TYPE: ClassVar[str] = "hello"
+    name: str
+    profile: DeviceProfile
+    window: int  # tiles the worker wants in flight (prefetch)
+    client: str = "cleave-worker"
+
+    def to_header(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "profile": self.profile.to_json(),
+            "window": self.window,
+            "client": self.client,
+        }
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Hello:
+        return cls(
+            name=_str(h, "name", "hello", limits),
+            profile=DeviceProfile.from_json(_obj(h, "profile", "hello"), limits),
+            window=_int(h, "window", "hello", lo=1, hi=64),
+            client=_str(h, "client", "hello", limits),
+        )
+
+
+@dataclass(frozen=True)
+class Welcome:
+    TYPE: ClassVar[str] = "welcome"
+    worker_id: str
+    coordinator_key: str  # hex of the raw Ed25519 public key
+    heartbeat_interval_s: float
+    max_frame_bytes: int
+    job: str
+
+    def to_header(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "coordinator_key": self.coordinator_key,
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "max_frame_bytes": self.max_frame_bytes,
+            "job": self.job,
+        }
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Welcome:
+        return cls(
+            worker_id=_str(h, "worker_id", "welcome", limits),
+            coordinator_key=_str(h, "coordinator_key", "welcome", limits),
+            heartbeat_interval_s=_num(h, "heartbeat_interval_s", "welcome", lo=0.01, hi=3600),
+            max_frame_bytes=_int(h, "max_frame_bytes", "welcome", lo=1),
+            job=_str(h, "job", "welcome", limits),
+        )
+
+
+@dataclass(frozen=True)
+class Task:
+    """A signed tile: ``c = a @ b`` (op "mm": 2-D, op "bmm": 3-D batched)."""
+
+    TYPE: ClassVar[str] = "task"
+    tile_id: str
+    op: str
+    tensors: list[dict[str, Any]]
+    sig: str = ""
+
+    def to_header(self) -> dict[str, Any]:
+        header = {"tile_id": self.tile_id, "op": self.op, "tensors": self.tensors}
+        if self.sig:
+            header["sig"] = self.sig
+        return header
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Task:
+        op = _str(h, "op", "task", limits)
+        if op not in TILE_OPS:
+            raise ProtocolError(f"task: op {op!r} is not one of {TILE_OPS}", code="bad_op")
+        tensors = h.get("tensors")
+        if not isinstance(tensors, list):
+            raise ProtocolError('task: field "tensors" must be a list')
+        sig = h.get("sig", "")
+        if not isinstance(sig, str):
+            raise ProtocolError('task: field "sig" must be a string')
+        return cls(tile_id=_str(h, "tile_id", "task", limits), op=op, tensors=tensors, sig=sig)
+
+
+def check_operands(op: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of a task, after checking they make a valid GEMM for ``op``."""
+    if set(tensors) != {"a", "b"}:
+        raise TensorCodecError(f"task needs exactly tensors 'a' and 'b', got {sorted(tensors)}")
+    a, b = tensors["a"], tensors["b"]
+    ndim = 2 if op == "mm" else 3
+    if a.dim() != ndim or b.dim() != ndim:
+        raise TensorCodecError(f"{op} needs {ndim}-D operands, got {list(a.shape)}, {list(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TensorCodecError(f"operand dtypes differ: {a.dtype} vs {b.dtype}")
+    if a.shape[-1] != b.shape[-2] or (op == "bmm" and a.shape[0] != b.shape[0]):
+        raise TensorCodecError(f"{op} shapes do not match: {list(a.shape)} @ {list(b.shape)}")
+    return a, b
+
+
+@dataclass(frozen=True)
+class Result:
+    TYPE: ClassVar[str] = "result"
+    tile_id: str
+    compute_s: float
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_header(self) -> dict[str, Any]:
+        return {"tile_id": self.tile_id, "compute_s": self.compute_s, "tensors": self.tensors}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Result:
+        tensors = h.get("tensors")
+        if not isinstance(tensors, list):
+            raise ProtocolError('result: field "tensors" must be a list')
+        return cls(
+            tile_id=_str(h, "tile_id", "result", limits),
+            compute_s=_num(h, "compute_s", "result", hi=1e6),
+            tensors=tensors,
+        )
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    TYPE: ClassVar[str] = "heartbeat"
+    seq: int
+    state: str  # one of WORKER_STATES
+    in_flight: int
+    reason: str = ""  # why paused/idle, shown to operators
+
+    def to_header(self) -> dict[str, Any]:
+        return {"seq": self.seq, "state": self.state, "in_flight": self.in_flight, "reason": self.reason}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Heartbeat:
+        state = _str(h, "state", "heartbeat", limits)
+        if state not in WORKER_STATES:
+            raise ProtocolError(f"heartbeat: state {state!r} is not one of {WORKER_STATES}")
+        return cls(
+            seq=_int(h, "seq", "heartbeat"),
+            state=state,
+            in_flight=_int(h, "in_flight", "heartbeat", hi=1 << 20),
+            reason=_str(h, "reason", "heartbeat", limits) if "reason" in h else "",
+        )
+
+
+@dataclass(frozen=True)
+class Ack:
+    TYPE: ClassVar[str] = "ack"
+    seq: int
+    credit_tiles: int  # verified tiles the ledger holds for this worker
+    credit_gflop: float
+
+    def to_header(self) -> dict[str, Any]:
+        return {"seq": self.seq, "credit_tiles": self.credit_tiles, "credit_gflop": self.credit_gflop}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Ack:
+        return cls(
+            seq=_int(h, "seq", "ack"),
+            credit_tiles=_int(h, "credit_tiles", "ack"),
+            credit_gflop=_num(h, "credit_gflop", "ack"),
+        )
+
+
+@dataclass(frozen=True)
+class Cancel:
+    TYPE: ClassVar[str] = "cancel"
+    tile_id: str
+
+    def to_header(self) -> dict[str, Any]:
+        return {"tile_id": self.tile_id}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Cancel:
+        return cls(tile_id=_str(h, "tile_id", "cancel", limits))
+
+
+@dataclass(frozen=True)
+class Error:
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    tile_id: str = ""
+
+    def to_header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.tile_id:
+            header["tile_id"] = self.tile_id
+        return header
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Error:
+        return cls(
+            code=_str(h, "code", "error", limits),
+            message=_str(h, "message", "error", limits, max_chars=limits.max_message_chars),
+            tile_id=_str(h, "tile_id", "error", limits) if "tile_id" in h else "",
+        )
+
+
+@dataclass(frozen=True)
+class Pause:
+    """The worker stops taking tiles (owner's limits); its in-flight tiles move elsewhere."""
+
+    TYPE: ClassVar[str] = "pause"
+    reason: str
+
+    def to_header(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Pause:
+        return cls(reason=_str(h, "reason", "pause", limits))
+
+
+@dataclass(frozen=True)
+class Resume:
+    TYPE: ClassVar[str] = "resume"
+
+    def to_header(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Resume:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Bye:
+    TYPE: ClassVar[str] = "bye"
+    reason: str = ""
+
+    def to_header(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Bye:
+        return cls(reason=_str(h, "reason", "bye", limits) if "reason" in h else "")
+
+
+Message = Hello | Welcome | Task | Result | Heartbeat | Ack | Cancel | Error | Pause | Resume | Bye
+MESSAGE_TYPES: dict[str, Any] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Task, Result, Heartbeat, Ack, Cancel, Error, Pause, Resume, Bye)
+}
+
+
+def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None) -> bytes:
+    """Frame a message; tensors (if any) go into the payload and the header's "tensors"."""
+    header = {"type": msg.TYPE, "v": PROTOCOL_VERSION, **msg.to_header()}
+    parts: list[memoryview | bytes] = []
+    if tensors:
+        header["tensors"], parts = encode_tensors(tensors)
+    return encode_frame(header, parts)
+
+
+def encode_task(
+    tile_id: str, op: str, a: torch.Tensor, b: torch.Tensor, key: Ed25519PrivateKey
+) -> bytes:
+    """A signed task bundle for ``a @ b``; the payload is hashed once, in its parts."""
+    if op not in TILE_OPS:
+        raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
+    descriptors, parts = encode_tensors([("a", a), ("b", b)])
+    header = {"type": Task.TYPE, "v": PROTOCOL_VERSION, "tile_id": tile_id, "op": op,
+              "tensors": descriptors}
+    header[SIGNATURE_FIELD] = sign_bundle(key, header, parts)
+    return encode_frame(header, parts)
+
+
+def verify_task(received: Received, key: Ed25519PublicKey) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a task's signature, then decode and check its operands.
+
+    The signature is checked first so that nothing unsigned is even decoded.
+    """
+    verify_bundle(key, received.frame.header, received.frame.payload)
+    assert isinstance(received.message, Task)
+    return check_operands(received.message.op, received.tensors())
+
+
+@dataclass(frozen=True)
+class Received:
+    message: Message
+    frame: Frame
+
+    def tensors(self, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, torch.Tensor]:
+        return decode_tensors(self.frame.header.get("tensors", []), self.frame.payload, limits)
+
+
+def parse_message(data: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> Received:
+    """Decode and validate one received message. Raises ProtocolError subclasses only."""
+    if isinstance(data, str):
+        raise ProtocolError("text messages are not part of the protocol; send binary frames")
+    frame = decode_frame(data, limits)
+    if frame.header["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {frame.header['v']} is not supported (this side speaks "
+            f"{PROTOCOL_VERSION})",
+            code="version",
+        )
+    cls = MESSAGE_TYPES.get(frame.type)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {frame.type[:64]!r}", code="unknown_type")
+    return Received(message=cls.from_header(frame.header, limits), frame=frame)

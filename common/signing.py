@@ -1,0 +1,113 @@
+"""Ed25519 keys and task-bundle signatures.
+
+A bundle is signed over ``DOMAIN | canonical header without "sig" | BLAKE3(payload)``.
+Signing a digest keeps the Ed25519 cost constant; BLAKE3 hashes ~5x faster than
+SHA-256 on the machines we measured, so verification stays a few percent of a tile.
+The domain tag keeps a task signature from ever being valid as anything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import blake3
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from common.errors import SignatureError
+from common.frames import canonical_json
+
+TASK_DOMAIN = b"cleave/task/v1\0"
+SIGNATURE_FIELD = "sig"
+_SIGNATURE_HEX_LEN = 128
+
+
+def generate_private_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def private_key_bytes(key: Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+
+
+def public_key_hex(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def public_key_from_hex(text: str) -> Ed25519PublicKey:
+    try:
+        raw = bytes.fromhex(text)
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except (ValueError, TypeError) as exc:
+        raise SignatureError(f"not an Ed25519 public key: {exc}") from None
+
+
+def fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey | str) -> str:
+    """Short, human-comparable form of a public key, e.g. ``3f2a-91c0-...`` (16 bytes)."""
+    hex_key = key if isinstance(key, str) else public_key_hex(key)
+    digest = hashlib.sha256(bytes.fromhex(hex_key)).hexdigest()[:32]
+    return "-".join(digest[i : i + 4] for i in range(0, 32, 4))
+
+
+def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
+    """Load a raw 32-byte key, or create one readable only by its owner."""
+    if path.exists():
+        raw = path.read_bytes()
+        if len(raw) != 32:
+            raise ValueError(f"{path} is not a 32-byte Ed25519 private key")
+        return Ed25519PrivateKey.from_private_bytes(raw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = generate_private_key()
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(private_key_bytes(key))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return key
+
+
+PayloadParts = memoryview | bytes | Sequence[memoryview | bytes]
+
+
+def bundle_digest(header: dict[str, Any], payload: PayloadParts) -> bytes:
+    """What gets signed. ``payload`` may be given as the parts that will be concatenated."""
+    unsigned = {k: v for k, v in header.items() if k != SIGNATURE_FIELD}
+    hasher = blake3.blake3()
+    for part in [payload] if isinstance(payload, (memoryview, bytes)) else payload:
+        hasher.update(part)
+    return TASK_DOMAIN + canonical_json(unsigned) + hasher.digest()
+
+
+def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any], payload: PayloadParts) -> str:
+    """Signature (hex) for a task header+payload; the caller stores it under "sig"."""
+    return key.sign(bundle_digest(header, payload)).hex()
+
+
+def verify_bundle(
+    key: Ed25519PublicKey, header: dict[str, Any], payload: memoryview | bytes
+) -> None:
+    """Raise SignatureError unless ``header["sig"]`` was made by ``key`` over this bundle."""
+    sig_hex = header.get(SIGNATURE_FIELD)
+    if not isinstance(sig_hex, str) or len(sig_hex) != _SIGNATURE_HEX_LEN:
+        raise SignatureError("task bundle has no well-formed signature")
+    try:
+        signature = bytes.fromhex(sig_hex)
+    except ValueError:
+        raise SignatureError("task bundle signature is not hex") from None
+    try:
+        key.verify(signature, bundle_digest(header, payload))
+    except InvalidSignature:
+        raise SignatureError(
+            "task bundle signature does not verify against the pinned coordinator key "
+            "(tampered in transit, or signed by another key)"
+        ) from None
