@@ -6,6 +6,11 @@ message, and a human-readable message that says what was wrong and which limit a
 
 from __future__ import annotations
 
+# Messages often echo the offending value, which a hostile peer controls (a 60 KB dtype
+# string, a 4000-digit integer). Cut them well below WireLimits.max_message_chars, so an
+# ``error`` reply built from any ProtocolError is itself a valid message.
+MAX_ERROR_CHARS = 1024
+
 
 class ProtocolError(Exception):
     """A message broke the wire protocol. The connection that sent it is at fault."""
@@ -13,6 +18,11 @@ class ProtocolError(Exception):
     code = "bad_message"
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
+        if len(message) > MAX_ERROR_CHARS:
+            # keep both ends: the limit's name usually comes last
+            head, tail = MAX_ERROR_CHARS * 2 // 3, MAX_ERROR_CHARS // 3
+            cut = len(message) - head - tail
+            message = f"{message[:head]}[...{cut} characters cut...]{message[-tail:]}"
         super().__init__(message)
         if code is not None:
             self.code = code

@@ -10,6 +10,7 @@ frame: tensors placed at aligned payload offsets can then be viewed in place
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,19 @@ def canonical_json(obj: Any) -> bytes:
     ).encode("ascii")
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"non-finite number {name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    # NaN/Infinity (and literals like 1e400 that overflow to inf) are refused: canonical_json,
+    # which signatures are computed over, cannot represent them, and no field needs them.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite number {text[:32]} is not allowed")
+    return value
+
+
 def encode_frame(header: dict[str, Any], payload: Sequence[Buffer] = ()) -> bytes:
     """Build one wire message. ``payload`` parts are concatenated as given."""
     body = canonical_json(header)
@@ -68,9 +82,15 @@ def decode_frame(data: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Frame:
         )
     end = _PREFIX.size + header_len
     if end > len(view):
-        raise FrameError(f"header length {header_len} runs past the end of a {len(view)}-byte frame")
+        raise FrameError(
+            f"header length {header_len} runs past the end of a {len(view)}-byte frame"
+        )
     try:
-        header = json.loads(bytes(view[_PREFIX.size : end]).decode("utf-8"))
+        header = json.loads(
+            bytes(view[_PREFIX.size : end]).decode("utf-8"),
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+        )
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FrameError(f"header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):

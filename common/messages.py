@@ -8,6 +8,7 @@ entry point for received bytes and raises only ``ProtocolError`` subclasses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -15,7 +16,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from common import PROTOCOL_VERSION
-from common.errors import ProtocolError, TensorCodecError
+from common.errors import LimitExceeded, ProtocolError, TensorCodecError
 from common.frames import Frame, decode_frame, encode_frame
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.signing import SIGNATURE_FIELD, sign_bundle, verify_bundle
@@ -30,7 +31,8 @@ WORKER_STATES = ("working", "idle", "paused")
 
 def _req(h: dict[str, Any], key: str, kind: type | tuple[type, ...], msg: str) -> Any:
     value = h.get(key)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
+    numeric = kind in (int, float, (int, float))
+    if not isinstance(value, kind) or (isinstance(value, bool) and numeric):
         raise ProtocolError(f'{msg}: field "{key}" is missing or not {_kind_name(kind)}')
     return value
 
@@ -192,18 +194,32 @@ class Task:
         return cls(tile_id=_str(h, "tile_id", "task", limits), op=op, tensors=tensors, sig=sig)
 
 
-def check_operands(op: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def check_operands(
+    op: str, tensors: dict[str, torch.Tensor], limits: WireLimits = DEFAULT_LIMITS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The operands of a task, after checking they make a valid GEMM for ``op``."""
+    if op not in TILE_OPS:
+        raise ProtocolError(f"task: op {op!r} is not one of {TILE_OPS}", code="bad_op")
     if set(tensors) != {"a", "b"}:
         raise TensorCodecError(f"task needs exactly tensors 'a' and 'b', got {sorted(tensors)}")
     a, b = tensors["a"], tensors["b"]
     ndim = 2 if op == "mm" else 3
     if a.dim() != ndim or b.dim() != ndim:
-        raise TensorCodecError(f"{op} needs {ndim}-D operands, got {list(a.shape)}, {list(b.shape)}")
+        raise TensorCodecError(
+            f"{op} needs {ndim}-D operands, got {list(a.shape)}, {list(b.shape)}"
+        )
     if a.dtype != b.dtype:
         raise TensorCodecError(f"operand dtypes differ: {a.dtype} vs {b.dtype}")
     if a.shape[-1] != b.shape[-2] or (op == "bmm" and a.shape[0] != b.shape[0]):
         raise TensorCodecError(f"{op} shapes do not match: {list(a.shape)} @ {list(b.shape)}")
+    # Small operands can describe a huge product ([2^24, 1] @ [1, 2^24]); the output must
+    # fit the same element limit as any tensor, or the result could never be sent back.
+    out_elements = math.prod(a.shape[:-1]) * b.shape[-1]
+    if out_elements > limits.max_tensor_elements:
+        raise LimitExceeded(
+            f"{op} output of {out_elements} elements exceeds "
+            f"max_tensor_elements={limits.max_tensor_elements}"
+        )
     return a, b
 
 
@@ -238,7 +254,12 @@ class Heartbeat:
     reason: str = ""  # why paused/idle, shown to operators
 
     def to_header(self) -> dict[str, Any]:
-        return {"seq": self.seq, "state": self.state, "in_flight": self.in_flight, "reason": self.reason}
+        return {
+            "seq": self.seq,
+            "state": self.state,
+            "in_flight": self.in_flight,
+            "reason": self.reason,
+        }
 
     @classmethod
     def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Heartbeat:
@@ -261,7 +282,11 @@ class Ack:
     credit_gflop: float
 
     def to_header(self) -> dict[str, Any]:
-        return {"seq": self.seq, "credit_tiles": self.credit_tiles, "credit_gflop": self.credit_gflop}
+        return {
+            "seq": self.seq,
+            "credit_tiles": self.credit_tiles,
+            "credit_gflop": self.credit_gflop,
+        }
 
     @classmethod
     def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Ack:
@@ -370,8 +395,13 @@ def encode_task(
     if op not in TILE_OPS:
         raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
     descriptors, parts = encode_tensors([("a", a), ("b", b)])
-    header = {"type": Task.TYPE, "v": PROTOCOL_VERSION, "tile_id": tile_id, "op": op,
-              "tensors": descriptors}
+    header = {
+        "type": Task.TYPE,
+        "v": PROTOCOL_VERSION,
+        "tile_id": tile_id,
+        "op": op,
+        "tensors": descriptors,
+    }
     header[SIGNATURE_FIELD] = sign_bundle(key, header, parts)
     return encode_frame(header, parts)
 
@@ -381,8 +411,9 @@ def verify_task(received: Received, key: Ed25519PublicKey) -> tuple[torch.Tensor
 
     The signature is checked first so that nothing unsigned is even decoded.
     """
+    if not isinstance(received.message, Task):
+        raise ProtocolError(f"expected a task, got a {received.message.TYPE!r} message")
     verify_bundle(key, received.frame.header, received.frame.payload)
-    assert isinstance(received.message, Task)
     return check_operands(received.message.op, received.tensors())
 
 
@@ -395,7 +426,9 @@ class Received:
         return decode_tensors(self.frame.header.get("tensors", []), self.frame.payload, limits)
 
 
-def parse_message(data: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> Received:
+def parse_message(
+    data: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS
+) -> Received:
     """Decode and validate one received message. Raises ProtocolError subclasses only."""
     if isinstance(data, str):
         raise ProtocolError("text messages are not part of the protocol; send binary frames")

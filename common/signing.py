@@ -67,7 +67,10 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
     path.parent.mkdir(parents=True, exist_ok=True)
     key = generate_private_key()
     tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # A leftover temp file (or a planted link) would keep its own mode and target:
+    # remove it and create afresh, so the key is never readable by others.
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(private_key_bytes(key))
         fh.flush()
@@ -76,14 +79,15 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-PayloadParts = memoryview | bytes | Sequence[memoryview | bytes]
+PayloadParts = memoryview | bytes | bytearray | Sequence[memoryview | bytes | bytearray]
 
 
 def bundle_digest(header: dict[str, Any], payload: PayloadParts) -> bytes:
     """What gets signed. ``payload`` may be given as the parts that will be concatenated."""
     unsigned = {k: v for k, v in header.items() if k != SIGNATURE_FIELD}
     hasher = blake3.blake3()
-    for part in [payload] if isinstance(payload, (memoryview, bytes)) else payload:
+    # a bytearray is one buffer, not a sequence of parts (iterating it yields ints)
+    for part in [payload] if isinstance(payload, (memoryview, bytes, bytearray)) else payload:
         hasher.update(part)
     return TASK_DOMAIN + canonical_json(unsigned) + hasher.digest()
 
@@ -94,7 +98,7 @@ def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any], payload: Payload
 
 
 def verify_bundle(
-    key: Ed25519PublicKey, header: dict[str, Any], payload: memoryview | bytes
+    key: Ed25519PublicKey, header: dict[str, Any], payload: memoryview | bytes | bytearray
 ) -> None:
     """Raise SignatureError unless ``header["sig"]`` was made by ``key`` over this bundle."""
     sig_hex = header.get(SIGNATURE_FIELD)
@@ -105,7 +109,14 @@ def verify_bundle(
     except ValueError:
         raise SignatureError("task bundle signature is not hex") from None
     try:
-        key.verify(signature, bundle_digest(header, payload))
+        digest = bundle_digest(header, payload)
+    except (ValueError, RecursionError):
+        # NaN/inf or nesting too deep to re-serialise: it cannot be what was signed.
+        raise SignatureError(
+            "task bundle header cannot be canonicalised for verification"
+        ) from None
+    try:
+        key.verify(signature, digest)
     except InvalidSignature:
         raise SignatureError(
             "task bundle signature does not verify against the pinned coordinator key "

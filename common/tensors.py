@@ -48,11 +48,13 @@ def encode_tensors(
     parts: list[memoryview | bytes] = []
     offset = 0
     for name, tensor in tensors:
+        dtype = dtype_name(tensor.dtype)  # refuse before touching the data
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()
-        raw = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else b""
+        # Flatten before the byte view: a 0-d tensor cannot be viewed as another dtype.
+        raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
         pad = (-offset) % PAYLOAD_ALIGN
         if pad:
             parts.append(b"\0" * pad)
@@ -60,7 +62,7 @@ def encode_tensors(
         descriptors.append(
             {
                 "name": name,
-                "dtype": dtype_name(t.dtype),
+                "dtype": dtype,
                 "shape": list(t.shape),
                 "offset": offset,
                 "nbytes": len(raw),
@@ -114,7 +116,10 @@ def decode_tensors(
             raise TensorCodecError("a tensor descriptor needs a short non-empty string name")
         if name in out:
             raise TensorCodecError(f"tensor name {name!r} appears twice")
-        dtype = DTYPES.get(desc.get("dtype"))  # type: ignore[arg-type]
+        # A hostile descriptor may carry an unhashable dtype (a list, an object): look up
+        # strings only, so it is refused as TensorCodecError rather than raising TypeError.
+        raw_dtype = desc.get("dtype")
+        dtype = DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
         if dtype is None:
             raise TensorCodecError(
                 f"tensor {name!r}: dtype {desc.get('dtype')!r} is not one of {sorted(DTYPES)}"

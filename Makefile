@@ -1,0 +1,40 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.cleave-installed
+STEPS ?= 30
+
+.PHONY: setup demo test test-fast bench lint clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU build on this machine's disk; letting pip pick
+# torch for the `torch>=2.4` range would download a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/cleave-coordinator serve --job coordinator.jobs.tiny_gpt:make_job \
+		--steps $(STEPS) --local-workers 2 --port 0 --state-dir cleave-state
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+bench: setup
+	$(BIN)/python bench/bench_tile.py
+	$(BIN)/python bench/bench_wire.py
+
+lint: setup
+	$(BIN)/ruff check common coordinator client_app tests bench
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) cleave-state .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,140 @@
+"""The worker's tile path vs bare ``torch.matmul`` on the same shapes, in one process.
+
+Worker path per tile, exactly as ``cleave-worker`` runs it: ``WorkerSession.receive``
+(frame decode, BLAKE3 + Ed25519 signature check, operand decode), ``TileComputer.compute``
+(the matmul under the thread cap), ``WorkerSession.tile_finished`` (result encode).
+
+- sequential: one thread does everything, one tile after another.
+- pipelined: as the real worker does, the next tile is received and verified on the
+  I/O thread while the compute thread multiplies the current one.
+
+The ratio is tiles/s of the worker path over tiles/s of bare ``torch.matmul(a, b)``
+with the same thread count. Run: ``python bench/bench_tile.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from client_app.compute import TileComputer  # noqa: E402
+from client_app.session import WorkerSession  # noqa: E402
+from common.messages import DeviceProfile, Welcome, encode_message, encode_task  # noqa: E402
+from common.signing import generate_private_key, public_key_hex  # noqa: E402
+
+SHAPES = [  # (m, k, n, dtype)
+    (512, 512, 512, torch.float32),
+    (1024, 1024, 1024, torch.float32),
+    (1024, 4096, 1024, torch.float32),
+    (2048, 2048, 2048, torch.float32),
+    (1024, 1024, 1024, torch.bfloat16),
+    (2048, 2048, 2048, torch.bfloat16),
+]
+
+
+def _session(key_hex: str) -> WorkerSession:
+    session = WorkerSession(
+        "ws://bench/ws",
+        name="bench",
+        profile=DeviceProfile(),
+        pin_check=lambda url, key: False,
+        window=64,
+    )
+    session.connect(0.0)
+    welcome = Welcome("w1", key_hex, 3600.0, 1 << 30, "bench")
+    session.receive(encode_message(welcome), 0.0)
+    return session
+
+
+def _best_rate(fn, count: int, repeat: int) -> float:
+    fn(1)  # warm-up: allocator, thread pool
+    best = 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(count)
+        best = max(best, count / (time.perf_counter() - start))
+    return best
+
+
+def bench_shape(
+    m: int, k: int, n: int, dtype: torch.dtype, threads: int, count: int, repeat: int
+) -> tuple[float, float, float]:
+    key = generate_private_key()
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    frames = [encode_task(f"t{i}", "mm", a, b, key) for i in range(count)]
+    computer = TileComputer(threads, use_gpu=False)
+    torch.set_num_threads(threads)
+
+    def bare(c: int) -> None:
+        for _ in range(c):
+            torch.matmul(a, b)
+
+    def sequential(c: int) -> None:
+        session = _session(public_key_hex(key))
+        for i in range(c):
+            session.receive(frames[i % len(frames)], 0.0)
+            job = session.next_tile()
+            assert job is not None, "tile was refused"
+            out = computer.compute(job.op, job.a, job.b)
+            session.tile_finished(job, out, 0.0)
+
+    def pipelined(c: int) -> None:
+        session = _session(public_key_hex(key))
+        verified: queue.Queue = queue.Queue(maxsize=2)
+
+        def io_thread() -> None:
+            for i in range(c):
+                verified.put(session.receive(frames[i % len(frames)], 0.0))
+
+        feeder = threading.Thread(target=io_thread)
+        feeder.start()
+        done = 0
+        while done < c:
+            verified.get()
+            job = session.next_tile()
+            if job is None:
+                continue
+            out = computer.compute(job.op, job.a, job.b)
+            session.tile_finished(job, out, 0.0)
+            done += 1
+        feeder.join()
+
+    return (
+        _best_rate(bare, count, repeat),
+        _best_rate(sequential, count, repeat),
+        _best_rate(pipelined, count, repeat),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    args = parser.parse_args()
+    count, repeat = (4, 2) if args.quick else (12, 3)
+    print(
+        f"{'shape m x k x n':>20} {'dtype':>9} {'thr':>4} {'bare GFLOP/s':>13} "
+        f"{'sequential':>11} {'ratio':>6} {'pipelined':>10} {'ratio':>6}"
+    )
+    for threads in args.threads:
+        for m, k, n, dtype in SHAPES:
+            bare, seq, pipe = bench_shape(m, k, n, dtype, threads, count, repeat)
+            gflop = 2 * m * k * n / 1e9
+            print(
+                f"{f'{m} x {k} x {n}':>20} {str(dtype).removeprefix('torch.'):>9} {threads:>4} "
+                f"{bare * gflop:>13.1f} {seq * gflop:>11.1f} {seq / bare:>6.2f} "
+                f"{pipe * gflop:>10.1f} {pipe / bare:>6.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""``cleave-worker``: the headless worker.
+
+Exit codes: 0 after a clean leave (SIGINT/SIGTERM) or ``--forget``, 2 for bad
+arguments or an unusable config file, 3 when the coordinator's key changed (a person
+must decide whether to trust the new key: ``--forget URL`` and join again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from client_app.config import MAX_WINDOW, ConfigError, PinStore, WorkerSettings, config_dir
+from client_app.worker import RunResult, WorkerCore
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_REFUSED = 3
+
+log = logging.getLogger("client_app.cli")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _window(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_WINDOW:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_WINDOW}, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cleave-worker",
+        description="Donate this machine's CPU/GPU time to a Cleave coordinator.",
+    )
+    parser.add_argument(
+        "--coordinator",
+        metavar="URL",
+        help="coordinator WebSocket URL, e.g. ws://host:8765/ws (default: from settings.json)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        metavar="N",
+        help="CPU threads for tiles (default: half the cores, or settings.json)",
+    )
+    parser.add_argument("--no-gpu", action="store_true", help="compute on the CPU even with CUDA")
+    parser.add_argument("--name", metavar="NAME", help="name shown to the coordinator's operator")
+    parser.add_argument(
+        "--memory-mb",
+        type=_positive_int,
+        metavar="MB",
+        help="largest tile (operands + result) to accept; default min(1 GiB, 25%% of RAM)",
+    )
+    parser.add_argument(
+        "--window",
+        type=_window,
+        metavar="N",
+        help="tiles to hold at once (default 2: one computing while the next arrives)",
+    )
+    parser.add_argument(
+        "--forget",
+        metavar="URL",
+        help="remove the pinned key of this coordinator URL and exit",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="default INFO",
+    )
+    parser.add_argument(
+        "--backoff-base",
+        type=_positive_float,
+        default=0.5,
+        metavar="SECONDS",
+        help="first reconnect delay ceiling; doubles per failure up to 30 s (default 0.5)",
+    )
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+    )
+    # websockets logs every frame at DEBUG: far too much next to per-tile lines.
+    logging.getLogger("websockets").setLevel(max(logging.getLevelName(level), logging.INFO))
+
+
+def _settings_from_args(args: argparse.Namespace, saved: WorkerSettings) -> WorkerSettings:
+    settings = saved
+    if args.coordinator:
+        settings = replace(settings, coordinator_url=args.coordinator)
+    if args.threads:
+        settings = replace(settings, threads=args.threads)
+    if args.no_gpu:
+        settings = replace(settings, use_gpu=False)
+    if args.name:
+        settings = replace(settings, name=args.name)
+    if args.memory_mb:
+        settings = replace(settings, memory_mb=args.memory_mb)
+    if args.window:
+        settings = replace(settings, window=args.window)
+    return settings
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _default_handler(sig: int) -> Any:
+    return signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+
+
+async def _run(core: WorkerCore) -> RunResult:
+    loop = asyncio.get_running_loop()
+    # Signals reach only the main thread; an app that runs main() in another thread
+    # routes them itself (e.g. to core.stop()).
+    handle_signals = threading.current_thread() is threading.main_thread()
+
+    def on_signal() -> None:
+        log.info("stopping (press Ctrl-C again to quit at once)")
+        core.stop()
+        # A second signal gets Python's default handling: an immediate KeyboardInterrupt.
+        for sig in SIGNALS:
+            if sys.platform == "win32":
+                signal.signal(sig, _default_handler(sig))
+            else:
+                loop.remove_signal_handler(sig)
+
+    for sig in SIGNALS if handle_signals else ():
+        if sys.platform == "win32":  # Windows event loops have no add_signal_handler
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(on_signal))
+        else:
+            loop.add_signal_handler(sig, on_signal)
+    return await core.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
+    directory = config_dir()
+    pins = PinStore.in_dir(directory)
+    try:
+        if args.forget:
+            if pins.forget(args.forget):
+                log.info("forgot the pinned key of %s; its next key will be pinned", args.forget)
+            else:
+                log.info("no key was pinned for %s (pins: %s)", args.forget, pins.path)
+            return EXIT_OK
+        saved = WorkerSettings.load(directory)
+        settings = _settings_from_args(args, saved)
+        if not saved.name and not args.name:
+            # A stable name lets the operator recognise this machine across restarts.
+            named = saved.with_name()
+            named.save(directory)
+            settings = replace(settings, name=named.name)
+        pins.load()  # a corrupt pin file should stop us now, not at the first welcome
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except ValueError as exc:  # e.g. a --name longer than the settings allow
+        parser.error(str(exc))
+    if not settings.coordinator_url:
+        parser.error("--coordinator URL is required (none saved in settings.json)")
+    try:
+        core = WorkerCore(settings, pin_check=pins.check, backoff_base_s=args.backoff_base)
+    except ValueError as exc:
+        parser.error(str(exc))
+    log.info(
+        "worker %r joining %s (threads=%d, gpu=%s, window=%d; config in %s)",
+        settings.name,
+        settings.coordinator_url,
+        settings.effective_threads,
+        "allowed" if settings.use_gpu else "off",
+        settings.window,
+        directory,
+    )
+    result = asyncio.run(_run(core))
+    if result is RunResult.REFUSED:
+        log.error("not working for %s: its key changed (see above)", settings.coordinator_url)
+        return EXIT_REFUSED
+    return EXIT_OK

@@ -1,0 +1,79 @@
+"""Tile arithmetic with torch: the only place the worker touches a GEMM.
+
+Operands arrive as read-only views of the received frame (see ``common.tensors``):
+nothing here may write into them, so every op produces a fresh output tensor.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common.messages import TILE_OPS
+
+
+def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's marketing name where the OS tells it, else the best platform guess."""
+    try:
+        for line in cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass  # not Linux: fall through to platform's answer
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+class TileComputer:
+    """Computes ``a @ b`` tiles on one device under the owner's thread cap.
+
+    Call ``compute`` from one dedicated thread: torch's intra-op thread count is
+    applied on that thread (OpenMP keeps it per thread), which is also what lets
+    ``threads`` change while the worker runs.
+    """
+
+    def __init__(
+        self,
+        threads: int,
+        use_gpu: bool,
+        *,
+        cuda_available: Callable[[], bool] = torch.cuda.is_available,
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, not {threads}")
+        self.threads = threads
+        self.device = torch.device("cuda" if use_gpu and cuda_available() else "cpu")
+
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return str(torch.cuda.get_device_name(self.device))
+        return cpu_model_name()
+
+    def apply_thread_cap(self) -> None:
+        """Make torch on the calling thread use at most ``threads`` intra-op threads."""
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+    def compute(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` for op "mm" (2-D) or "bmm" (3-D), as a contiguous CPU tensor."""
+        if op not in TILE_OPS:
+            raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
+        ndim = 2 if op == "mm" else 3
+        # matmul would broadcast other ranks; a tile is exactly one GEMM or batched GEMM.
+        if a.dim() != ndim or b.dim() != ndim:
+            raise ValueError(f"{op} needs {ndim}-D operands, got {list(a.shape)}, {list(b.shape)}")
+        self.apply_thread_cap()
+        if self.device.type != "cpu":
+            a = a.to(self.device)
+            b = b.to(self.device)
+        # matmul/bmm allocate their output; the read-only operands are only read.
+        c = torch.matmul(a, b) if op == "mm" else torch.bmm(a, b)
+        return c.cpu().contiguous()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

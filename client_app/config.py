@@ -1,0 +1,215 @@
+"""Where the worker keeps its state: settings and pinned coordinator keys.
+
+Both files are small JSON documents in one config directory, written atomically
+(temp file, fsync, rename), so a crash or power cut leaves the old or the new file,
+never half of one. The desktop app reads and writes the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from common.errors import KeyMismatchError
+
+CONFIG_DIR_ENV = "CLEAVE_CONFIG_DIR"
+PINS_FILE = "known_coordinators.json"
+SETTINGS_FILE = "settings.json"
+MAX_WINDOW = 64  # what common.messages.Hello accepts
+MAX_NAME_CHARS = 64  # well inside the wire's max_string_chars
+
+
+class ConfigError(Exception):
+    """A config file exists but cannot be used; the message says which and why."""
+
+
+def config_dir(
+    environ: Mapping[str, str] | None = None,
+    platform: str | None = None,
+    home: Path | None = None,
+) -> Path:
+    """The directory for settings and pins; ``CLEAVE_CONFIG_DIR`` wins over the platform's."""
+    env = os.environ if environ is None else environ
+    plat = sys.platform if platform is None else platform
+    home_dir = Path.home() if home is None else home
+    override = env.get(CONFIG_DIR_ENV)
+    if override:
+        return Path(override)
+    if plat.startswith("win"):
+        appdata = env.get("APPDATA")
+        return (Path(appdata) if appdata else home_dir / "AppData" / "Roaming") / "Cleave"
+    if plat == "darwin":
+        return home_dir / "Library" / "Application Support" / "Cleave"
+    xdg = env.get("XDG_CONFIG_HOME")
+    # The XDG spec says to ignore relative paths in XDG_CONFIG_HOME.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else home_dir / ".config"
+    return base / "cleave"
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Replace ``path`` with ``obj`` as JSON so that readers see the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry is; Windows cannot open dirs.
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not readable JSON ({exc}); fix or delete it") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object; fix or delete it")
+    return data
+
+
+class PinStore:
+    """Coordinator URL -> public key hex, pinned on first use (like SSH's known_hosts)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def in_dir(cls, directory: Path) -> PinStore:
+        return cls(directory / PINS_FILE)
+
+    def load(self) -> dict[str, str]:
+        # A corrupt pin file must not read as "nothing pinned": that would silently
+        # accept any key, which is what pinning exists to prevent.
+        data = _read_json_object(self.path)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+            raise ConfigError(f"{self.path} must map URLs to key strings; fix or delete it")
+        return dict(data)
+
+    def get(self, url: str) -> str | None:
+        return self.load().get(url)
+
+    def check(self, url: str, key_hex: str) -> bool:
+        """Accept ``key_hex`` for ``url``: True if it was pinned just now (first join).
+
+        Raises KeyMismatchError if a different key is pinned for this URL.
+        """
+        pins = self.load()
+        pinned = pins.get(url)
+        if pinned is None:
+            pins[url] = key_hex
+            atomic_write_json(self.path, pins)
+            return True
+        if pinned.lower() != key_hex.lower():
+            raise KeyMismatchError(url, pinned, key_hex)
+        return False
+
+    def forget(self, url: str) -> bool:
+        """Remove the pin for ``url``; False if there was none."""
+        pins = self.load()
+        if pins.pop(url, None) is None:
+            return False
+        atomic_write_json(self.path, pins)
+        return True
+
+
+def default_threads() -> int:
+    # Leave half the cores to the owner: a volunteer machine must stay usable.
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def generate_name() -> str:
+    """A readable, probably unique worker name: hostname plus a short random suffix."""
+    host = socket.gethostname().split(".")[0] or "worker"
+    return f"{host[: MAX_NAME_CHARS - 5]}-{secrets.token_hex(2)}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The owner's choices, shared by the CLI and the desktop app (``settings.json``)."""
+
+    coordinator_url: str = ""
+    name: str = ""  # empty: generate one on first run and persist it
+    threads: int = 0  # 0: default_threads()
+    use_gpu: bool = True
+    memory_mb: int = 0  # tile memory cap; 0: min(1 GiB, 25% of RAM)
+    window: int = 2  # tiles in flight: one computing while the next one arrives
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 1 (or 0 for the default), not {self.threads}")
+        if self.memory_mb < 0:
+            raise ValueError(f"memory_mb must be >= 0, not {self.memory_mb}")
+        if not 1 <= self.window <= MAX_WINDOW:
+            raise ValueError(f"window must be in [1, {MAX_WINDOW}], not {self.window}")
+        if len(self.name) > MAX_NAME_CHARS:
+            raise ValueError(f"name must be at most {MAX_NAME_CHARS} characters")
+
+    @property
+    def effective_threads(self) -> int:
+        return self.threads or default_threads()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WorkerSettings:
+        """Known keys only (a newer app may add others); a wrong type is a ConfigError."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            value = data[f.name]
+            expected = type(getattr(cls(), f.name))
+            # bool is an int subclass: "threads": true must not read as 1 thread.
+            if type(value) is not expected:
+                raise ConfigError(
+                    f"settings field {f.name!r} must be {expected.__name__}, not {value!r}"
+                )
+            values[f.name] = value
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ConfigError(f"settings: {exc}") from None
+
+    @classmethod
+    def load(cls, directory: Path) -> WorkerSettings:
+        return cls.from_json(_read_json_object(directory / SETTINGS_FILE))
+
+    def save(self, directory: Path) -> None:
+        # Merge into the existing object so keys this version does not know survive.
+        path = directory / SETTINGS_FILE
+        data = _read_json_object(path)
+        data.update(self.to_json())
+        atomic_write_json(path, data)
+
+    def with_name(self) -> WorkerSettings:
+        """These settings with a generated name if none is set."""
+        return self if self.name else replace(self, name=generate_name())

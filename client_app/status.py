@@ -1,0 +1,38 @@
+"""What a worker is doing, as immutable snapshots a GUI (or a log line) can show."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+STATES = ("connecting", "waiting", "computing", "paused", "reconnecting", "refused", "stopped")
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One snapshot; observers get a new one whenever anything in it changes."""
+
+    state: str  # one of STATES
+    line: str  # for people: "Computing tile t-12", "Reconnecting in 8 s", ...
+    coordinator_url: str = ""
+    coordinator_fingerprint: str = ""  # common.signing.fingerprint of the pinned key
+    worker_id: str = ""  # what the coordinator calls this worker (from Welcome)
+    detail: str = ""  # the full explanation behind a "refused" line
+    current_tile: str = ""
+    tiles_done: int = 0
+    tiles_refused: int = 0  # bad signature, over a limit, ...
+    compute_s: float = 0.0  # time spent in GEMMs
+    gflop_done: float = 0.0
+    bytes_in: int = 0  # protocol frames received (tensor payloads included)
+    bytes_out: int = 0
+    credit_tiles: int = 0  # from the coordinator's last Ack
+    credit_gflop: float = 0.0
+    threads: int = 0
+    device: str = ""  # "cpu" or "cuda"
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"state {self.state!r} is not one of {STATES}")
+
+
+StatusObserver = Callable[[WorkerStatus], None]

@@ -1,0 +1,562 @@
+"""The asyncio pump around a ``WorkerSession``: sockets, timers, the compute thread.
+
+Per connection, three tasks share one WebSocket: a receive loop feeding the session, a
+heartbeat loop, and a compute loop that hands verified tiles, in order, to one
+dedicated thread (torch work never runs on the event loop, so heartbeats and cancels
+keep flowing while a GEMM runs). Losing the connection ends all three; the session
+forgets that connection's tiles and the worker reconnects with backoff.
+
+A GUI drives ``WorkerCore`` from its own thread through the thread-safe methods
+(``stop``, ``set_threads``, ``pause``, ``resume``) and observes
+it through ``WorkerStatus`` snapshots (delivered on the worker's event-loop thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import torch
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, WebSocketException
+from websockets.protocol import State
+
+from client_app.backoff import backoff_delay
+from client_app.compute import TileComputer
+from client_app.config import WorkerSettings
+from client_app.profile import build_profile
+from client_app.session import Actions, Phase, PinCheck, TileJob, WorkerSession
+from client_app.status import StatusObserver, WorkerStatus
+from common.limits import DEFAULT_LIMITS
+from common.messages import DeviceProfile
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 20.0
+OPEN_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0
+BYE_TIMEOUT_S = 2.0
+
+
+class RunResult(enum.Enum):
+    STOPPED = "stopped"  # asked to stop
+    REFUSED = "refused"  # the coordinator's key changed: a person must decide
+
+
+class _Refused(Exception):
+    """Raised inside a connection to end the whole run without reconnecting."""
+
+
+class _NoWelcome(Exception):
+    """The coordinator accepted the socket but never welcomed us: try again later."""
+
+
+class WorkerCore:
+    """Joins one coordinator and computes its tiles until stopped or refused."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        pin_check: PinCheck,
+        observer: StatusObserver | None = None,
+        computer: TileComputer | None = None,
+        profile: DeviceProfile | None = None,
+        backoff_base_s: float = 0.5,
+        backoff_cap_s: float = 30.0,
+        rng: random.Random | None = None,
+        max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes,
+        welcome_timeout_s: float = 30.0,
+        summary_every: int = 10,
+        summary_min_interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not settings.coordinator_url.startswith(("ws://", "wss://")):
+            raise ValueError(
+                f"coordinator URL must start with ws:// or wss://, not {settings.coordinator_url!r}"
+            )
+        self.settings = settings
+        self.url = settings.coordinator_url
+        self.computer = computer or TileComputer(settings.effective_threads, settings.use_gpu)
+        self._pin_check = pin_check
+        self._observers: list[StatusObserver] = [observer] if observer else []
+        self._profile = profile
+        self._backoff_base_s = backoff_base_s
+        self._backoff_cap_s = backoff_cap_s
+        self._rng = rng or random.Random()
+        self._max_frame_bytes = max_frame_bytes
+        self._welcome_timeout_s = welcome_timeout_s
+        self._summary_every = summary_every
+        self._summary_min_interval_s = summary_min_interval_s
+        self._summaries = 0
+        self._clock = clock
+
+        self.session: WorkerSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._started = False
+        self._stop_requested = False
+        self._pause_reason: str | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._ws: ClientConnection | None = None
+        self._welcomed: asyncio.Event | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._link = "connecting"  # connecting | reconnecting | refused | stopped
+        self._line_override = ""
+        self._detail = ""
+        self._status = WorkerStatus(state="stopped", line="Not started", coordinator_url=self.url)
+        # (tiles, compute_s, flop, wall time) when the last summary window started
+        self._summary_mark: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
+
+    # ---- observing ------------------------------------------------------------------
+
+    @property
+    def status(self) -> WorkerStatus:
+        return self._status
+
+    def add_observer(self, observer: StatusObserver) -> None:
+        self._observers.append(observer)
+        observer(self._status)
+
+    def remove_observer(self, observer: StatusObserver) -> None:
+        with contextlib.suppress(ValueError):
+            self._observers.remove(observer)
+
+    # ---- controls (thread-safe) -----------------------------------------------------
+
+    def stop(self) -> None:
+        """Leave cleanly: Bye, close, drop the tile in flight. Safe from any thread.
+
+        Returns at once; ``run()`` returns when the worker has left.
+        """
+        self._stop_requested = True
+        self._call_in_loop(self._set_stop_event)
+
+    def set_threads(self, threads: int) -> None:
+        """Change the CPU thread cap; it applies from the next tile. Safe from any thread."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, not {threads}")
+        # An int store is atomic; the compute thread reads it before each tile.
+        self.computer.threads = threads
+        self._call_in_loop(self._publish)
+
+    def pause(self, reason: str) -> None:
+        """Stop taking tiles (the coordinator moves them elsewhere). Safe from any thread.
+
+        Before ``run()`` it takes effect at the first join (start paused, e.g. on battery).
+        """
+        self._pause_reason = reason
+        self._call_in_loop(lambda: self._apply(lambda s: s.pause(reason)))
+
+    def resume(self) -> None:
+        """Take tiles again after ``pause``. Safe from any thread."""
+        self._pause_reason = None
+        self._call_in_loop(lambda: self._apply(lambda s: s.resume()))
+
+    def _call_in_loop(self, fn: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            fn()
+        else:
+            loop.call_soon_threadsafe(fn)
+
+    def _set_stop_event(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    def _apply(self, change: Callable[[WorkerSession], Actions]) -> None:
+        if self.session is None:
+            return
+        actions = change(self.session)
+        if actions.send and self._ws is not None:
+            self._spawn(self._send_soon(self._ws, actions.send))
+        self._publish()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_soon(self, ws: ClientConnection, frames: tuple[bytes, ...]) -> None:
+        # Fire-and-forget from a control method: a lost connection is the receive
+        # loop's to report, and the session re-announces a pause on the next Welcome.
+        try:
+            await _send(ws, *frames)
+        except (ConnectionClosed, OSError) as exc:
+            log.debug("could not send to %s: %s", self.url, _describe(exc))
+
+    # ---- running --------------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        """Run until ``stop()`` (-> STOPPED) or a key mismatch (-> REFUSED).
+
+        A core runs once (its session ends with a Bye); to join again, make a new one.
+        """
+        if self._started:
+            raise RuntimeError("a WorkerCore runs once; make a new one to join again")
+        self._started = True
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        # Events are made here, not in __init__: they belong to the loop that runs us.
+        self._stop_event = asyncio.Event()
+        self._welcomed = asyncio.Event()
+        if self._stop_requested:
+            self._stop_event.set()
+        # One thread for all torch work: tiles run in arrival order, and torch's
+        # per-thread intra-op settings (the thread cap) stay on that thread.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cleave-compute")
+        result = RunResult.STOPPED
+        try:
+            self._link = "connecting"
+            self._publish(line="Measuring this device")
+            profile = self._profile
+            if profile is None:
+                # Benchmarked on the compute thread, under the thread cap tiles will use.
+                measure = partial(build_profile, self.computer, memory_mb=self.settings.memory_mb)
+                profile = await loop.run_in_executor(self._executor, measure)
+            log.info(
+                "device: %s, %s, threads=%d, %.1f GFLOP/s fp32, tile memory cap %d MiB",
+                profile.device,
+                profile.device_name,
+                profile.threads,
+                profile.gflops,
+                profile.mem_cap_bytes >> 20,
+            )
+            self.session = WorkerSession(
+                self.url,
+                name=self.settings.name or "cleave-worker",
+                profile=profile,
+                pin_check=self._pin_check,
+                window=self.settings.window,
+            )
+            if self._pause_reason is not None:
+                self.session.pause(self._pause_reason)
+            result = await self._connect_loop()
+        finally:
+            # A GEMM in flight cannot be interrupted; the thread ends after it, unwaited.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            for task in list(self._background):
+                task.cancel()
+            self._link = "refused" if result is RunResult.REFUSED else "stopped"
+            self._publish()
+            self._loop = None
+        return result
+
+    async def _connect_loop(self) -> RunResult:
+        assert self._stop_event is not None and self._welcomed is not None
+        assert self.session is not None
+        attempt = 0
+        while not self._stop_event.is_set():
+            self._link = "connecting"
+            self._welcomed.clear()
+            self._publish(line=f"Connecting to {self.url}")
+            try:
+                await self._one_connection()
+                if not self._stop_event.is_set():
+                    log.warning("connection to %s was closed", self.url)
+            except _Refused as refusal:
+                self._detail = str(refusal)
+                return RunResult.REFUSED
+            except _NoWelcome:
+                log.warning("%s sent no welcome within %.0f s", self.url, self._welcome_timeout_s)
+            except (OSError, WebSocketException, asyncio.TimeoutError) as exc:
+                log.warning("connection to %s ended: %s", self.url, _describe(exc))
+            finally:
+                self.session.connection_lost()
+                self._ws = None
+            if self._stop_event.is_set():
+                break
+            if self._welcomed.is_set():
+                attempt = 0  # it worked for a while: start over from short delays
+            delay = backoff_delay(
+                attempt, base=self._backoff_base_s, cap=self._backoff_cap_s, rng=self._rng
+            )
+            attempt += 1
+            self._link = "reconnecting"
+            self._publish(line=f"Reconnecting in {math.ceil(delay)} s")
+            log.info("reconnecting to %s in %.1f s", self.url, delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop_event.wait(), timeout=delay)
+        return RunResult.STOPPED
+
+    async def _one_connection(self) -> None:
+        assert self._stop_event is not None
+        opening = asyncio.ensure_future(
+            connect(
+                self.url,
+                # Deflate on float tensors cuts throughput ~25x and saves almost nothing.
+                compression=None,
+                max_size=self._max_frame_bytes,
+                ping_interval=PING_INTERVAL_S,
+                open_timeout=OPEN_TIMEOUT_S,
+                close_timeout=CLOSE_TIMEOUT_S,
+            )
+        )
+        # A stop must not wait out the open timeout of an unresponsive host.
+        stopping = asyncio.ensure_future(self._stop_event.wait())
+        await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not opening.done():
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            return
+        ws = opening.result()
+        self._ws = ws
+        try:
+            await self._serve(ws)
+        finally:
+            await _close_quietly(ws)
+
+    async def _serve(self, ws: ClientConnection) -> None:
+        session = self.session
+        assert session is not None and self._stop_event is not None
+        await _send(ws, session.connect(self._clock()))
+        self._publish(line=f"Joining {self.url}")
+        work = asyncio.Event()
+        tasks = {
+            asyncio.ensure_future(self._receive_loop(ws, session, work)),
+            asyncio.ensure_future(self._heartbeat_loop(ws, session)),
+            asyncio.ensure_future(self._compute_loop(ws, session, work)),
+            asyncio.ensure_future(self._stop_event.wait()),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            exc = task.exception()
+            if exc is not None:
+                raise exc
+        if self._stop_event.is_set():
+            bye = session.bye("worker stopping")
+            if bye is not None:
+                with contextlib.suppress(ConnectionClosed, OSError, asyncio.TimeoutError):
+                    await asyncio.wait_for(_send(ws, bye), BYE_TIMEOUT_S)
+                log.info("left %s (sent bye)", self.url)
+
+    async def _receive_loop(
+        self, ws: ClientConnection, session: WorkerSession, work: asyncio.Event
+    ) -> None:
+        # Ends normally on a clean close; raises ConnectionClosedError on a broken one.
+        async for data in ws:
+            actions = session.receive(data, self._clock())
+            await _send(ws, *actions.send)
+            if actions.welcome is not None:
+                self._on_welcome(session, actions.first_pin)
+            if actions.refusal:
+                raise _Refused(actions.refusal)
+            if actions.compute:
+                work.set()
+            if actions.cancel:
+                log.debug("cancelled tiles %s", ", ".join(actions.cancel))
+            self._publish()
+            if actions.close:
+                log.info("closing connection to %s: %s", self.url, actions.close)
+                return
+
+    def _on_welcome(self, session: WorkerSession, first_pin: bool) -> None:
+        assert self._welcomed is not None
+        self._welcomed.set()
+        if first_pin:
+            log.info(
+                "first join of %s: pinned its key, fingerprint %s. A different key "
+                "will be refused.",
+                self.url,
+                session.fingerprint,
+            )
+        else:
+            log.info(
+                "joined %s as %s; coordinator key %s matches the pin",
+                self.url,
+                session.worker_id,
+                session.fingerprint,
+            )
+        stats = session.stats
+        self._summary_mark = (stats.tiles_done, stats.compute_s, stats.flop_done, self._clock())
+
+    async def _heartbeat_loop(self, ws: ClientConnection, session: WorkerSession) -> None:
+        # Doubles as the welcome watchdog: a coordinator that never welcomes is dropped.
+        assert self._welcomed is not None
+        try:
+            await asyncio.wait_for(self._welcomed.wait(), self._welcome_timeout_s)
+        except asyncio.TimeoutError:
+            raise _NoWelcome() from None
+        while True:
+            frame = session.heartbeat(self._clock())
+            if frame is not None:
+                await _send(ws, frame)
+            await asyncio.sleep(max(0.0, session.next_heartbeat_at - self._clock()))
+
+    async def _compute_loop(
+        self, ws: ClientConnection, session: WorkerSession, work: asyncio.Event
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._executor is not None
+        while True:
+            job = session.next_tile()
+            if job is None:
+                # No await between next_tile() and clear(): no wake-up can be lost.
+                work.clear()
+                await work.wait()
+                continue
+            self._publish()
+            try:
+                c, seconds = await loop.run_in_executor(self._executor, self._compute, job)
+            except (RuntimeError, ValueError, MemoryError) as exc:
+                frame = session.tile_failed(job, exc)
+            else:
+                frame = session.tile_finished(job, c, seconds)
+                if frame is not None:
+                    log.debug(
+                        "tile %s: %s %s @ %s %s in %.1f ms",
+                        job.tile_id,
+                        job.op,
+                        list(job.a.shape),
+                        list(job.b.shape),
+                        job.a.dtype,
+                        seconds * 1e3,
+                    )
+            if frame is not None:
+                await _send(ws, frame)
+            self._maybe_log_summary(session)
+            self._publish()
+
+    def _compute(self, job: TileJob) -> tuple[torch.Tensor, float]:
+        # Runs on the compute thread; times only the GEMM (and device transfers).
+        start = time.perf_counter()
+        c = self.computer.compute(job.op, job.a, job.b)
+        return c, time.perf_counter() - start
+
+    def _maybe_log_summary(self, session: WorkerSession) -> None:
+        stats = session.stats
+        tiles0, compute0, flop0, wall0 = self._summary_mark
+        if stats.tiles_done - tiles0 < self._summary_every:
+            return
+        now = self._clock()
+        # Small tiles finish in milliseconds: after the first summary, at most one line
+        # per interval keeps the log readable.
+        if self._summaries and now - wall0 < self._summary_min_interval_s:
+            return
+        self._summaries += 1
+        busy = stats.compute_s - compute0
+        flop = stats.flop_done - flop0
+        log.info(
+            "computed %d tiles in the last %.1f s (busy %.0f%%, %.1f GFLOP/s); "
+            "total %d tiles, %.2f GFLOP; credit %d tiles",
+            stats.tiles_done - tiles0,
+            now - wall0,
+            100.0 * busy / max(now - wall0, 1e-9),
+            flop / max(busy, 1e-9) / 1e9,
+            stats.tiles_done,
+            stats.flop_done / 1e9,
+            stats.credit_tiles,
+        )
+        self._summary_mark = (stats.tiles_done, stats.compute_s, stats.flop_done, now)
+
+    # ---- status ---------------------------------------------------------------------
+
+    def _publish(self, line: str = "") -> None:
+        """Tell observers the current status if it changed; ``line`` overrides the text."""
+        if line:
+            self._line_override = line
+        status = self._build_status()
+        if status == self._status:
+            return
+        self._status = status
+        for observer in list(self._observers):
+            try:
+                observer(status)
+            except Exception:  # a broken observer (GUI bug) must not stop the worker
+                log.exception("status observer %r failed", observer)
+
+    def _build_status(self) -> WorkerStatus:
+        session = self.session
+        state, line = self._state_and_line()
+        extra: dict[str, Any] = {}
+        if session is not None:
+            stats = session.stats
+            extra = {
+                "coordinator_fingerprint": session.fingerprint,
+                "worker_id": session.worker_id,
+                "current_tile": session.current_tile,
+                "tiles_done": stats.tiles_done,
+                "tiles_refused": stats.tiles_refused,
+                "compute_s": stats.compute_s,
+                "gflop_done": stats.flop_done / 1e9,
+                "bytes_in": stats.bytes_in,
+                "bytes_out": stats.bytes_out,
+                "credit_tiles": stats.credit_tiles,
+                "credit_gflop": stats.credit_gflop,
+            }
+        return WorkerStatus(
+            state=state,
+            line=line,
+            coordinator_url=self.url,
+            detail=self._detail,
+            threads=self.computer.threads,
+            device=self.computer.device.type,
+            **extra,
+        )
+
+    def _state_and_line(self) -> tuple[str, str]:
+        session = self.session
+        if self._link == "refused":
+            return "refused", "Refused: coordinator key changed"
+        if self._link == "stopped":
+            return "stopped", "Stopped"
+        if session is not None and session.phase is Phase.READY:
+            if session.paused_reason is not None:
+                return "paused", f"Paused: {session.paused_reason}"
+            if session.current_tile:
+                return "computing", f"Computing tile {session.current_tile}"
+            return "waiting", f"Waiting for tiles ({session.stats.tiles_done} done)"
+        return self._link, self._line_override or f"Connecting to {self.url}"
+
+
+# DESIGN §6: once the peer closed with 1009 (we sent a frame over its limit) while a
+# large frame was still being written, websockets aborts a transport that asyncio has
+# already torn down, and send()/close() raise AttributeError ('NoneType' object has no
+# attribute 'call_soon'). Only on a connection that is no longer open is that this
+# known teardown race; on an open one it would be a real bug and is re-raised.
+
+
+async def _send(ws: ClientConnection, *frames: bytes) -> None:
+    for frame in frames:
+        try:
+            await ws.send(frame)
+        except AttributeError:
+            if ws.state is State.OPEN:
+                raise
+            raise ConnectionAbortedError("connection torn down after the peer closed it") from None
+
+
+async def _close_quietly(ws: ClientConnection) -> None:
+    try:
+        await ws.close()
+    except AttributeError:
+        if ws.state is State.OPEN:
+            raise
+        log.debug("connection to the coordinator was already torn down")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

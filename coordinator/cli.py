@@ -1,0 +1,239 @@
+"""``cleave-coordinator``: serve a job to workers and train it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from common.signing import fingerprint, load_or_create_private_key
+from coordinator.job import Job
+from coordinator.ledger import Ledger
+from coordinator.local_workers import LocalWorkers
+from coordinator.offload import TileOffload
+from coordinator.planner import PlanConfig
+from coordinator.scheduler import SchedulerConfig
+from coordinator.server import WS_PATH, CoordinatorServer, ServerConfig
+from coordinator.trainer import PoolCounters, StepRecord, Trainer
+
+log = logging.getLogger("cleave.coordinator")
+EXIT_INTERRUPTED = 130
+
+
+def load_job(spec: str) -> Job:
+    """``MODULE:FACTORY`` -> ``FACTORY()``, with errors a user can act on."""
+    module_name, sep, factory_name = spec.partition(":")
+    if not sep or not module_name or not factory_name:
+        raise SystemExit(f"--job must look like MODULE:FACTORY, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"cannot import {module_name!r} (is it on PYTHONPATH?): {exc}") from None
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise SystemExit(f"{module_name} has no callable {factory_name!r}")
+    job = factory()
+    if not isinstance(job, Job):
+        raise SystemExit(f"{spec} returned {type(job).__name__}, not a coordinator.Job")
+    return job
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cleave-coordinator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a job to workers and train it")
+    serve.add_argument(
+        "--job",
+        default="coordinator.jobs.tiny_gpt:make_job",
+        help="MODULE:FACTORY returning a coordinator.Job (default: built-in tiny GPT)",
+    )
+    serve.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port", type=int, default=8765, help="port for workers and status (0: any)"
+    )
+    serve.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("cleave-state"),
+        help="coordinator key, ledger and logs (default ./cleave-state)",
+    )
+    serve.add_argument("--metrics-out", type=Path, help="append one JSON object per step here")
+    serve.add_argument(
+        "--local-workers",
+        type=int,
+        default=0,
+        help="start K cleave-worker processes against this coordinator",
+    )
+    serve.add_argument(
+        "--local-worker-threads",
+        type=int,
+        default=None,
+        help="torch threads per local worker (default: cores / K)",
+    )
+    serve.add_argument(
+        "--min-workers",
+        type=int,
+        default=None,
+        help="wait for this many workers before training (default 1, or K local)",
+    )
+    serve.add_argument(
+        "--min-offload-mflop",
+        type=float,
+        default=1.0,
+        help="GEMMs smaller than this many MFLOP run at the coordinator",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat before a worker's tiles are re-issued",
+    )
+    serve.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(serve(args))
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    if args.steps < 0 or args.local_workers < 0:
+        raise SystemExit("--steps and --local-workers must be >= 0")
+    min_workers = args.min_workers if args.min_workers is not None else max(1, args.local_workers)
+    state_dir: Path = args.state_dir
+    state_dir.mkdir(parents=True, exist_ok=True)
+    key = load_or_create_private_key(state_dir / "coordinator.key")
+    job = load_job(args.job)
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    progress: dict[str, Any] = {"state": "starting", "step": 0, "steps": args.steps, "losses": []}
+    server = CoordinatorServer(
+        key=key,
+        job_name=job.name,
+        ledger=ledger,
+        config=ServerConfig(scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout)),
+        status_extra=lambda: {**progress, "losses": progress["losses"][-50:]},
+    )
+    port = await server.start(args.host, args.port)
+    connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"ws://{connect_host}:{port}{WS_PATH}"
+    _print(f"Cleave coordinator for job {job.name!r} on {url}")
+    _print(f"  status:          http://{connect_host}:{port}/api/status")
+    _print(f"  key fingerprint: {fingerprint(key)}")
+    _print(f"  connect a worker: cleave-worker --coordinator {url}")
+
+    loop = asyncio.get_running_loop()
+    cancel = threading.Event()
+    interrupted = False
+
+    def on_signal() -> None:
+        nonlocal interrupted
+        interrupted = True
+        cancel.set()
+        training.cancel() if not training.done() else None
+
+    local = LocalWorkers(args.local_workers, url, state_dir, args.local_worker_threads)
+    offload = TileOffload(
+        server,
+        loop,
+        key,
+        lambda workers: PlanConfig(
+            min_offload_flops=int(args.min_offload_mflop * 1e6),
+            target_tiles=max(2, 2 * workers),
+        ),
+    )
+    trainer = Trainer(
+        job,
+        offload,
+        pool_counters=lambda: PoolCounters(
+            server.counters.tiles_verified, server.scheduler.stats.reissued, len(server.conns)
+        ),
+        metrics_out=args.metrics_out,
+        cancel=cancel,
+    )
+
+    def on_step(record: StepRecord) -> None:
+        progress["step"] = record.step + 1
+        progress["losses"].append(record.loss)
+        _print(
+            f"step {record.step:4d}  loss {record.loss:.4f}  {record.seconds:6.2f} s  "
+            f"tiles {record.tiles:4d}  reissued {record.reissued:3d}  workers {record.workers}"
+        )
+
+    async def train() -> None:
+        progress["state"] = "waiting for workers"
+        waited = time.monotonic()
+        while server.active_workers() < min_workers:
+            _print(f"waiting for workers: {server.active_workers()}/{min_workers} connected")
+            try:
+                await asyncio.wait_for(server.wait_for_workers(min_workers), 10)
+            except asyncio.TimeoutError:
+                continue
+        log.info(
+            "%d workers after %.1f s; training %d steps",
+            server.active_workers(),
+            time.monotonic() - waited,
+            args.steps,
+        )
+        progress["state"] = "training"
+        await asyncio.to_thread(trainer.run, args.steps, on_step)
+        progress["state"] = "done"
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    local.start()
+    training = asyncio.ensure_future(train())
+    try:
+        await training
+    except (asyncio.CancelledError, Exception) as exc:
+        if not interrupted:
+            log.exception("training failed")
+            raise SystemExit(1) from exc
+    finally:
+        cancel.set()
+        await asyncio.to_thread(local.stop)
+        await server.close()
+        _print_contributions(ledger)
+        ledger.close()
+    if interrupted:
+        _print("interrupted")
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _print_contributions(ledger: Ledger) -> None:
+    rows = ledger.all()
+    if not rows:
+        return
+    _print("\ncontributions (verified, all time):")
+    _print(
+        f"  {'worker':<20} {'tiles':>7} {'GFLOP':>9} {'MB down':>9} {'MB up':>8} {'compute s':>10}"
+    )
+    for c in rows:
+        _print(
+            f"  {c.worker:<20} {c.tiles:>7} {c.gflop:>9.2f} {c.bytes_down / 1e6:>9.1f} "
+            f"{c.bytes_up / 1e6:>8.1f} {c.compute_s:>10.2f}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Dataflow interpreter of a traced step: GEMMs go out as tiles, everything else runs here.
+
+A node runs as soon as its inputs exist, so independent GEMMs are in flight together
+while the coordinator computes the cheap non-GEMM ops around them. Ready nodes run in
+graph order, which keeps local results (and RNG use) the same from run to run. Values
+are freed as soon as their last user has run, as eager autograd would.
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from coordinator.tracing import GEMM_OPS, TracedStep
+
+GemmDone = Callable[[torch.Tensor | BaseException], None]
+
+
+class GemmOffload(Protocol):
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
+        """Begin computing ``a @ b`` elsewhere ("mm": 2-D, "bmm": 3-D) and call ``done``
+        (from any thread) with the product or an exception. False: run it locally."""
+        ...
+
+
+class StepCancelled(Exception):
+    """The step was abandoned (shutdown) before it finished."""
+
+
+@dataclass
+class StepStats:
+    gemms_offloaded: int = 0
+    gemms_local: int = 0
+    max_gemms_in_flight: int = 0
+
+
+def _is_mutating(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _dependencies(nodes: Sequence[Node]) -> dict[Node, set[Node]]:
+    """Data dependencies, plus ordering around the few nodes that mutate an input in place:
+    a mutation waits for everything before it, and everything after waits for it."""
+    deps: dict[Node, set[Node]] = {}
+    last_mutation: Node | None = None
+    for i, node in enumerate(nodes):
+        d = set(node.all_input_nodes)
+        if _is_mutating(node):
+            d |= set(nodes[:i])
+            last_mutation = node
+        elif last_mutation is not None:
+            d.add(last_mutation)
+        deps[node] = d
+    return deps
+
+
+class DataflowExecutor:
+    def __init__(self, offload: GemmOffload | None = None, *, poll_s: float = 0.1) -> None:
+        self._offload = offload
+        self._poll_s = poll_s
+
+    def run(
+        self,
+        traced: TracedStep,
+        flat_args: Sequence[Any],
+        cancel: threading.Event | None = None,
+    ) -> tuple[list[Any], StepStats]:
+        nodes = list(traced.graph.nodes)
+        order = {node: i for i, node in enumerate(nodes)}
+        deps = _dependencies(nodes)
+        waiting = {node: len(d) for node, d in deps.items()}
+        dependents: dict[Node, list[Node]] = {node: [] for node in nodes}
+        for node, d in deps.items():
+            for dep in d:
+                dependents[dep].append(node)
+        uses_left = {node: len(node.users) for node in nodes}
+        placeholders = iter(flat_args)
+        env: dict[Node, Any] = {}
+        completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]] = (
+            queue.SimpleQueue()
+        )
+        ready: list[tuple[int, Node]] = [(order[n], n) for n in nodes if waiting[n] == 0]
+        heapq.heapify(ready)
+        in_flight = 0
+        finished = 0
+        stats = StepStats()
+        result: list[Any] | None = None
+
+        def release(node: Node) -> None:
+            for inp in node.all_input_nodes:
+                uses_left[inp] -= 1
+                if uses_left[inp] == 0 and inp.op != "placeholder":
+                    env.pop(inp, None)
+
+        def complete(node: Node, value: Any) -> None:
+            nonlocal finished
+            env[node] = value
+            finished += 1
+            for user in dependents[node]:
+                waiting[user] -= 1
+                if waiting[user] == 0:
+                    heapq.heappush(ready, (order[user], user))
+
+        while finished < len(nodes):
+            if cancel is not None and cancel.is_set():
+                raise StepCancelled("step cancelled")
+            while ready:
+                _, node = heapq.heappop(ready)
+                if node.op == "placeholder":
+                    complete(node, next(placeholders))
+                elif node.op == "get_attr":
+                    complete(node, getattr(traced.graph_module, str(node.target)))
+                elif node.op == "output":
+                    result = list(map_arg(node.args[0], lambda n: env[n]))  # type: ignore[arg-type]
+                    complete(node, None)
+                elif node.target in GEMM_OPS and self._start_gemm(node, env, completions):
+                    in_flight += 1
+                    stats.gemms_offloaded += 1
+                    stats.max_gemms_in_flight = max(stats.max_gemms_in_flight, in_flight)
+                else:
+                    if node.target in GEMM_OPS:
+                        stats.gemms_local += 1
+                    args = map_arg(node.args, lambda n: env[n])
+                    kwargs = map_arg(node.kwargs, lambda n: env[n])
+                    complete(node, node.target(*args, **kwargs))  # type: ignore[operator]
+                    release(node)
+            if finished == len(nodes):
+                break
+            if in_flight == 0:
+                raise RuntimeError("dataflow executor stalled: no node ready and no GEMM in flight")
+            try:
+                node, value = completions.get(timeout=self._poll_s)
+            except queue.Empty:
+                continue
+            in_flight -= 1
+            if isinstance(value, BaseException):
+                raise value
+            complete(node, _finish_gemm(node, env, value))
+            release(node)
+        assert result is not None
+        return result, stats
+
+    def _start_gemm(
+        self,
+        node: Node,
+        env: dict[Node, Any],
+        completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]],
+    ) -> bool:
+        if self._offload is None:
+            return False
+        op = GEMM_OPS[node.target]  # type: ignore[index]
+        a_node, b_node = (node.args[1], node.args[2]) if op == "addmm" else node.args[:2]
+        a, b = env[a_node], env[b_node]  # type: ignore[index]
+
+        def done(value: torch.Tensor | BaseException) -> None:
+            completions.put((node, value))
+
+        return self._offload.start(node.name, "bmm" if op == "bmm" else "mm", a, b, done)
+
+
+def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> torch.Tensor:
+    """addmm is ``beta * bias + alpha * (a @ b)``; the tiles computed only ``a @ b``."""
+    if GEMM_OPS[node.target] != "addmm":  # type: ignore[index]
+        return product
+    bias = env[node.args[0]]  # type: ignore[index]
+    beta: Any = node.kwargs.get("beta", 1)
+    alpha: Any = node.kwargs.get("alpha", 1)
+    if alpha != 1:
+        product = product * alpha
+    return product + (bias if beta == 1 else bias * beta)

@@ -1,0 +1,63 @@
+"""What a user hands to Cleave: a model, a loss, an optimizer and batches.
+
+One training step is ``loss = loss_fn(model(inputs), targets)``, backward, then
+``optimizer.step()``. ``train_locally`` runs exactly that with plain torch: it is the
+reference that distributed runs are compared against, and a way for users to check a
+job before they serve it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Batch = tuple[Any, Any]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class Job:
+    model: torch.nn.Module
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer
+    batches: Iterable[Batch]
+    name: str = "job"
+    _iterator: Iterator[Batch] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise TypeError(f"Job.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError("Job.optimizer must be a torch.optim.Optimizer")
+        if not callable(self.loss_fn):
+            raise TypeError("Job.loss_fn must be callable as loss_fn(outputs, targets)")
+        params = {id(p) for p in self.model.parameters()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in params:
+                    raise ValueError(
+                        "Job.optimizer holds a tensor that is not a parameter of Job.model"
+                    )
+
+    def next_batch(self) -> Batch:
+        """The next (inputs, targets); raises StopIteration when the data runs out."""
+        if self._iterator is None:
+            self._iterator = iter(self.batches)
+        return next(self._iterator)
+
+
+def train_locally(job: Job, steps: int) -> list[float]:
+    """Plain torch training of ``job`` for ``steps`` steps: the reference losses."""
+    losses: list[float] = []
+    job.model.train()
+    for _ in range(steps):
+        inputs, targets = job.next_batch()
+        job.optimizer.zero_grad(set_to_none=True)
+        loss = job.loss_fn(job.model(inputs), targets)
+        loss.backward()
+        job.optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses

@@ -1,0 +1,1 @@
+"""Built-in jobs: demos and tests that need nothing downloaded."""

@@ -1,0 +1,52 @@
+"""The bridge from the training thread to the server: offloaded GEMMs become tile jobs.
+
+Runs on the training thread (slicing, encoding and signing tiles costs real time and
+must not stall the event loop); hands finished jobs to the loop thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from common.tensors import DTYPE_NAMES
+from coordinator.executor import GemmDone
+from coordinator.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.server import CoordinatorServer
+from coordinator.tiling import TiledGemm, TileJob
+
+
+class TileOffload:
+    """``GemmOffload`` that sends GEMMs to workers through a ``CoordinatorServer``."""
+
+    def __init__(
+        self,
+        server: CoordinatorServer,
+        loop: asyncio.AbstractEventLoop,
+        key: Ed25519PrivateKey,
+        plan_config: Callable[[int], PlanConfig],
+    ) -> None:
+        self._server = server
+        self._loop = loop
+        self._key = key
+        self._plan_config = plan_config
+        self._lock = threading.Lock()
+        self.step = 0
+
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
+        if a.dtype not in DTYPE_NAMES or a.dtype != b.dtype or a.is_complex():
+            return False
+        batch, m, k = (a.shape[0], a.shape[1], a.shape[2]) if op == "bmm" else (1, *a.shape)
+        n = b.shape[-1]
+        shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
+        plan = plan_gemm(shape, self._plan_config(self._server.active_workers()))
+        if plan is None:
+            return False
+        gemm = TiledGemm(f"s{self.step}:{name}", plan, a, b, on_done=done)
+        jobs: list[TileJob] = gemm.make_jobs(self._key)
+        self._loop.call_soon_threadsafe(self._server.submit, jobs)
+        return True

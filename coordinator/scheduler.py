@@ -1,0 +1,578 @@
+"""Every tile's life at the coordinator, without I/O: the clock comes in as `now`.
+
+    queued ──assign──► assigned(worker, deadline) ──complete──► done
+      ▲                    │
+      └──── lost ◄─────────┘  disconnect, missed heartbeats, pause, refusal or failed
+                              verification, deadline passed
+
+The server and the discrete-event simulator drive the same object: they call these
+methods when something happens and act on what comes back (send the assignments, send
+cancels). Nothing here sleeps, reads a clock or touches a socket.
+
+A tile may have several holders at once: when its deadline passes it is queued again,
+and the straggler keeps it until someone finishes; the first valid result wins and the
+other holders get a cancel. Lost tiles go back to the *front* of the queue: the GEMM that
+waits on them is already late.
+
+Call `expire(now)` before `assign(now)` so that dead workers are not handed tiles.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+class UnknownWorkerError(KeyError):
+    """An operation named a worker that is not (or no longer) registered."""
+
+
+@dataclass(frozen=True)
+class TileTicket:
+    tile_id: str
+    gemm_id: str
+    flops: int
+    down_bytes: int
+    up_bytes: int
+
+    def __post_init__(self) -> None:
+        if min(self.flops, self.down_bytes, self.up_bytes) < 0:
+            raise ValueError(f"tile {self.tile_id!r}: sizes must be >= 0")
+
+    @property
+    def wire_bytes(self) -> int:
+        """Operands plus result: what must fit in a worker's memory cap."""
+        return self.down_bytes + self.up_bytes
+
+
+@dataclass(frozen=True)
+class Assignment:
+    worker_id: str
+    tile_id: str
+    deadline: float
+    reissue: bool  # the tile had been assigned before (counts toward stats.reissued)
+
+
+class Verdict(enum.Enum):
+    ACCEPTED = "accepted"  # first valid result for this tile: use it
+    DUPLICATE = "duplicate"  # tile already done (speculative or late copy): ignore, no error
+    NOT_ASSIGNED = "not_assigned"  # worker never held this tile, or tile unknown: violation
+
+
+@dataclass(frozen=True)
+class Completion:
+    verdict: Verdict
+    cancel: tuple[str, ...] = ()  # other workers still holding the tile: send them a cancel
+
+
+@dataclass(frozen=True)
+class Expiry:
+    dead_workers: tuple[str, ...] = ()  # heartbeat older than the timeout: removed
+    requeued: tuple[str, ...] = ()  # tiles queued again, from dead workers and deadlines
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    submitted: int = 0
+    completed: int = 0
+    reissued: int = 0
+    rejected: int = 0
+    duplicates: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    heartbeat_timeout_s: float = 10.0
+    tile_timeout_s: float = 120.0  # then the tile is queued again; the holder may still win
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s <= 0 or self.tile_timeout_s <= 0:
+            raise ValueError("SchedulerConfig timeouts must be > 0")
+
+
+@dataclass(frozen=True)
+class _Holding:
+    deadline: float
+    seq: int  # identifies this assignment among stale deadline-heap entries
+
+
+@dataclass(eq=False)
+class _Worker:
+    worker_id: str
+    window: int
+    mem_cap_bytes: int | None
+    last_seen: float
+    incarnation: int  # tells a re-added worker's heartbeat entries from its predecessor's
+    paused: bool = False
+    in_flight: dict[str, None] = field(default_factory=dict)  # ordered set, assignment order
+    # Tiles taken back when the worker paused: a result that was already on its way
+    # still counts, so they are remembered until the tile is done or the worker leaves.
+    released: set[str] = field(default_factory=set)
+    # Tiles recently cancelled for this worker: a result that crossed the cancel is a
+    # harmless duplicate even after the tile's GEMM has been forgotten.
+    cancelled: dict[str, None] = field(default_factory=dict)
+
+    def free_slots(self) -> int:
+        return self.window - len(self.in_flight)
+
+    def can_hold(self, ticket: TileTicket) -> bool:
+        return self.mem_cap_bytes is None or ticket.wire_bytes <= self.mem_cap_bytes
+
+    def remember_cancel(self, tile_id: str) -> None:
+        self.cancelled[tile_id] = None
+        if len(self.cancelled) > 4 * self.window + 16:
+            del self.cancelled[next(iter(self.cancelled))]
+
+
+@dataclass(eq=False)
+class _Tile:
+    ticket: TileTicket
+    holders: dict[str, _Holding] = field(default_factory=dict)
+    released_to: set[str] = field(default_factory=set)  # mirror of _Worker.released
+    refused_by: set[str] = field(default_factory=set)
+    times_assigned: int = 0
+    queue_token: int | None = None  # set while queued; matches its one live queue entry
+
+    @property
+    def tile_id(self) -> str:
+        return self.ticket.tile_id
+
+    def has_live_holder(self, now: float) -> bool:
+        return any(h.deadline >= now for h in self.holders.values())
+
+
+class Scheduler:
+    """Queue, assignment, deadlines and re-issue for tiles; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig = SchedulerConfig()) -> None:
+        self._config = config
+        self._workers: dict[str, _Worker] = {}
+        # Unpaused workers with a free slot, in the order they are served next.
+        self._ready: dict[str, None] = {}
+        self._tiles: dict[str, _Tile] = {}  # submitted and not done
+        self._tiles_by_gemm: dict[str, dict[str, None]] = {}
+        self._done: dict[str, str] = {}  # tile_id -> gemm_id, until the GEMM is forgotten
+        self._done_by_gemm: dict[str, set[str]] = {}
+        # Entries are (tile_id, token); an entry whose token no longer matches the tile's
+        # is stale and skipped, which makes removal from the middle O(1).
+        self._queue: deque[tuple[str, int]] = deque()
+        self._queued = 0
+        self._seq = 0
+        # Min-heaps with lazy deletion: entries are checked against live state when popped.
+        self._deadlines: list[tuple[float, int, str, str]] = []
+        self._heartbeats: list[tuple[float, int, str]] = []
+        self._window_total = 0
+        self._counts = dict.fromkeys(_STAT_NAMES, 0)
+
+    # --- workers ------------------------------------------------------------------------
+
+    def add_worker(
+        self, worker_id: str, *, window: int, now: float, mem_cap_bytes: int | None = None
+    ) -> None:
+        """Register a worker that may hold up to `window` tiles at once (its prefetch)."""
+        if worker_id in self._workers:
+            raise ValueError(f"worker {worker_id!r} is already registered")
+        if window < 1:
+            raise ValueError(f"worker {worker_id!r}: window must be >= 1, got {window}")
+        if mem_cap_bytes is not None and mem_cap_bytes < 1:
+            raise ValueError(f"worker {worker_id!r}: mem_cap_bytes must be >= 1")
+        worker = _Worker(worker_id, window, mem_cap_bytes, now, self._next_seq())
+        self._workers[worker_id] = worker
+        self._window_total += window
+        self._push_heartbeat(worker)
+        self._refresh_ready(worker)
+
+    def remove_worker(self, worker_id: str, now: float) -> list[str]:
+        """Forget a worker; returns the tiles that went back to the queue because of it.
+
+        A tile another worker still holds within its deadline stays with that worker.
+        Removing an unknown worker is a no-op, so disconnect and expiry may race.
+        """
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return []
+        return self._drop_worker(worker, now)
+
+    def heartbeat(self, worker_id: str, now: float) -> None:
+        self._touch(self._known(worker_id), now)
+
+    def set_paused(self, worker_id: str, paused: bool, now: float) -> list[str]:
+        """Pause or resume a worker; pausing takes back its tiles and returns those queued again."""
+        worker = self._known(worker_id)
+        self._touch(worker, now)
+        if worker.paused == paused:
+            return []
+        worker.paused = paused
+        lost: list[str] = []
+        if paused:
+            for tile_id in worker.in_flight:
+                tile = self._tiles[tile_id]
+                del tile.holders[worker_id]
+                tile.released_to.add(worker_id)
+                worker.released.add(tile_id)
+                if self._needs_requeue(tile, now):
+                    lost.append(tile_id)
+            worker.in_flight.clear()
+            self._requeue_front(lost)
+        self._refresh_ready(worker)
+        return lost
+
+    # --- tiles --------------------------------------------------------------------------
+
+    def submit(self, tickets: Iterable[TileTicket]) -> None:
+        """Queue tiles at the back, in order. A tile id already known raises ValueError."""
+        batch = list(tickets)
+        seen: set[str] = set()
+        for ticket in batch:
+            tile_id = ticket.tile_id
+            if tile_id in self._tiles or tile_id in self._done or tile_id in seen:
+                raise ValueError(f"tile {tile_id!r} was already submitted")
+            seen.add(tile_id)
+        for ticket in batch:
+            tile = _Tile(ticket)
+            self._tiles[ticket.tile_id] = tile
+            self._tiles_by_gemm.setdefault(ticket.gemm_id, {})[ticket.tile_id] = None
+            self._enqueue(tile, front=False)
+        self._bump("submitted", len(batch))
+
+    def assign(self, now: float) -> list[Assignment]:
+        """Fill free window slots from the queue, FIFO, one slot per worker in turn.
+
+        A tile goes to the next worker in the rotation that may take it: not paused, not
+        already holding it, never refused it, and with a memory cap that fits it. A tile
+        nobody may take stays queued in place; the tiles behind it still go out.
+        """
+        if self._queued == 0 or not self._ready:
+            return []
+        ring = deque(self._workers[worker_id] for worker_id in self._ready)
+        largest_cap = _largest_cap(ring)
+        assignments: list[Assignment] = []
+        passed_over: list[tuple[str, int]] = []
+        while ring and self._queue:
+            entry = self._queue.popleft()
+            tile = self._live_queue_entry(entry)
+            if tile is None:
+                continue
+            worker = None
+            if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
+                worker = _next_taker(ring, tile)
+            if worker is None:
+                passed_over.append(entry)
+                continue
+            tile.queue_token = None
+            self._queued -= 1
+            assignments.append(self._hand_out(tile, worker, now))
+        self._queue.extendleft(reversed(passed_over))
+        # Workers still in the ring keep their turn order for the next call.
+        self._ready = dict.fromkeys(worker.worker_id for worker in ring)
+        return assignments
+
+    def complete(self, worker_id: str, tile_id: str, now: float) -> Completion:
+        """A result passed verification. The first one for a tile wins.
+
+        A holder whose deadline passed, or that paused after taking the tile, still wins
+        if the tile is not done yet. A worker that was removed never wins.
+        """
+        worker = self._workers.get(worker_id)
+        tile = self._tiles.get(tile_id)
+        if worker is not None:
+            self._touch(worker, now)
+            if tile is not None and (worker_id in tile.holders or worker_id in tile.released_to):
+                cancel = self._retire(tile, winner=worker_id)
+                self._mark_done(tile.ticket)
+                self._bump("completed")
+                return Completion(Verdict.ACCEPTED, tuple(cancel))
+        if tile_id in self._done or (worker is not None and tile_id in worker.cancelled):
+            self._bump("duplicates")
+            return Completion(Verdict.DUPLICATE)
+        return Completion(Verdict.NOT_ASSIGNED)
+
+    def reject(self, worker_id: str, tile_id: str, now: float, *, reason: str) -> bool:
+        """The worker refused the tile, or its result failed verification.
+
+        The worker never gets this tile again. The tile goes to the front of the queue
+        unless another worker holds it within its deadline; returns True if it is now
+        at the front of the queue. `reason` is for the caller's logs only.
+        """
+        worker = self._workers.get(worker_id)
+        tile = self._tiles.get(tile_id)
+        if worker is None or tile is None:
+            return False
+        self._touch(worker, now)
+        held = worker_id in tile.holders
+        if not held and worker_id not in tile.released_to:
+            return False
+        tile.refused_by.add(worker_id)
+        self._bump("rejected")
+        if held:
+            del tile.holders[worker_id]
+            del worker.in_flight[tile_id]
+            self._refresh_ready(worker)
+        tile.released_to.discard(worker_id)
+        worker.released.discard(tile_id)
+        if tile.has_live_holder(now):
+            return False
+        self._requeue_front([tile_id])
+        return True
+
+    def expire(self, now: float) -> Expiry:
+        """Remove workers whose last heartbeat is older than the timeout, then queue again
+        the tiles whose deadline passed (their holders keep them and may still win)."""
+        dead: list[str] = []
+        requeued: list[str] = []
+        limit = now - self._config.heartbeat_timeout_s
+        while self._heartbeats and self._heartbeats[0][0] < limit:
+            last_seen, incarnation, worker_id = heapq.heappop(self._heartbeats)
+            worker = self._workers.get(worker_id)
+            if worker is None or (worker.incarnation, worker.last_seen) != (incarnation, last_seen):
+                continue
+            dead.append(worker_id)
+            requeued.extend(self._drop_worker(worker, now))
+        overdue: dict[str, None] = {}  # ordered set: a tile may have several overdue holders
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, seq, tile_id, worker_id = heapq.heappop(self._deadlines)
+            tile = self._tiles.get(tile_id)
+            holding = tile.holders.get(worker_id) if tile is not None else None
+            if tile is None or holding is None or holding.seq != seq:
+                continue  # stale entry: the tile or this assignment is gone
+            if self._needs_requeue(tile, now):
+                overdue[tile_id] = None
+        self._requeue_front(list(overdue))
+        return Expiry(tuple(dead), tuple(requeued) + tuple(overdue))
+
+    def forget_gemm(self, gemm_id: str) -> list[tuple[str, str]]:
+        """Drop every tile of a GEMM, queued, in flight or done.
+
+        Returns (worker_id, tile_id) pairs whose holders the caller should cancel.
+        """
+        pairs: list[tuple[str, str]] = []
+        for tile_id in self._tiles_by_gemm.pop(gemm_id, {}):
+            tile = self._tiles[tile_id]
+            pairs.extend((worker_id, tile_id) for worker_id in self._retire(tile, winner=None))
+        for tile_id in self._done_by_gemm.pop(gemm_id, set()):
+            del self._done[tile_id]
+        return pairs
+
+    # --- read-only views ----------------------------------------------------------------
+
+    def in_flight(self, worker_id: str) -> frozenset[str]:
+        worker = self._workers.get(worker_id)
+        return frozenset(worker.in_flight) if worker is not None else frozenset()
+
+    def queued_count(self) -> int:
+        return self._queued
+
+    def pending(self) -> int:
+        """Tiles submitted and neither done nor forgotten."""
+        return len(self._tiles)
+
+    def is_done(self, tile_id: str) -> bool:
+        return tile_id in self._done
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(**self._counts)
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if internal indexes disagree (for tests and the simulator)."""
+        for problem in self._invariant_problems():
+            raise RuntimeError(f"scheduler invariant broken: {problem}")
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _bump(self, stat: str, by: int = 1) -> None:
+        self._counts[stat] += by
+
+    def _known(self, worker_id: str) -> _Worker:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorkerError(worker_id)
+        return worker
+
+    def _touch(self, worker: _Worker, now: float) -> None:
+        if now > worker.last_seen:
+            worker.last_seen = now
+            self._push_heartbeat(worker)
+
+    def _push_heartbeat(self, worker: _Worker) -> None:
+        heapq.heappush(self._heartbeats, (worker.last_seen, worker.incarnation, worker.worker_id))
+        if len(self._heartbeats) > 2 * len(self._workers) + 64:
+            self._heartbeats = [
+                (w.last_seen, w.incarnation, w.worker_id) for w in self._workers.values()
+            ]
+            heapq.heapify(self._heartbeats)
+
+    def _push_deadline(self, tile_id: str, worker_id: str, holding: _Holding) -> None:
+        heapq.heappush(self._deadlines, (holding.deadline, holding.seq, tile_id, worker_id))
+        if len(self._deadlines) > 2 * self._window_total + 64:
+            self._deadlines = [
+                (h.deadline, h.seq, tile.tile_id, holder)
+                for tile in self._tiles.values()
+                for holder, h in tile.holders.items()
+            ]
+            heapq.heapify(self._deadlines)
+
+    def _refresh_ready(self, worker: _Worker) -> None:
+        if not worker.paused and worker.free_slots() > 0:
+            self._ready.setdefault(worker.worker_id, None)
+        else:
+            self._ready.pop(worker.worker_id, None)
+
+    def _needs_requeue(self, tile: _Tile, now: float) -> bool:
+        return tile.queue_token is None and not tile.has_live_holder(now)
+
+    def _enqueue(self, tile: _Tile, *, front: bool) -> None:
+        if tile.queue_token is None:
+            self._queued += 1
+        tile.queue_token = self._next_seq()
+        entry = (tile.tile_id, tile.queue_token)
+        if front:
+            self._queue.appendleft(entry)
+        else:
+            self._queue.append(entry)
+
+    def _requeue_front(self, tile_ids: list[str]) -> None:
+        # Reversed so that the tiles keep their relative order at the front.
+        for tile_id in reversed(tile_ids):
+            self._enqueue(self._tiles[tile_id], front=True)
+
+    def _live_queue_entry(self, entry: tuple[str, int]) -> _Tile | None:
+        tile_id, token = entry
+        tile = self._tiles.get(tile_id)
+        return tile if tile is not None and tile.queue_token == token else None
+
+    def _hand_out(self, tile: _Tile, worker: _Worker, now: float) -> Assignment:
+        worker_id, tile_id = worker.worker_id, tile.tile_id
+        holding = _Holding(now + self._config.tile_timeout_s, self._next_seq())
+        tile.holders[worker_id] = holding
+        tile.released_to.discard(worker_id)
+        worker.released.discard(tile_id)
+        worker.cancelled.pop(tile_id, None)
+        worker.in_flight[tile_id] = None
+        self._push_deadline(tile_id, worker_id, holding)
+        reissue = tile.times_assigned > 0
+        tile.times_assigned += 1
+        if reissue:
+            self._bump("reissued")
+        return Assignment(worker_id, tile_id, holding.deadline, reissue)
+
+    def _retire(self, tile: _Tile, *, winner: str | None) -> list[str]:
+        """Take a finished or forgotten tile off every worker; returns holders to cancel."""
+        tile_id = tile.tile_id
+        to_cancel: list[str] = []
+        for worker_id in tile.holders:
+            worker = self._workers[worker_id]
+            del worker.in_flight[tile_id]
+            self._refresh_ready(worker)
+            if worker_id != winner:
+                to_cancel.append(worker_id)
+                worker.remember_cancel(tile_id)
+        for worker_id in tile.released_to:
+            worker = self._workers[worker_id]
+            worker.released.discard(tile_id)
+            if worker_id != winner:
+                worker.remember_cancel(tile_id)
+        if tile.queue_token is not None:
+            self._queued -= 1  # its queue entry is now stale
+        del self._tiles[tile_id]
+        gemm_tiles = self._tiles_by_gemm.get(tile.ticket.gemm_id)
+        if gemm_tiles is not None:
+            gemm_tiles.pop(tile_id, None)
+            if not gemm_tiles:
+                del self._tiles_by_gemm[tile.ticket.gemm_id]
+        return to_cancel
+
+    def _mark_done(self, ticket: TileTicket) -> None:
+        self._done[ticket.tile_id] = ticket.gemm_id
+        self._done_by_gemm.setdefault(ticket.gemm_id, set()).add(ticket.tile_id)
+
+    def _drop_worker(self, worker: _Worker, now: float) -> list[str]:
+        worker_id = worker.worker_id
+        del self._workers[worker_id]
+        self._ready.pop(worker_id, None)
+        self._window_total -= worker.window
+        lost: list[str] = []
+        for tile_id in worker.in_flight:
+            tile = self._tiles[tile_id]
+            del tile.holders[worker_id]
+            if self._needs_requeue(tile, now):
+                lost.append(tile_id)
+        for tile_id in worker.released:
+            self._tiles[tile_id].released_to.discard(worker_id)
+        self._requeue_front(lost)
+        return lost
+
+    def _invariant_problems(self) -> Iterable[str]:
+        for worker_id, worker in self._workers.items():
+            if worker.free_slots() < 0:
+                yield f"{worker_id} holds {len(worker.in_flight)} > window {worker.window}"
+            if worker.paused and worker.in_flight:
+                yield f"paused {worker_id} holds tiles"
+            if (worker_id in self._ready) != (not worker.paused and worker.free_slots() > 0):
+                yield f"{worker_id} ready-set membership is wrong"
+            for tile_id in worker.in_flight:
+                if worker_id not in self._tiles[tile_id].holders:
+                    yield f"{tile_id} in {worker_id}'s in-flight set but not held"
+            for tile_id in worker.released:
+                if worker_id not in self._tiles[tile_id].released_to:
+                    yield f"{tile_id} released by {worker_id} but not mirrored"
+        queued = 0
+        for tile_id, tile in self._tiles.items():
+            if tile_id in self._done:
+                yield f"{tile_id} is both pending and done"
+            for worker_id in tile.holders:
+                if tile_id not in self._workers[worker_id].in_flight:
+                    yield f"{tile_id} held by {worker_id} but not in its in-flight set"
+            for worker_id in tile.released_to:
+                if tile_id not in self._workers[worker_id].released:
+                    yield f"{tile_id} released to {worker_id} but not mirrored"
+            queued += tile.queue_token is not None
+        live_entries = sum(self._live_queue_entry(entry) is not None for entry in self._queue)
+        if not queued == live_entries == self._queued:
+            yield f"queue count {self._queued}, tiles {queued}, live entries {live_entries}"
+        if self._window_total != sum(w.window for w in self._workers.values()):
+            yield "window total is wrong"
+
+
+_STAT_NAMES = ("submitted", "completed", "reissued", "rejected", "duplicates")
+
+
+def _largest_cap(workers: Iterable[_Worker]) -> int | None:
+    """The largest memory cap among workers, None when one of them has no cap."""
+    largest = 0
+    for worker in workers:
+        if worker.mem_cap_bytes is None:
+            return None
+        largest = max(largest, worker.mem_cap_bytes)
+    return largest
+
+
+def _next_taker(ring: deque[_Worker], tile: _Tile) -> _Worker | None:
+    """The next worker in turn that may take the tile; rotates the ring past it.
+
+    A worker that fills its window leaves the ring.
+    """
+    for _ in range(len(ring)):
+        worker = ring.popleft()
+        may_take = (
+            worker.worker_id not in tile.refused_by
+            and worker.worker_id not in tile.holders
+            and worker.can_hold(tile.ticket)
+        )
+        if not may_take:
+            ring.append(worker)
+            continue
+        if worker.free_slots() > 1:
+            ring.append(worker)
+        return worker
+    return None

@@ -1,0 +1,503 @@
+"""The coordinator's network side: one asyncio process, WebSockets for workers, HTTP status.
+
+Everything here runs on the event loop thread and stays cheap: tiles arrive already
+encoded and signed from the training thread, results are checked (Freivalds) and placed
+on a separate thread, so heartbeats are answered while the coordinator computes.
+The pure ``Scheduler`` decides who gets which tile; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from common.errors import FrameError, LimitExceeded, ProtocolError
+from common.limits import DEFAULT_LIMITS, WireLimits
+from common.messages import (
+    Ack,
+    Bye,
+    Cancel,
+    DeviceProfile,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    Pause,
+    Received,
+    Result,
+    Resume,
+    Welcome,
+    encode_message,
+    parse_message,
+)
+from common.signing import fingerprint, public_key_hex
+from coordinator.ledger import Ledger
+from coordinator.scheduler import Scheduler, SchedulerConfig, Verdict
+from coordinator.tiling import TileJob
+from coordinator.verify import freivalds_ok
+
+log = logging.getLogger("cleave.coordinator")
+
+WS_PATH = "/ws"
+STATUS_PATH = "/api/status"
+CLOSE_POLICY = 1008  # RFC 6455: policy violation (malformed or forbidden messages)
+CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    heartbeat_interval_s: float = 2.0
+    handshake_timeout_s: float = 10.0
+    expire_every_s: float = 0.5
+    max_message_bytes: int = 256 << 20  # largest result frame accepted from a worker
+    limits: WireLimits = DEFAULT_LIMITS
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class WorkerConn:
+    worker_id: str
+    name: str
+    ws: ServerConnection
+    profile: DeviceProfile
+    window: int
+    connected_at: float
+    outbox: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+    state: str = "working"
+    reason: str = ""
+    last_seen: float = 0.0
+    tiles_session: int = 0
+    refused: int = 0
+
+
+@dataclass
+class Counters:
+    tiles_sent: int = 0
+    tiles_verified: int = 0
+    rejected: int = 0  # results that failed verification
+    refused: int = 0  # tiles a worker refused (e.g. bad signature)
+    duplicates: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+class _Drop(Exception):
+    """Close this one connection with a reason; the server and the run carry on."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class CoordinatorServer:
+    def __init__(
+        self,
+        *,
+        key: Ed25519PrivateKey,
+        job_name: str,
+        ledger: Ledger,
+        config: ServerConfig = ServerConfig(),
+        clock: Callable[[], float] = time.monotonic,
+        status_extra: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
+        self.key = key
+        self.job_name = job_name
+        self.ledger = ledger
+        self.config = config
+        self.clock = clock
+        self.status_extra = status_extra
+        self.scheduler = Scheduler(config.scheduler)
+        self.counters = Counters()
+        self.conns: dict[str, WorkerConn] = {}
+        self.jobs: dict[str, TileJob] = {}
+        self.port = 0
+        self._ids = itertools.count(1)
+        self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
+        self._server: Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._workers_changed = asyncio.Condition()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await serve(
+            self._handle,
+            host,
+            port,
+            compression=None,  # deflate on float data costs ~25x throughput
+            max_size=self.config.max_message_bytes,
+            process_request=self._process_request,
+            ping_interval=20,
+            ping_timeout=20,
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._spawn(self._expire_loop())
+        log.info("coordinator key fingerprint %s", fingerprint(self.key))
+        return self.port
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        self._verify_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def wait_for_workers(self, count: int) -> None:
+        async with self._workers_changed:
+            await self._workers_changed.wait_for(lambda: self.active_workers() >= count)
+
+    def active_workers(self) -> int:
+        return sum(1 for c in self.conns.values() if c.state != "paused")
+
+    # ---- work in -----------------------------------------------------------------------
+
+    def submit(self, jobs: list[TileJob]) -> None:
+        """Queue a GEMM's tiles (event loop thread only)."""
+        for job in jobs:
+            self.jobs[job.tile_id] = job
+        self.scheduler.submit(job.ticket for job in jobs)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for assignment in self.scheduler.assign(self.clock()):
+            conn = self.conns.get(assignment.worker_id)
+            job = self.jobs.get(assignment.tile_id)
+            if conn is None or job is None:  # pragma: no cover - scheduler and maps agree
+                log.error(
+                    "scheduler assigned %s to %s, which is unknown",
+                    assignment.tile_id,
+                    assignment.worker_id,
+                )
+                continue
+            conn.outbox.put_nowait(job.bundle)
+            self.counters.tiles_sent += 1
+            self.counters.bytes_down += len(job.bundle)
+
+    # ---- connections -----------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        try:
+            conn = await asyncio.wait_for(self._handshake(ws), self.config.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            await ws.close(CLOSE_POLICY, "no hello within the handshake timeout")
+            return
+        except _Drop as drop:
+            await ws.close(drop.code, drop.reason[:120])
+            return
+        except ConnectionClosed:
+            return
+        writer = self._spawn(self._writer(conn))
+        try:
+            async for data in ws:
+                await self._on_frame(conn, data)
+        except _Drop as drop:
+            log.warning("closing %s (%s): %s", conn.worker_id, conn.name, drop.reason)
+            await ws.close(drop.code, drop.reason[:120])
+        except ConnectionClosed:
+            pass
+        finally:
+            writer.cancel()
+            await self._forget(conn)
+
+    async def _handshake(self, ws: ServerConnection) -> WorkerConn:
+        if ws.request is not None and ws.request.path != WS_PATH:
+            raise _Drop(CLOSE_POLICY, f"workers connect to {WS_PATH}")
+        data = await ws.recv()
+        if isinstance(data, str):
+            raise _Drop(CLOSE_POLICY, "text frames are not part of the protocol")
+        try:
+            received = parse_message(data, self.config.limits)
+        except ProtocolError as exc:
+            await ws.send(encode_message(Error(exc.code, exc.message)))
+            raise _Drop(CLOSE_POLICY, f"bad hello: {exc.message}") from None
+        hello = received.message
+        if not isinstance(hello, Hello):
+            raise _Drop(CLOSE_POLICY, f"expected hello, got {received.frame.type}")
+        now = self.clock()
+        worker_id = f"w{next(self._ids)}"
+        conn = WorkerConn(
+            worker_id, hello.name, ws, hello.profile, hello.window, now, last_seen=now
+        )
+        self.conns[worker_id] = conn
+        self.scheduler.add_worker(
+            worker_id,
+            window=hello.window,
+            now=now,
+            mem_cap_bytes=hello.profile.mem_cap_bytes or None,
+        )
+        await ws.send(
+            encode_message(
+                Welcome(
+                    worker_id=worker_id,
+                    coordinator_key=public_key_hex(self.key),
+                    heartbeat_interval_s=self.config.heartbeat_interval_s,
+                    max_frame_bytes=self.config.max_message_bytes,
+                    job=self.job_name,
+                )
+            )
+        )
+        log.info(
+            "worker %s joined as %s: %s, %d threads, %.0f GFLOP/s",
+            hello.name,
+            worker_id,
+            hello.profile.device_name or hello.profile.device,
+            hello.profile.threads,
+            hello.profile.gflops,
+        )
+        await self._notify_workers_changed()
+        self._dispatch()
+        return conn
+
+    async def _writer(self, conn: WorkerConn) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                await conn.ws.send(await conn.outbox.get())
+
+    async def _forget(self, conn: WorkerConn) -> None:
+        if self.conns.pop(conn.worker_id, None) is None:
+            return
+        if conn.worker_id in self.scheduler.workers():
+            requeued = self.scheduler.remove_worker(conn.worker_id, self.clock())
+            if requeued:
+                log.info(
+                    "worker %s left with %d tiles in flight: re-queued", conn.name, len(requeued)
+                )
+        await self._notify_workers_changed()
+        self._dispatch()
+
+    async def _notify_workers_changed(self) -> None:
+        async with self._workers_changed:
+            self._workers_changed.notify_all()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.expire_every_s)
+            expiry = self.scheduler.expire(self.clock())
+            for worker_id in expiry.dead_workers:
+                conn = self.conns.get(worker_id)
+                if conn is not None:
+                    log.warning("worker %s missed its heartbeats: dropping it", conn.name)
+                    self._spawn(conn.ws.close(CLOSE_TIMEOUT, "heartbeat timeout"))
+                    await self._forget(conn)
+            if expiry.requeued:
+                self._dispatch()
+
+    # ---- messages --------------------------------------------------------------------
+
+    async def _on_frame(self, conn: WorkerConn, data: str | bytes) -> None:
+        conn.last_seen = self.clock()
+        if isinstance(data, str):
+            raise _Drop(CLOSE_POLICY, "text frames are not part of the protocol")
+        try:
+            received = parse_message(data, self.config.limits)
+        except (FrameError, LimitExceeded) as exc:
+            await conn.ws.send(encode_message(Error(exc.code, exc.message)))
+            raise _Drop(CLOSE_POLICY, exc.message) from None
+        except ProtocolError as exc:
+            # Well-framed but not understood (unknown type, bad fields): say so, keep going.
+            await conn.ws.send(encode_message(Error(exc.code, exc.message)))
+            return
+        await self._on_message(conn, received.message, received)
+
+    async def _on_message(self, conn: WorkerConn, msg: Message, received: Received) -> None:
+        now = self.clock()
+        if isinstance(msg, Result):
+            await self._on_result(conn, msg, received)
+        elif isinstance(msg, Heartbeat):
+            self.scheduler.heartbeat(conn.worker_id, now)
+            conn.state, conn.reason = msg.state, msg.reason
+            credit = self.ledger.get(conn.name)
+            await conn.ws.send(encode_message(Ack(msg.seq, credit.tiles, round(credit.gflop, 6))))
+        elif isinstance(msg, Error):
+            self._on_worker_error(conn, msg)
+        elif isinstance(msg, Pause):
+            conn.state, conn.reason = "paused", msg.reason
+            requeued = self.scheduler.set_paused(conn.worker_id, True, now)
+            log.info(
+                "worker %s paused (%s); %d tiles move elsewhere",
+                conn.name,
+                msg.reason,
+                len(requeued),
+            )
+            await self._notify_workers_changed()
+            self._dispatch()
+        elif isinstance(msg, Resume):
+            conn.state, conn.reason = "working", ""
+            self.scheduler.set_paused(conn.worker_id, False, now)
+            await self._notify_workers_changed()
+            self._dispatch()
+        elif isinstance(msg, Bye):
+            log.info("worker %s is leaving: %s", conn.name, msg.reason or "no reason given")
+            raise _Drop(1000, "bye")
+        else:
+            await conn.ws.send(
+                encode_message(Error("unexpected", f"{msg.TYPE} is not sent by workers"))
+            )
+
+    def _on_worker_error(self, conn: WorkerConn, msg: Error) -> None:
+        if msg.tile_id and msg.tile_id in self.scheduler.in_flight(conn.worker_id):
+            conn.refused += 1
+            self.counters.refused += 1
+            log.warning(
+                "worker %s refused tile %s: %s: %s", conn.name, msg.tile_id, msg.code, msg.message
+            )
+            self.scheduler.reject(
+                conn.worker_id, msg.tile_id, self.clock(), reason=f"refused: {msg.code}"
+            )
+            self._dispatch()
+        else:
+            log.warning("worker %s reported %s: %s", conn.name, msg.code, msg.message)
+
+    async def _on_result(self, conn: WorkerConn, msg: Result, received: Received) -> None:
+        job = self.jobs.get(msg.tile_id)
+        if job is None:
+            # Done already (a slower copy, or a result after a cancel): nothing to do.
+            self.counters.duplicates += 1
+            return
+        if msg.tile_id not in self.scheduler.in_flight(conn.worker_id):
+            await conn.ws.send(
+                encode_message(
+                    Error("not_assigned", "result for a tile not assigned to you", msg.tile_id)
+                )
+            )
+            return
+        try:
+            c = received.tensors(self.config.limits).get("c")
+        except ProtocolError as exc:
+            c = None
+            log.warning("worker %s sent an undecodable result: %s", conn.name, exc.message)
+        loop = asyncio.get_running_loop()
+        ok = c is not None and await loop.run_in_executor(
+            self._verify_pool, freivalds_ok, job.a, job.b, c
+        )
+        now = self.clock()
+        if not ok:
+            self.counters.rejected += 1
+            self.ledger.reject(conn.name, now=time.time())
+            log.warning("tile %s from %s failed verification: re-issuing", msg.tile_id, conn.name)
+            self.scheduler.reject(conn.worker_id, msg.tile_id, now, reason="failed verification")
+            self._dispatch()
+            return
+        assert c is not None
+        completion = self.scheduler.complete(conn.worker_id, msg.tile_id, now)
+        if completion.verdict is not Verdict.ACCEPTED:
+            self.counters.duplicates += 1
+            return
+        del self.jobs[msg.tile_id]
+        conn.tiles_session += 1
+        self.counters.tiles_verified += 1
+        self.counters.bytes_up += len(received.frame.payload)
+        self.ledger.credit(
+            conn.name,
+            flops=job.flops,
+            bytes_down=len(job.bundle),
+            bytes_up=len(received.frame.payload),
+            compute_s=msg.compute_s,
+            now=time.time(),
+        )
+        for other in completion.cancel:
+            other_conn = self.conns.get(other)
+            if other_conn is not None:
+                other_conn.outbox.put_nowait(encode_message(Cancel(msg.tile_id)))
+        self._dispatch()
+        await loop.run_in_executor(self._verify_pool, job.gemm.deliver, job.region, c)
+
+    # ---- HTTP ------------------------------------------------------------------------
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == WS_PATH:
+            return None
+        if path == STATUS_PATH:
+            return _json_response(self.status())
+        if path == "/":
+            return _text_response(
+                HTTPStatus.OK,
+                f"Cleave coordinator for job {self.job_name}.\n"
+                f"Status: {STATUS_PATH}\nWorkers connect to ws://HOST:{self.port}{WS_PATH}\n",
+            )
+        return _text_response(HTTPStatus.NOT_FOUND, "not found\n")
+
+    def status(self) -> dict[str, Any]:
+        stats = self.scheduler.stats
+        now = self.clock()
+        workers = []
+        for conn in self.conns.values():
+            workers.append(
+                {
+                    "id": conn.worker_id,
+                    "name": conn.name,
+                    "state": conn.state,
+                    "reason": conn.reason,
+                    "device": conn.profile.device_name or conn.profile.device,
+                    "threads": conn.profile.threads,
+                    "gflops": conn.profile.gflops,
+                    "connected_s": round(now - conn.connected_at, 1),
+                    "last_seen_s": round(now - conn.last_seen, 1),
+                    "in_flight": len(self.scheduler.in_flight(conn.worker_id)),
+                    "tiles_session": conn.tiles_session,
+                    "refused": conn.refused,
+                    "contribution": self.ledger.get(conn.name).to_json(),
+                }
+            )
+        return {
+            **self.status_extra(),
+            "job": self.job_name,
+            "coordinator_key": fingerprint(self.key),
+            "workers": workers,
+            "ledger": {c.worker: c.to_json() for c in self.ledger.all()},
+            "tiles": {
+                "sent": self.counters.tiles_sent,
+                "verified": self.counters.tiles_verified,
+                "reissued": stats.reissued,
+                "rejected": self.counters.rejected,
+                "refused": self.counters.refused,
+                "duplicates": self.counters.duplicates,
+                "queued": self.scheduler.queued_count(),
+                "pending": self.scheduler.pending(),
+            },
+        }
+
+
+def _json_response(body: dict[str, Any]) -> Response:
+    data = json.dumps(body, indent=1).encode()
+    headers = Headers(
+        [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(data))),
+            ("Cache-Control", "no-store"),
+        ]
+    )
+    return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, data)
+
+
+def _text_response(status: HTTPStatus, text: str) -> Response:
+    data = text.encode()
+    headers = Headers(
+        [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
+    )
+    return Response(status.value, status.phrase, headers, data)

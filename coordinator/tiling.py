@@ -1,0 +1,121 @@
+"""One offloaded GEMM: cut it into signed tile bundles, put returned tiles back together.
+
+A ``TiledGemm`` lives from the moment the executor hands over ``a @ b`` until the last
+tile is in. Tiles are encoded and signed once, on the executor's thread; re-issues send
+the same bytes. K-split partial products are summed in K order when all have arrived,
+so the result does not depend on which worker answered first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from common.messages import encode_task
+from coordinator.planner import GemmPlan, TileRegion
+from coordinator.scheduler import TileTicket
+
+
+@dataclass(frozen=True)
+class TileJob:
+    """Everything the server needs to send, check and deliver one tile."""
+
+    tile_id: str
+    gemm: TiledGemm
+    region: TileRegion
+    bundle: bytes  # signed task frame, sent as is (also on re-issue)
+    a: torch.Tensor  # operands as sent: Freivalds checks the result against them
+    b: torch.Tensor
+    ticket: TileTicket
+
+    @property
+    def flops(self) -> int:
+        return self.ticket.flops
+
+
+class TiledGemm:
+    def __init__(
+        self,
+        gemm_id: str,
+        plan: GemmPlan,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        on_done: Callable[[torch.Tensor], None],
+    ) -> None:
+        self.gemm_id = gemm_id
+        self.plan = plan
+        self.op = plan.shape.op
+        self._a = a
+        self._b = b
+        self._on_done = on_done
+        batched = self.op == "bmm"
+        out_shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
+        self.out = torch.empty(out_shape, dtype=a.dtype)
+        _gb, _gm, _gn, gk = plan.grid
+        self._remaining = len(plan.tiles)
+        self._partials: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+        self._gk = gk
+        self._lock = threading.Lock()
+        self._delivered: set[tuple[int, int, int, int]] = set()
+
+    def _operands(self, r: TileRegion) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.op == "bmm":
+            a = self._a[r.b0 : r.b1, r.m0 : r.m1, r.k0 : r.k1]
+            b = self._b[r.b0 : r.b1, r.k0 : r.k1, r.n0 : r.n1]
+        else:
+            a = self._a[r.m0 : r.m1, r.k0 : r.k1]
+            b = self._b[r.k0 : r.k1, r.n0 : r.n1]
+        return a.contiguous(), b.contiguous()
+
+    def make_jobs(self, key: Ed25519PrivateKey) -> list[TileJob]:
+        itemsize = self._a.element_size()
+        jobs = []
+        for region in self.plan.tiles:
+            a, b = self._operands(region)
+            tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
+            ticket = TileTicket(
+                tile_id=tile_id,
+                gemm_id=self.gemm_id,
+                flops=region.flops,
+                down_bytes=region.down_bytes(itemsize),
+                up_bytes=region.up_bytes(itemsize),
+            )
+            bundle = encode_task(tile_id, self.op, a, b, key)
+            jobs.append(TileJob(tile_id, self, region, bundle, a, b, ticket))
+        # The full operands are no longer needed once every tile holds its slices.
+        self._a = self._b = torch.empty(0)
+        return jobs
+
+    def deliver(self, region: TileRegion, c: torch.Tensor) -> bool:
+        """Place a verified tile. Returns True when this completed the GEMM."""
+        with self._lock:
+            if region.index in self._delivered:
+                return False
+            self._delivered.add(region.index)
+            bi, mi, ni, ki = region.index
+            if self._gk == 1:
+                self._write(region, c)
+            else:
+                parts = self._partials.setdefault((bi, mi, ni), {})
+                parts[ki] = c
+                if len(parts) == self._gk:
+                    total = parts[0].clone()
+                    for k in range(1, self._gk):
+                        total += parts[k]
+                    self._write(region, total)
+                    del self._partials[(bi, mi, ni)]
+            self._remaining -= 1
+            finished = self._remaining == 0
+        if finished:
+            self._on_done(self.out)
+        return finished
+
+    def _write(self, r: TileRegion, c: torch.Tensor) -> None:
+        if self.op == "bmm":
+            self.out[r.b0 : r.b1, r.m0 : r.m1, r.n0 : r.n1].copy_(c)
+        else:
+            self.out[r.m0 : r.m1, r.n0 : r.n1].copy_(c)

@@ -1,0 +1,119 @@
+"""The training loop at the coordinator: trace, run the step as dataflow, apply the optimizer.
+
+The GEMMs of each step go to workers through the offload; gradients come back into
+``param.grad`` and the user's own optimizer takes the step here, so any torch optimizer
+works unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+from coordinator.executor import DataflowExecutor, GemmOffload
+from coordinator.job import Job
+from coordinator.tracing import StepTracer, dag_summary, gemm_dag
+
+log = logging.getLogger("cleave.coordinator")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    seconds: float
+    tiles: int  # tiles verified during this step
+    reissued: int  # tiles re-issued during this step (lost, refused or failed)
+    workers: int  # workers connected at the end of the step
+    gemms_offloaded: int
+    gemms_local: int
+
+
+@dataclass(frozen=True)
+class PoolCounters:
+    tiles_verified: int
+    reissued: int
+    workers: int
+
+
+class Trainer:
+    def __init__(
+        self,
+        job: Job,
+        offload: GemmOffload | None,
+        *,
+        pool_counters: Callable[[], PoolCounters] = lambda: PoolCounters(0, 0, 0),
+        metrics_out: Path | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self.job = job
+        self.offload = offload
+        self.executor = DataflowExecutor(offload)
+        self.tracer = StepTracer(job)
+        self.pool_counters = pool_counters
+        self.metrics_out = metrics_out
+        self.cancel = cancel or threading.Event()
+        self.step = 0
+        self.losses: list[float] = []
+        self.dag: dict[str, Any] = {}
+
+    def run(
+        self, steps: int, on_step: Callable[[StepRecord], None] | None = None
+    ) -> list[StepRecord]:
+        records = []
+        for _ in range(steps):
+            try:
+                record = self.train_step()
+            except StopIteration:
+                log.info("the job's batches ran out after %d steps", self.step)
+                break
+            records.append(record)
+            if on_step is not None:
+                on_step(record)
+        return records
+
+    def train_step(self) -> StepRecord:
+        inputs, targets = self.job.next_batch()
+        started = time.perf_counter()
+        before = self.pool_counters()
+        traced = self.tracer.get(inputs, targets)
+        if not self.dag:
+            self.dag = dag_summary(gemm_dag(traced))
+            log.info("traced step: %s", self.dag)
+        if self.offload is not None and hasattr(self.offload, "step"):
+            self.offload.step = self.step
+        model = self.job.model
+        params = [p for _, p in model.named_parameters()]
+        leaves = pytree.tree_leaves((inputs, targets))
+        flat = [p.detach() for p in params] + list(model.buffers()) + leaves
+        outputs, stats = self.executor.run(traced, flat, self.cancel)
+        grads, loss = outputs[:-1], outputs[-1]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        self.job.optimizer.step()
+        self.job.optimizer.zero_grad(set_to_none=True)
+        after = self.pool_counters()
+        record = StepRecord(
+            step=self.step,
+            loss=float(loss),
+            seconds=round(time.perf_counter() - started, 4),
+            tiles=after.tiles_verified - before.tiles_verified,
+            reissued=after.reissued - before.reissued,
+            workers=after.workers,
+            gemms_offloaded=stats.gemms_offloaded,
+            gemms_local=stats.gemms_local,
+        )
+        self.step += 1
+        self.losses.append(record.loss)
+        if self.metrics_out is not None:
+            with self.metrics_out.open("a") as fh:
+                fh.write(json.dumps(asdict(record)) + "\n")
+        return record

@@ -1,0 +1,149 @@
+"""Helpers for end-to-end tests: real coordinator and worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+def env_for(config_dir: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    if config_dir is not None:
+        env["CLEAVE_CONFIG_DIR"] = str(config_dir)
+    return env
+
+
+class Coordinator:
+    """``python -m coordinator serve ...`` with its output captured to a file."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.state = tmp / "state"
+        self.metrics = tmp / "metrics.jsonl"
+        self.log = tmp / "coordinator.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "coordinator",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--state-dir",
+            str(self.state),
+            "--metrics-out",
+            str(self.metrics),
+            *args,
+        ]
+        self._logfh = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=tmp,
+            env=env_for(tmp / "coord-config"),
+            stdout=self._logfh,
+            stderr=subprocess.STDOUT,
+        )
+        self.url = self._wait_for(r"on (ws://127\.0\.0\.1:\d+/ws)", 60)
+        self.http = self.url.replace("ws://", "http://").removesuffix("/ws")
+
+    def _wait_for(self, pattern: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.output())
+            if match:
+                return match.group(1)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"coordinator exited early:\n{self.output()}")
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {pattern!r}:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.http + "/api/status", timeout=5) as resp:
+            return json.load(resp)
+
+    def steps(self) -> list[dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"coordinator did not finish in {timeout} s:\n{self.output()}"
+            ) from None
+        finally:
+            self._logfh.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Worker:
+    def __init__(self, tmp: Path, url: str, name: str, *args: str) -> None:
+        self.log = tmp / f"{name}.log"
+        self._logfh = self.log.open("wb")
+        cmd = [
+            sys.executable,
+            "-m",
+            "client_app",
+            "--coordinator",
+            url,
+            "--name",
+            name,
+            "--threads",
+            "1",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env_for(tmp / f"{name}-config"), stdout=self._logfh, stderr=subprocess.STDOUT
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._logfh.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def assert_losses_match(got: list[float], want: list[float], rel: float = 1e-5) -> None:
+    assert len(got) == len(want), (got, want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= rel * abs(w), f"step {step}: distributed {g!r} vs local {w!r}"

@@ -1,0 +1,124 @@
+"""Tile arithmetic against plain torch, the thread cap, device choice, and the profile."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from client_app.compute import TileComputer, cpu_model_name
+from client_app.profile import GIB, MIB, build_profile, default_mem_cap_bytes, measure_gflops
+from common.limits import DEFAULT_LIMITS
+from common.messages import DeviceProfile, Hello, encode_message, encode_task, parse_message
+from common.signing import generate_private_key
+
+# (rtol, atol) per dtype: the worker and the reference may block the sum differently.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
+SHAPES = {"mm": ((33, 65), (65, 17)), "bmm": ((3, 33, 65), (3, 65, 17))}
+
+
+def operands_from_the_wire(op: str, dtype: torch.dtype) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    """Operands exactly as the worker gets them: read-only views of a received frame."""
+    gen = torch.Generator().manual_seed(5)
+    a_shape, b_shape = SHAPES[op]
+    a = torch.randn(a_shape, generator=gen).to(dtype)
+    b = torch.randn(b_shape, generator=gen).to(dtype)
+    frame = encode_task("t", op, a, b, generate_private_key())
+    tensors = parse_message(frame).tensors()
+    return frame, tensors["a"], tensors["b"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", ["mm", "bmm"])
+def test_compute_matches_plain_torch(op: str, dtype: torch.dtype) -> None:
+    frame, a, b = operands_from_the_wire(op, dtype)
+    before = bytes(frame)
+    c = TileComputer(threads=1, use_gpu=False).compute(op, a, b)
+    a_ref, b_ref = a.clone(), b.clone()
+    reference = torch.matmul(a_ref, b_ref) if op == "mm" else torch.bmm(a_ref, b_ref)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(c, reference, rtol=rtol, atol=atol)
+    assert c.dtype == dtype and c.device.type == "cpu" and c.is_contiguous()
+    assert c.shape == reference.shape
+    assert frame == before  # the received frame (read-only by contract) was not written
+
+
+def test_fp32_against_fp64_reference_within_explicit_tolerance() -> None:
+    _, a, b = operands_from_the_wire("mm", torch.float32)
+    c = TileComputer(threads=1, use_gpu=False).compute("mm", a, b)
+    torch.testing.assert_close(c.double(), a.double() @ b.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_rank_and_op_are_checked() -> None:
+    computer = TileComputer(threads=1, use_gpu=False)
+    with pytest.raises(ValueError, match="2-D"):
+        computer.compute("mm", torch.ones(2, 2, 2), torch.ones(2, 2, 2))
+    with pytest.raises(ValueError, match="not one of"):
+        computer.compute("conv", torch.ones(2, 2), torch.ones(2, 2))
+    with pytest.raises(ValueError):
+        TileComputer(threads=0, use_gpu=False)
+
+
+def test_thread_cap_is_applied_on_the_compute_thread_and_can_change() -> None:
+    computer = TileComputer(threads=1, use_gpu=False)
+    a, b = torch.ones(8, 8), torch.ones(8, 8)
+
+    def compute_then_read_cap() -> int:
+        computer.compute("mm", a, b)
+        return torch.get_num_threads()
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        assert pool.submit(compute_then_read_cap).result() == 1
+        computer.threads = 2  # what a GUI's thread slider does, mid-run
+        assert pool.submit(compute_then_read_cap).result() == 2
+
+
+def test_gpu_is_used_only_when_allowed_and_present() -> None:
+    assert TileComputer(1, use_gpu=True, cuda_available=lambda: False).device.type == "cpu"
+    assert TileComputer(1, use_gpu=False, cuda_available=lambda: True).device.type == "cpu"
+    assert TileComputer(1, use_gpu=True, cuda_available=lambda: True).device.type == "cuda"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compute_matches_cpu() -> None:  # pragma: no cover - no GPU in CI
+    _, a, b = operands_from_the_wire("bmm", torch.float32)
+    c = TileComputer(1, use_gpu=True).compute("bmm", a, b)
+    assert c.device.type == "cpu"
+    torch.testing.assert_close(c, torch.bmm(a, b), rtol=1e-3, atol=1e-3)
+
+
+def test_cpu_model_name_reads_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Test CPU @ 3.0GHz\n")
+    assert cpu_model_name(cpuinfo) == "Test CPU @ 3.0GHz"
+    assert cpu_model_name(tmp_path / "missing")  # falls back to the platform's answer
+
+
+def test_default_memory_cap_is_a_quarter_of_ram_up_to_one_gib() -> None:
+    assert default_mem_cap_bytes(64 * GIB) == GIB
+    assert default_mem_cap_bytes(2 * GIB) == GIB // 2
+
+
+def test_profile_is_measured_and_valid_on_the_wire() -> None:
+    computer = TileComputer(threads=1, use_gpu=False)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        profile = pool.submit(build_profile, computer, ram_bytes=8 * GIB).result()
+    assert profile.device == "cpu" and profile.threads == 1
+    assert profile.ram_bytes == 8 * GIB and profile.mem_cap_bytes == GIB
+    assert profile.gflops > 0.1 and profile.device_name
+    # The coordinator validates it with common's rules: it must pass them.
+    hello = parse_message(encode_message(Hello("w", profile, 2)), DEFAULT_LIMITS).message
+    assert isinstance(hello, Hello) and hello.profile == profile
+    capped = build_profile(computer, memory_mb=300, gflops=5.0, ram_bytes=8 * GIB)
+    assert capped == DeviceProfile("cpu", profile.device_name, 1, 8 * GIB, 300 * MIB, 5.0)
+
+
+def test_gflops_measurement_uses_the_injected_clock() -> None:
+    # start, then (before, after) per run: runs of 4, 6 and 12 ms; the third ends the window.
+    ticks = iter([0.0, 0.0, 0.004, 0.004, 0.010, 0.010, 0.022])
+    gflops = measure_gflops(
+        TileComputer(1, use_gpu=False), target_s=0.02, n=64, clock=lambda: next(ticks)
+    )
+    assert gflops == pytest.approx(2 * 64**3 / 0.006 / 1e9)  # the median run

@@ -1,0 +1,508 @@
+"""The sans-I/O worker session: every protocol decision, tested without sockets."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from client_app.config import PinStore
+from client_app.session import Actions, Phase, WorkerSession
+from common import PROTOCOL_VERSION
+from common.frames import decode_frame, encode_frame
+from common.messages import (
+    Ack,
+    Bye,
+    Cancel,
+    DeviceProfile,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    Pause,
+    Result,
+    Resume,
+    Welcome,
+    encode_message,
+    encode_task,
+    parse_message,
+)
+from common.signing import fingerprint, generate_private_key, public_key_hex
+
+URL = "ws://127.0.0.1:9/ws"
+PROFILE = DeviceProfile(
+    device="cpu",
+    device_name="test cpu",
+    threads=1,
+    ram_bytes=1 << 33,
+    mem_cap_bytes=1 << 20,
+    gflops=10.0,
+)
+HEARTBEAT_S = 5.0
+
+
+@pytest.fixture
+def key() -> Ed25519PrivateKey:
+    return generate_private_key()
+
+
+@pytest.fixture
+def pins(tmp_path: Path) -> PinStore:
+    return PinStore.in_dir(tmp_path)
+
+
+def new_session(pins: PinStore, **kwargs: object) -> WorkerSession:
+    return WorkerSession(URL, name="w", profile=PROFILE, pin_check=pins.check, **kwargs)  # type: ignore[arg-type]
+
+
+def welcome_frame(key: Ed25519PrivateKey, max_frame_bytes: int = 1 << 26) -> bytes:
+    return encode_message(
+        Welcome(
+            worker_id="w-7",
+            coordinator_key=public_key_hex(key),
+            heartbeat_interval_s=HEARTBEAT_S,
+            max_frame_bytes=max_frame_bytes,
+            job="test",
+        )
+    )
+
+
+def decode(frame: bytes) -> Message:
+    return parse_message(frame).message
+
+
+def welcomed(pins: PinStore, key: Ed25519PrivateKey, now: float = 0.0) -> WorkerSession:
+    session = new_session(pins)
+    session.connect(now)
+    actions = session.receive(welcome_frame(key), now)
+    assert actions.welcome is not None and not actions.refusal
+    return session
+
+
+def task(
+    key: Ed25519PrivateKey,
+    tile_id: str = "t-1",
+    shape: tuple[int, int, int] = (4, 6, 3),
+    dtype: torch.dtype = torch.float32,
+) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(hash(tile_id) % 1000)
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
+    return encode_task(tile_id, "mm", a, b, key), a, b
+
+
+def only_error(frames: tuple[bytes, ...]) -> Error:
+    assert len(frames) == 1
+    msg = decode(frames[0])
+    assert isinstance(msg, Error), msg
+    return msg
+
+
+# ---- joining --------------------------------------------------------------------------
+
+
+def test_connect_sends_hello_with_profile_and_window(pins: PinStore) -> None:
+    session = new_session(pins, window=3)
+    hello = decode(session.connect(0.0))
+    assert hello == Hello(name="w", profile=PROFILE, window=3)
+    assert session.phase is Phase.HELLO_SENT
+
+
+def test_first_welcome_pins_the_key_and_the_next_one_matches(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = new_session(pins)
+    session.connect(0.0)
+    first = session.receive(welcome_frame(key), 0.0)
+    assert first.welcome is not None and first.first_pin and first.send == ()
+    assert pins.get(URL) == public_key_hex(key)
+    assert session.phase is Phase.READY and session.worker_id == "w-7"
+    assert session.fingerprint == fingerprint(key)
+    session.connection_lost()
+    session.connect(1.0)
+    again = session.receive(welcome_frame(key), 1.0)
+    assert again.welcome is not None and not again.first_pin and not again.refusal
+
+
+def test_changed_key_is_refused_for_good(
+    pins: PinStore, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    pins.check(URL, public_key_hex(generate_private_key()))  # pinned at an earlier join
+    session = new_session(pins)
+    session.connect(0.0)
+    actions = session.receive(welcome_frame(key), 0.0)
+    assert "coordinator key changed" in actions.refusal
+    assert f"cleave-worker --forget {URL}" in actions.refusal
+    assert actions.welcome is None
+    bye = decode(actions.send[0])
+    assert isinstance(bye, Bye) and "key changed" in bye.reason
+    assert session.phase is Phase.REFUSED
+    assert "coordinator key changed" in caplog.text
+    # Nothing is computed for it, and the session will not join again.
+    frame, _, _ = task(key)
+    assert session.receive(frame, 0.1).compute == ()
+    assert session.next_tile() is None and session.heartbeat(100.0) is None
+    with pytest.raises(RuntimeError):
+        session.connect(1.0)
+
+
+def test_unusable_key_closes_the_connection(pins: PinStore) -> None:
+    session = new_session(pins)
+    session.connect(0.0)
+    bad = encode_message(Welcome("w", "zz" * 32, HEARTBEAT_S, 1 << 20, "j"))
+    actions = session.receive(bad, 0.0)
+    assert actions.close and not actions.refusal
+    assert only_error(actions.send).code == "bad_signature"
+    assert pins.get(URL) is None  # nothing unusable is ever pinned
+
+
+# ---- tasks ----------------------------------------------------------------------------
+
+
+def test_good_task_is_queued_computed_and_answered(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    frame, a, b = task(key, "t-1")
+    actions = session.receive(frame, 1.0)
+    assert actions.compute == ("t-1",) and actions.send == ()
+    assert session.in_flight == 1
+    job = session.next_tile()
+    assert job is not None and job.tile_id == "t-1" and job.op == "mm"
+    assert torch.equal(job.a, a) and torch.equal(job.b, b)
+    assert job.flop == 2 * 4 * 6 * 3
+    assert session.current_tile == "t-1"
+    result_frame = session.tile_finished(job, job.a @ job.b, 0.25)
+    assert result_frame is not None
+    received = parse_message(result_frame)
+    assert received.message == Result(
+        tile_id="t-1", compute_s=0.25, tensors=received.frame.header["tensors"]
+    )
+    torch.testing.assert_close(received.tensors()["c"], a @ b, rtol=0, atol=0)
+    assert session.stats.tiles_done == 1 and session.in_flight == 0 and session.current_tile == ""
+
+
+def test_tiles_are_computed_one_at_a_time_in_arrival_order(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    for tile_id in ("t-1", "t-2", "t-3"):
+        session.receive(task(key, tile_id)[0], 1.0)
+    first = session.next_tile()
+    assert first is not None and first.tile_id == "t-1"
+    assert session.next_tile() is None  # one compute thread: t-1 must finish first
+    session.tile_finished(first, first.a @ first.b, 0.1)
+    order = []
+    while (job := session.next_tile()) is not None:
+        order.append(job.tile_id)
+        session.tile_finished(job, job.a @ job.b, 0.1)
+    assert order == ["t-2", "t-3"]
+
+
+def flip_payload_byte(frame: bytes) -> bytes:
+    parsed = decode_frame(frame)
+    payload = bytearray(parsed.payload)
+    payload[len(payload) // 2] ^= 0x01
+    return encode_frame(dict(parsed.header), [bytes(payload)])
+
+
+def break_descriptor_unsigned(frame: bytes) -> bytes:
+    # Makes the operands undecodable *without* re-signing: must be refused on the
+    # signature, which proves the signature is checked before any operand is decoded.
+    parsed = decode_frame(frame)
+    header = dict(parsed.header)
+    header["tensors"] = [dict(d, nbytes=d["nbytes"] + 4) for d in header["tensors"]]
+    return encode_frame(header, [bytes(parsed.payload)])
+
+
+@pytest.mark.parametrize("tamper", ["payload_byte", "foreign_key", "descriptor"])
+def test_badly_signed_task_is_refused_with_an_error_and_never_computed(
+    pins: PinStore, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture, tamper: str
+) -> None:
+    session = welcomed(pins, key)
+    good, a, b = task(key, "t-3")
+    if tamper == "payload_byte":
+        frame = flip_payload_byte(good)
+    elif tamper == "descriptor":
+        frame = break_descriptor_unsigned(good)
+    else:
+        frame = encode_task("t-3", "mm", a, b, generate_private_key())
+    with caplog.at_level(logging.WARNING, logger="client_app.session"):
+        actions = session.receive(frame, 1.0)
+    error = only_error(actions.send)
+    assert (error.code, error.tile_id) == ("bad_signature", "t-3")
+    assert "pinned coordinator key" in error.message
+    assert actions.compute == () and session.next_tile() is None and session.in_flight == 0
+    assert session.stats.tiles_refused == 1
+    assert "refused tile t-3: bad_signature:" in caplog.text
+    # The session keeps going: the next good tile is computed.
+    assert session.receive(task(key, "t-4")[0], 2.0).compute == ("t-4",)
+
+
+def test_signed_task_with_bad_operands_is_refused(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    frame = encode_task("t-5", "mm", torch.ones(2, 3), torch.ones(4, 5), key)
+    actions = session.receive(frame, 1.0)
+    error = only_error(actions.send)
+    assert (error.code, error.tile_id) == ("bad_tensor", "t-5")
+    assert session.next_tile() is None
+
+
+def test_task_with_an_op_off_the_whitelist_is_refused(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    parsed = decode_frame(task(key, "t-6")[0])
+    frame = encode_frame(dict(parsed.header, op="exec"), [bytes(parsed.payload)])
+    error = only_error(session.receive(frame, 1.0).send)
+    assert (error.code, error.tile_id) == ("bad_op", "t-6")
+    assert session.stats.tiles_refused == 1
+
+
+def test_task_before_welcome_is_refused(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = new_session(pins)
+    session.connect(0.0)
+    actions = session.receive(task(key, "t-0")[0], 0.0)
+    error = only_error(actions.send)
+    assert (error.code, error.tile_id) == ("unexpected_message", "t-0")
+    assert actions.compute == ()
+
+
+def test_tile_over_the_memory_cap_is_refused(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)  # PROFILE caps tiles at 1 MiB
+    frame, _, _ = task(key, "big", shape=(256, 256, 512))  # 256 KiB + 512 KiB + 512 KiB
+    error = only_error(session.receive(frame, 1.0).send)
+    assert (error.code, error.tile_id) == ("limit_exceeded", "big")
+    assert "mem_cap_bytes=1048576" in error.message
+
+
+def test_result_that_would_not_fit_the_coordinators_frames_is_refused(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = new_session(pins)
+    session.connect(0.0)
+    session.receive(welcome_frame(key, max_frame_bytes=8192), 0.0)
+    error = only_error(session.receive(task(key, "t-9", shape=(64, 8, 64))[0], 1.0).send)
+    assert error.code == "limit_exceeded" and "max_frame_bytes=8192" in error.message
+
+
+def test_duplicate_and_excess_tiles_are_refused(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = new_session(pins, max_held_tiles=2)
+    session.connect(0.0)
+    session.receive(welcome_frame(key), 0.0)
+    assert session.receive(task(key, "t-1")[0], 1.0).compute == ("t-1",)
+    assert only_error(session.receive(task(key, "t-1")[0], 1.0).send).code == "duplicate_tile"
+    assert session.receive(task(key, "t-2")[0], 1.0).compute == ("t-2",)
+    assert only_error(session.receive(task(key, "t-3")[0], 1.0).send).code == "limit_exceeded"
+
+
+# ---- cancel, failures, reconnects -----------------------------------------------------
+
+
+def test_cancel_drops_a_queued_tile(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    session.receive(task(key, "t-1")[0], 1.0)
+    session.receive(task(key, "t-2")[0], 1.0)
+    actions = session.receive(encode_message(Cancel("t-2")), 1.5)
+    assert actions.cancel == ("t-2",) and actions.send == ()
+    job = session.next_tile()
+    assert job is not None and job.tile_id == "t-1"
+    assert session.tile_finished(job, job.a @ job.b, 0.1) is not None
+    assert session.next_tile() is None
+
+
+def test_cancel_of_the_computing_tile_discards_its_result(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    session.receive(task(key, "t-1")[0], 1.0)
+    job = session.next_tile()
+    assert job is not None
+    assert session.receive(encode_message(Cancel("t-1")), 1.1).cancel == ("t-1",)
+    assert session.in_flight == 0
+    assert session.tile_finished(job, job.a @ job.b, 0.1) is None
+    assert session.stats.tiles_done == 0 and session.stats.tiles_cancelled == 1
+
+
+def test_cancel_of_an_unknown_tile_is_harmless(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    assert session.receive(encode_message(Cancel("gone")), 1.0).send == ()
+
+
+def test_lost_connection_forgets_its_tiles(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    session.receive(task(key, "t-1")[0], 1.0)
+    session.receive(task(key, "t-2")[0], 1.0)
+    computing = session.next_tile()
+    assert computing is not None
+    session.connection_lost()
+    assert session.in_flight == 0 and session.phase is Phase.DISCONNECTED
+    session.connect(2.0)
+    session.receive(welcome_frame(key), 2.0)
+    # The old connection's result has nowhere to go: the coordinator re-issues the tile.
+    assert session.tile_finished(computing, computing.a @ computing.b, 0.1) is None
+    assert session.next_tile() is None
+
+
+def test_failed_computation_is_reported_as_an_error(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    session.receive(task(key, "t-1")[0], 1.0)
+    job = session.next_tile()
+    assert job is not None
+    frame = session.tile_failed(job, RuntimeError("CUDA out of memory"))
+    assert frame is not None
+    error = decode(frame)
+    assert isinstance(error, Error) and error.code == "compute_failed" and error.tile_id == "t-1"
+    assert "out of memory" in error.message
+    assert session.next_tile() is None
+
+
+# ---- other messages -------------------------------------------------------------------
+
+
+def test_unknown_message_type_gets_an_error_reply(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    frame = encode_frame({"type": "launch_missiles", "v": PROTOCOL_VERSION, "tile_id": "x"})
+    error = only_error(session.receive(frame, 1.0).send)
+    assert error.code == "unknown_type" and "launch_missiles" in error.message
+    assert error.tile_id == "x"
+    assert session.phase is Phase.READY  # keeps going
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        ("a text frame", "bad_message"),
+        (b"\x00\x00", "bad_frame"),
+        (b"\x00\x00\x00\x05{nope", "bad_frame"),
+        (encode_frame({"type": "ack", "v": PROTOCOL_VERSION + 1}), "version"),
+        (encode_frame({"type": "ack", "v": PROTOCOL_VERSION, "seq": "x"}), "bad_message"),
+    ],
+)
+def test_malformed_frames_get_an_error_reply(
+    pins: PinStore, key: Ed25519PrivateKey, data: bytes | str, code: str
+) -> None:
+    session = welcomed(pins, key)
+    assert only_error(session.receive(data, 1.0).send).code == code
+    assert session.receive(task(key, "t-1")[0], 2.0).compute == ("t-1",)
+
+
+def test_messages_for_coordinators_get_an_error_reply(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    for msg in (Hello("x", PROFILE, 1), Heartbeat(1, "idle", 0), Pause("x"), Resume()):
+        assert only_error(session.receive(encode_message(msg), 1.0).send).code == (
+            "unexpected_message"
+        )
+
+
+def test_coordinator_errors_are_logged_not_answered(
+    pins: PinStore, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    session = welcomed(pins, key)
+    actions = session.receive(encode_message(Error("overloaded", "slow down", "t-1")), 1.0)
+    assert actions == Actions()  # nothing to send, compute or close
+    assert "overloaded: slow down (tile t-1)" in caplog.text
+    # A malformed *error* is not answered either: two peers must not trade errors forever.
+    bad_error = encode_frame({"type": "error", "v": PROTOCOL_VERSION, "code": 5})
+    assert session.receive(bad_error, 1.0).send == ()
+
+
+def test_ack_records_credit(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    session.receive(encode_message(Ack(seq=1, credit_tiles=12, credit_gflop=3.5)), 1.0)
+    assert (session.stats.credit_tiles, session.stats.credit_gflop) == (12, 3.5)
+
+
+def test_coordinator_bye_closes_the_connection(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    actions = session.receive(encode_message(Bye("restarting")), 1.0)
+    assert "restarting" in actions.close and not actions.refusal
+
+
+# ---- heartbeats, pause, bye -----------------------------------------------------------
+
+
+def test_heartbeats_are_due_every_interval_and_carry_state(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = new_session(pins)
+    session.connect(0.0)
+    assert session.heartbeat(100.0) is None  # not welcomed yet
+    session.receive(welcome_frame(key), 10.0)
+    assert session.next_heartbeat_at == 10.0 + HEARTBEAT_S
+    assert session.heartbeat(14.9) is None
+    first = session.heartbeat(15.0)
+    assert first is not None and decode(first) == Heartbeat(seq=1, state="idle", in_flight=0)
+    session.receive(task(key, "t-1")[0], 15.5)
+    assert session.heartbeat(19.0) is None
+    second = session.heartbeat(20.0)
+    assert second is not None
+    assert decode(second) == Heartbeat(seq=2, state="working", in_flight=1)
+
+
+def test_pause_drops_tiles_refuses_new_ones_and_resume_undoes_it(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    session.receive(task(key, "t-1")[0], 1.0)
+    session.receive(task(key, "t-2")[0], 1.0)
+    job = session.next_tile()
+    assert job is not None
+    actions = session.pause("on battery")
+    assert decode(actions.send[0]) == Pause("on battery")
+    assert set(actions.cancel) == {"t-1", "t-2"}
+    assert only_error(session.receive(task(key, "t-3")[0], 2.0).send).code == "paused"
+    beat = session.heartbeat(100.0)
+    assert beat is not None
+    assert decode(beat) == Heartbeat(seq=1, state="paused", in_flight=0, reason="on battery")
+    assert decode(session.resume().send[0]) == Resume()
+    assert session.receive(task(key, "t-4")[0], 3.0).compute == ("t-4",)
+    # t-1 is still computing (its result will be dropped), yet the coordinator may
+    # already have handed it back: that is a new assignment, not a duplicate.
+    assert session.receive(task(key, "t-1")[0], 3.0).compute == ("t-1",)
+    assert session.tile_finished(job, job.a @ job.b, 0.1) is None
+    following = session.next_tile()
+    assert following is not None and following.tile_id == "t-4"
+
+
+def test_bye_leaves_for_good(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    session.receive(task(key, "t-1")[0], 1.0)
+    frame = session.bye("worker stopping")
+    assert frame is not None and decode(frame) == Bye("worker stopping")
+    assert session.phase is Phase.CLOSED and session.in_flight == 0
+    assert session.bye("again") is None
+    assert session.receive(task(key, "t-2")[0], 2.0).compute == ()
+
+
+def test_bytes_in_and_out_are_counted(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = new_session(pins)
+    hello = session.connect(0.0)
+    welcome = welcome_frame(key)
+    session.receive(welcome, 0.0)
+    frame, _, _ = task(key)
+    session.receive(frame, 1.0)
+    job = session.next_tile()
+    assert job is not None
+    result = session.tile_finished(job, job.a @ job.b, 0.1)
+    assert result is not None
+    assert session.stats.bytes_in == len(welcome) + len(frame)
+    assert session.stats.bytes_out == len(hello) + len(result)
+
+
+def test_bf16_and_bmm_tiles_round_trip(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    a = torch.randn(3, 4, 5).to(torch.bfloat16)
+    b = torch.randn(3, 5, 2).to(torch.bfloat16)
+    session.receive(encode_task("t-b", "bmm", a, b, key), 1.0)
+    job = session.next_tile()
+    assert job is not None and job.op == "bmm" and job.a.dtype == torch.bfloat16
+    assert job.flop == 2 * 3 * 4 * 5 * 2
+    result = session.tile_finished(job, torch.bmm(job.a, job.b), 0.1)
+    assert result is not None
+    c = parse_message(result).tensors()["c"]
+    torch.testing.assert_close(c, torch.bmm(a, b), rtol=0, atol=0)
