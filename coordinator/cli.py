@@ -156,9 +156,10 @@ async def serve(args: argparse.Namespace) -> int:
         server,
         loop,
         key,
-        lambda workers: PlanConfig(
+        lambda workers, memory_cap: PlanConfig(
             min_offload_flops=int(args.min_offload_mflop * 1e6),
             target_tiles=max(2, 2 * workers),
+            tile_mem_cap_bytes=memory_cap or PlanConfig.tile_mem_cap_bytes,
         ),
     )
     trainer = Trainer(

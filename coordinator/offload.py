@@ -28,7 +28,7 @@ class TileOffload:
         server: CoordinatorServer,
         loop: asyncio.AbstractEventLoop,
         key: Ed25519PrivateKey,
-        plan_config: Callable[[int], PlanConfig],
+        plan_config: Callable[[int, int | None], PlanConfig],
     ) -> None:
         self._server = server
         self._loop = loop
@@ -43,7 +43,10 @@ class TileOffload:
         batch, m, k = (a.shape[0], a.shape[1], a.shape[2]) if op == "bmm" else (1, *a.shape)
         n = b.shape[-1]
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
-        plan = plan_gemm(shape, self._plan_config(self._server.active_workers()))
+        config = self._plan_config(
+            self._server.active_workers(), self._server.smallest_memory_cap()
+        )
+        plan = plan_gemm(shape, config)
         if plan is None:
             return False
         gemm = TiledGemm(f"s{self.step}:{name}", plan, a, b, on_done=done)

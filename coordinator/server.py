@@ -173,6 +173,12 @@ class CoordinatorServer:
     def active_workers(self) -> int:
         return sum(1 for c in self.conns.values() if c.state != "paused")
 
+    def smallest_memory_cap(self) -> int | None:
+        """The smallest tile memory cap among connected workers: tiles must fit all of them
+        for any worker to take any tile (None when no worker stated one)."""
+        caps = [c.profile.mem_cap_bytes for c in self.conns.values() if c.profile.mem_cap_bytes]
+        return min(caps) if caps else None
+
     # ---- work in -----------------------------------------------------------------------
 
     def submit(self, jobs: list[TileJob]) -> None:
