@@ -47,6 +47,11 @@ class TileComputer:
         self.threads = threads
         self.device = torch.device("cuda" if use_gpu and cuda_available() else "cpu")
         self._scratch: dict[int, torch.Tensor] = {}
+        if self.device.type == "cuda":
+            # The coordinator's Freivalds check assumes fp32 accumulation for bf16/fp16
+            # tiles; reduced-precision reductions would make honest tiles fail it.
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
     @property
     def device_name(self) -> str:
@@ -80,7 +85,6 @@ class TileComputer:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
 
     def _aligned(self, slot: int, t: torch.Tensor) -> torch.Tensor:
         """``t``, or a 64-byte-aligned copy of it when it is misaligned.

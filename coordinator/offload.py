@@ -7,7 +7,7 @@ must not stall the event loop); hands finished jobs to the loop thread-safely.
 from __future__ import annotations
 
 import asyncio
-import threading
+import logging
 from collections.abc import Callable
 
 import torch
@@ -18,6 +18,8 @@ from coordinator.executor import GemmDone
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.server import CoordinatorServer
 from coordinator.tiling import TiledGemm, TileJob
+
+log = logging.getLogger("cleave.coordinator")
 
 
 class TileOffload:
@@ -34,7 +36,6 @@ class TileOffload:
         self._loop = loop
         self._key = key
         self._plan_config = plan_config
-        self._lock = threading.Lock()
         self.step = 0
 
     def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
@@ -46,7 +47,11 @@ class TileOffload:
         config = self._plan_config(
             self._server.active_workers(), self._server.smallest_memory_cap()
         )
-        plan = plan_gemm(shape, config)
+        try:
+            plan = plan_gemm(shape, config)
+        except ValueError as exc:  # no tile of this GEMM fits: the coordinator computes it
+            log.warning("running %s locally: %s", name, exc)
+            return False
         if plan is None:
             return False
         gemm = TiledGemm(f"s{self.step}:{name}", plan, a, b, on_done=done)

@@ -49,12 +49,14 @@ from common.signing import fingerprint, public_key_hex
 from coordinator.ledger import Ledger
 from coordinator.scheduler import Scheduler, SchedulerConfig, Verdict
 from coordinator.tiling import TileJob
-from coordinator.verify import freivalds_ok
+from coordinator.verify import freivalds_ok, new_generator
 
 log = logging.getLogger("cleave.coordinator")
 
 WS_PATH = "/ws"
+MIN_PLANNING_MEMORY_CAP = 16 << 20
 STATUS_PATH = "/api/status"
+CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008  # RFC 6455: policy violation (malformed or forbidden messages)
 CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
 
@@ -128,7 +130,9 @@ class CoordinatorServer:
         self.jobs: dict[str, TileJob] = {}
         self.port = 0
         self._ids = itertools.count(1)
+        # One verify thread, so one private generator needs no lock.
         self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
+        self._check_vectors = new_generator()
         self._server: Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Condition()
@@ -174,9 +178,15 @@ class CoordinatorServer:
         return sum(1 for c in self.conns.values() if c.state != "paused")
 
     def smallest_memory_cap(self) -> int | None:
-        """The smallest tile memory cap among connected workers: tiles must fit all of them
-        for any worker to take any tile (None when no worker stated one)."""
-        caps = [c.profile.mem_cap_bytes for c in self.conns.values() if c.profile.mem_cap_bytes]
+        """The smallest tile memory cap among connected workers, so any worker can take
+        any tile (None when no worker stated one). Caps below a floor are left out: one
+        volunteer must not shred every GEMM into crumbs; the scheduler simply gives that
+        worker no tile larger than its cap."""
+        caps = [
+            c.profile.mem_cap_bytes
+            for c in self.conns.values()
+            if c.profile.mem_cap_bytes >= MIN_PLANNING_MEMORY_CAP
+        ]
         return min(caps) if caps else None
 
     # ---- work in -----------------------------------------------------------------------
@@ -212,7 +222,7 @@ class CoordinatorServer:
             await ws.close(CLOSE_POLICY, "no hello within the handshake timeout")
             return
         except _Drop as drop:
-            await ws.close(drop.code, drop.reason[:120])
+            await ws.close(drop.code, _close_reason(drop.reason))
             return
         except ConnectionClosed:
             return
@@ -221,8 +231,9 @@ class CoordinatorServer:
             async for data in ws:
                 await self._on_frame(conn, data)
         except _Drop as drop:
-            log.warning("closing %s (%s): %s", conn.worker_id, conn.name, drop.reason)
-            await ws.close(drop.code, drop.reason[:120])
+            level = logging.INFO if drop.code == CLOSE_NORMAL else logging.WARNING
+            log.log(level, "closing %s (%s): %s", conn.worker_id, conn.name, drop.reason)
+            await ws.close(drop.code, _close_reason(drop.reason))
         except ConnectionClosed:
             pass
         finally:
@@ -315,6 +326,10 @@ class CoordinatorServer:
     # ---- messages --------------------------------------------------------------------
 
     async def _on_frame(self, conn: WorkerConn, data: str | bytes) -> None:
+        if conn.worker_id not in self.conns:
+            # Expired while this frame waited in the socket buffer: its tiles are
+            # already re-issued; the connection is on its way out.
+            raise _Drop(CLOSE_TIMEOUT, "heartbeat timeout")
         conn.last_seen = self.clock()
         if isinstance(data, str):
             raise _Drop(CLOSE_POLICY, "text frames are not part of the protocol")
@@ -358,7 +373,7 @@ class CoordinatorServer:
             self._dispatch()
         elif isinstance(msg, Bye):
             log.info("worker %s is leaving: %s", conn.name, msg.reason or "no reason given")
-            raise _Drop(1000, "bye")
+            raise _Drop(CLOSE_NORMAL, "bye")
         else:
             await conn.ws.send(
                 encode_message(Error("unexpected", f"{msg.TYPE} is not sent by workers"))
@@ -398,7 +413,7 @@ class CoordinatorServer:
             log.warning("worker %s sent an undecodable result: %s", conn.name, exc.message)
         loop = asyncio.get_running_loop()
         ok = c is not None and await loop.run_in_executor(
-            self._verify_pool, freivalds_ok, job.a, job.b, c
+            self._verify_pool, freivalds_ok, job.a, job.b, c, self._check_vectors
         )
         now = self.clock()
         if not ok:
@@ -426,11 +441,18 @@ class CoordinatorServer:
             now=time.time(),
         )
         for other in completion.cancel:
-            other_conn = self.conns.get(other)
-            if other_conn is not None:
-                other_conn.outbox.put_nowait(encode_message(Cancel(msg.tile_id)))
+            self._cancel(other, msg.tile_id)
         self._dispatch()
-        await loop.run_in_executor(self._verify_pool, job.gemm.deliver, job.region, c)
+        finished = await loop.run_in_executor(self._verify_pool, job.gemm.deliver, job.region, c)
+        if finished:
+            # Keeps the scheduler's record of done tiles bounded by the GEMMs in flight.
+            for worker_id, tile_id in self.scheduler.forget_gemm(job.gemm.gemm_id):
+                self._cancel(worker_id, tile_id)
+
+    def _cancel(self, worker_id: str, tile_id: str) -> None:
+        conn = self.conns.get(worker_id)
+        if conn is not None:
+            conn.outbox.put_nowait(encode_message(Cancel(tile_id)))
 
     # ---- HTTP ------------------------------------------------------------------------
 
@@ -487,6 +509,11 @@ class CoordinatorServer:
                 "pending": self.scheduler.pending(),
             },
         }
+
+
+def _close_reason(text: str) -> str:
+    """A WebSocket close reason must fit 123 bytes of UTF-8; ours may quote the peer."""
+    return text.encode("utf-8")[:123].decode("utf-8", "ignore")
 
 
 def _json_response(body: dict[str, Any]) -> Response:

@@ -64,7 +64,9 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
     param_names = tuple(name for name, _ in model.named_parameters())
     buffer_names = tuple(name for name, _ in model.named_buffers())
     params = [p.detach() for _, p in model.named_parameters()]
-    buffers = [b for _, b in model.named_buffers()]
+    # Tracing in real mode runs the step once: clones keep it from updating the real
+    # buffers (BatchNorm statistics would move twice on the first step).
+    buffers = [b.detach().clone() for _, b in model.named_buffers()]
     leaves, batch_spec = pytree.tree_flatten((inputs, targets))
     n_params, n_buffers = len(params), len(buffers)
 
@@ -73,16 +75,21 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         b = dict(zip(buffer_names, flat[n_params : n_params + n_buffers], strict=True))
         x, y = pytree.tree_unflatten(list(flat[n_params + n_buffers :]), batch_spec)
 
-        def loss_of(p_: dict[str, torch.Tensor]) -> torch.Tensor:
-            return job.loss_fn(functional_call(model, (p_, b), (x,)), y)
+        # Buffers go in as an argument (not captured) so that in-place updates to them
+        # are allowed under grad_and_value; gradients are taken for p_ only.
+        def loss_of(p_: dict[str, torch.Tensor], b_: dict[str, torch.Tensor]) -> torch.Tensor:
+            return job.loss_fn(functional_call(model, (p_, b_), (x,)), y)
 
-        grads, loss = grad_and_value(loss_of)(p)
+        grads, loss = grad_and_value(loss_of)(p, b)
         return [grads[name] for name in param_names] + [loss]
 
     was_training = model.training
     model.train()
     try:
-        gm = make_fx(functionalize(step, remove="mutations"))(*params, *buffers, *leaves)
+        # The trace draws from the global RNG (dropout masks) like a real step would;
+        # forking it leaves the RNG stream to the real steps, as in local training.
+        with torch.random.fork_rng(devices=[]):
+            gm = make_fx(functionalize(step, remove="mutations"))(*params, *buffers, *leaves)
     finally:
         model.train(was_training)
     return TracedStep(gm, param_names, buffer_names, batch_spec)

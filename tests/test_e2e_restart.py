@@ -8,7 +8,6 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-
 from procs import Coordinator, Worker, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -29,8 +28,11 @@ def test_worker_reconnects_to_a_restarted_coordinator(tmp_path: Path) -> None:
     worker = Worker(tmp_path, first.url, "steadfast", "--backoff-base", "0.2")
     try:
         assert first.wait(120) == 0, first.output()
-        wait_until(lambda: "Reconnecting" in worker.output() or "reconnect" in worker.output(),
-                   30, "the worker to notice the coordinator is gone")
+        wait_until(
+            lambda: "Reconnecting" in worker.output() or "reconnect" in worker.output(),
+            30,
+            "the worker to notice the coordinator is gone",
+        )
         assert worker.proc.poll() is None, worker.output()
         second = Coordinator(tmp_path / "second", *args)
         assert second.wait(120) == 0, second.output()

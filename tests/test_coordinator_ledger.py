@@ -1,0 +1,131 @@
+"""The SQLite ledger of verified contributions: accumulation, durability, WAL, ordering."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.ledger import Contribution, Ledger
+
+
+def credit(ledger: Ledger, worker: str, flops: int, now: float = 1.0, **kw: float) -> None:
+    ledger.credit(
+        worker,
+        flops=flops,
+        bytes_down=int(kw.get("down", 100)),
+        bytes_up=int(kw.get("up", 10)),
+        compute_s=float(kw.get("s", 0.5)),
+        now=now,
+    )
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    led = Ledger(tmp_path / "ledger.sqlite")
+    yield led
+    led.close()
+
+
+def test_unknown_worker_has_an_empty_contribution(ledger: Ledger) -> None:
+    assert ledger.get("nobody") == Contribution("nobody")
+    assert ledger.all() == []
+
+
+def test_credits_and_rejections_accumulate(ledger: Ledger) -> None:
+    credit(ledger, "alice", 1_000_000_000, down=300, up=30, s=0.25)
+    credit(ledger, "alice", 500_000_000, down=200, up=20, s=0.5)
+    ledger.reject("alice", now=2.0)
+    ledger.reject("mallory", now=3.0)
+    ledger.reject("mallory", now=4.0)
+    alice = ledger.get("alice")
+    assert alice == Contribution("alice", 2, 1_500_000_000, 500, 50, 0.75, 1)
+    assert alice.gflop == pytest.approx(1.5)
+    assert alice.to_json() == {
+        "tiles": 2,
+        "gflop": 1.5,
+        "bytes_down": 500,
+        "bytes_up": 50,
+        "compute_s": 0.75,
+        "rejected": 1,
+    }
+    assert ledger.get("mallory") == Contribution("mallory", rejected=2)
+
+
+def test_first_and_last_seen(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    led = Ledger(path)
+    credit(led, "alice", 1, now=10.0)
+    credit(led, "alice", 1, now=20.0)
+    led.reject("alice", now=30.0)
+    led.reject("bob", now=5.0)
+    led.close()
+    with sqlite3.connect(path) as db:
+        rows = dict(
+            (w, (f, la))
+            for w, f, la in db.execute("SELECT worker, first_seen, last_seen FROM contributions")
+        )
+    assert rows == {"alice": (10.0, 30.0), "bob": (5.0, 5.0)}
+
+
+def test_contributions_survive_reopening_the_same_file(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "nested" / "ledger.sqlite"  # parents are created
+    first = Ledger(path)
+    credit(first, "alice", 7, down=1, up=2, s=3.0)
+    first.reject("bob", now=1.0)
+    first.close()
+    second = Ledger(path)
+    try:
+        assert second.get("alice") == Contribution("alice", 1, 7, 1, 2, 3.0, 0)
+        credit(second, "alice", 3)
+        assert second.get("alice").tiles == 2 and second.get("alice").flops == 10
+        assert second.get("bob").rejected == 1
+    finally:
+        second.close()
+
+
+def test_a_credit_is_visible_to_another_connection_before_close(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    led = Ledger(path)
+    try:
+        credit(led, "alice", 42)
+        with sqlite3.connect(path) as db:  # committed as it lands (autocommit)
+            assert db.execute("SELECT tiles, flops FROM contributions").fetchall() == [(1, 42)]
+    finally:
+        led.close()
+
+
+def test_wal_mode_is_on(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    Ledger(path).close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal"
+
+
+def test_all_is_ordered_by_flops_then_name(ledger: Ledger) -> None:
+    credit(ledger, "carol", 50)
+    credit(ledger, "bob", 100)
+    credit(ledger, "alice", 50)
+    credit(ledger, "dave", 10)
+    credit(ledger, "dave", 45)  # 55 in all
+    ledger.reject("eve", now=1.0)  # no flops at all
+    assert [c.worker for c in ledger.all()] == ["bob", "dave", "alice", "carol", "eve"]
+    assert [c.flops for c in ledger.all()] == [100, 55, 50, 50, 0]
+
+
+def test_concurrent_credits_from_many_threads_all_count(ledger: Ledger) -> None:
+    def work(name: str) -> None:
+        for _ in range(50):
+            credit(ledger, name, 2)
+            ledger.reject(name, now=1.0)
+
+    threads = [threading.Thread(target=work, args=(f"w{i % 2}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    totals = {c.worker: (c.tiles, c.flops, c.rejected) for c in ledger.all()}
+    assert totals == {"w0": (100, 200, 100), "w1": (100, 200, 100)}

@@ -1,0 +1,874 @@
+"""The coordinator's server in-process on 127.0.0.1 (port 0): real WebSockets, real workers.
+
+Honest workers are real ``client_app.worker.WorkerCore`` instances running in the same
+event loop; clients that must misbehave are raw websockets connections speaking
+``common.messages``. GEMMs are cut with ``TiledGemm.make_jobs`` as ``TileOffload`` does,
+and every assembled output is checked against ``torch.matmul``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+import coordinator.server as server_module
+from client_app.config import PinStore, WorkerSettings
+from client_app.worker import RunResult, WorkerCore
+from common import PROTOCOL_VERSION
+from common.frames import encode_frame
+from common.messages import (
+    Ack,
+    Bye,
+    Cancel,
+    DeviceProfile,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    Pause,
+    Received,
+    Result,
+    Task,
+    Welcome,
+    encode_message,
+    parse_message,
+    verify_task,
+)
+from common.signing import fingerprint, generate_private_key
+from coordinator.executor import DataflowExecutor
+from coordinator.job import Job
+from coordinator.ledger import Ledger
+from coordinator.offload import TileOffload
+from coordinator.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.scheduler import SchedulerConfig
+from coordinator.server import CoordinatorServer, ServerConfig
+from coordinator.tiling import TiledGemm
+from coordinator.tracing import trace_step
+
+pytestmark = pytest.mark.timeout(60)
+
+T = TypeVar("T")
+PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
+PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=8)
+K_SPLIT_PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, tile_mem_cap_bytes=30_000)
+FAST = dict(heartbeat_interval_s=0.1, expire_every_s=0.05)
+
+
+async def within(aw: Awaitable[T], seconds: float = 15.0) -> T:
+    return await asyncio.wait_for(aw, seconds)
+
+
+async def until(predicate: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# ---- the coordinator and its GEMMs ------------------------------------------------------
+
+
+class Coordinator:
+    def __init__(self, server: CoordinatorServer, ledger: Ledger) -> None:
+        self.server = server
+        self.ledger = ledger
+        port = server.port
+        self.url = f"ws://127.0.0.1:{port}/ws"
+        self.http = f"http://127.0.0.1:{port}"
+
+    def conn_ids(self) -> dict[str, str]:
+        """Connected workers: name -> worker id (a reconnect would get a new id)."""
+        return {c.name: c.worker_id for c in self.server.conns.values()}
+
+
+@contextlib.asynccontextmanager
+async def coordinator(
+    tmp_path: Path, clock: Callable[[], float] = time.monotonic, **config: Any
+) -> AsyncIterator[Coordinator]:
+    ledger = Ledger(tmp_path / "state" / "ledger.sqlite")
+    server = CoordinatorServer(
+        key=generate_private_key(),
+        job_name="loopback-job",
+        ledger=ledger,
+        config=ServerConfig(**{**FAST, **config}),
+        clock=clock,
+        status_extra=lambda: {"step": 7},
+    )
+    await server.start("127.0.0.1", 0)
+    try:
+        yield Coordinator(server, ledger)
+    finally:
+        await server.close()
+        ledger.close()
+
+
+class Gemm:
+    """One GEMM submitted as tiles; ``result`` resolves with the assembled output."""
+
+    def __init__(
+        self,
+        server: CoordinatorServer,
+        gemm_id: str,
+        shape: tuple[int, ...],
+        config: PlanConfig = PLAN,
+        seed: int = 0,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        *batch, m, k, n = shape
+        self.a = torch.randn(*batch, m, k, generator=g)
+        self.b = torch.randn(*batch, k, n, generator=g)
+        op = "bmm" if batch else "mm"
+        plan = plan_gemm(GemmShape(op, batch[0] if batch else 1, m, n, k, 4), config)
+        assert plan is not None
+        loop = asyncio.get_running_loop()
+        self.result: asyncio.Future[torch.Tensor] = loop.create_future()
+        self.done_calls = 0
+
+        def on_done(out: torch.Tensor) -> None:  # called on the server's verify thread
+            self.done_calls += 1
+            loop.call_soon_threadsafe(self.result.set_result, out)
+
+        self.tiled = TiledGemm(gemm_id, plan, self.a, self.b, on_done)
+        self.jobs = self.tiled.make_jobs(server.key)
+        self.tile_ids = [job.tile_id for job in self.jobs]
+        self.flops = sum(job.flops for job in self.jobs)
+        server.submit(self.jobs)
+
+    async def check(self, seconds: float = 20.0) -> torch.Tensor:
+        out = await within(self.result, seconds)
+        want = torch.matmul(self.a, self.b)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        assert self.done_calls == 1
+        return out
+
+
+# ---- honest workers (the real WorkerCore) -------------------------------------------------
+
+
+class Honest:
+    def __init__(self, url: str, tmp_path: Path, name: str, window: int = 2) -> None:
+        settings = WorkerSettings(
+            coordinator_url=url, name=name, threads=1, use_gpu=False, window=window
+        )
+        self.core = WorkerCore(
+            settings,
+            pin_check=PinStore.in_dir(tmp_path / f"pins-{name}").check,
+            profile=PROFILE,
+            backoff_base_s=0.02,
+            backoff_cap_s=0.1,
+            rng=random.Random(0),
+        )
+        self.task = asyncio.create_task(self.core.run())
+
+    async def stop(self) -> None:
+        self.core.stop()
+        assert await within(self.task) is RunResult.STOPPED
+
+
+@contextlib.asynccontextmanager
+async def honest_workers(coord: Coordinator, tmp_path: Path, *names: str) -> AsyncIterator[None]:
+    workers = [Honest(coord.url, tmp_path, name) for name in names]
+    try:
+        await until(lambda: set(names) <= set(coord.conn_ids()), f"workers {names} to join")
+        yield
+    finally:
+        for worker in workers:
+            await worker.stop()
+
+
+# ---- raw clients (for misbehaving) --------------------------------------------------------
+
+
+class Raw:
+    """A websockets client that speaks the protocol by hand."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.welcome: Welcome | None = None
+
+    @classmethod
+    async def connect(cls, url: str) -> Raw:
+        ws = await connect(url, compression=None, max_size=1 << 26, open_timeout=10)
+        return cls(ws)
+
+    @classmethod
+    async def join(cls, coord: Coordinator, name: str, window: int = 1) -> Raw:
+        raw = await cls.connect(coord.url)
+        await raw.send(Hello(name=name, profile=PROFILE, window=window))
+        welcome = (await raw.expect(Welcome)).message
+        assert isinstance(welcome, Welcome)
+        raw.welcome = welcome
+        await until(lambda: name in coord.conn_ids(), f"{name} to join")
+        return raw
+
+    async def send(
+        self, msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None
+    ) -> None:
+        await self.ws.send(encode_message(msg, tensors))
+
+    async def recv(self, seconds: float = 10.0) -> Received:
+        data = await within(self.ws.recv(), seconds)
+        assert isinstance(data, bytes)
+        return parse_message(data)
+
+    async def expect(self, cls: type, seconds: float = 10.0) -> Received:
+        """The next message other than an Ack; it must be a ``cls``."""
+        while True:
+            received = await self.recv(seconds)
+            if isinstance(received.message, Ack) and cls is not Ack:
+                continue
+            assert isinstance(received.message, cls), received.message
+            return received
+
+    async def until_closed(self, seconds: float = 10.0) -> tuple[int | None, list[Message]]:
+        """Read until the server closes: (close code, the messages received before it)."""
+        messages: list[Message] = []
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                data = await within(self.ws.recv(), seconds)
+                if isinstance(data, bytes):
+                    messages.append(parse_message(data).message)
+        await within(self.ws.wait_closed(), seconds)
+        return self.ws.close_code, messages
+
+    async def close(self) -> None:
+        # DESIGN §6: after a 1009 close, tearing down can raise AttributeError.
+        with contextlib.suppress(ConnectionClosed, AttributeError, OSError):
+            await within(self.ws.close(), 5)
+
+
+def answer(received: Received, coord: Coordinator, tamper: bool = False) -> tuple[Result, Any]:
+    """A Result for a task: the true product, or (tamper) a clearly wrong one."""
+    task = received.message
+    assert isinstance(task, Task)
+    a, b = verify_task(received, coord.server.key.public_key())
+    c = torch.matmul(a, b)
+    if tamper:
+        c = c.clone()
+        c[(0,) * c.dim()] += 100.0 * (1.0 + float(c.abs().max()))
+    return Result(tile_id=task.tile_id, compute_s=0.001), [("c", c)]
+
+
+def http_get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers.get("Content-Type", ""), err.read()
+
+
+# ---- happy path ----------------------------------------------------------------------------
+
+
+def test_two_workers_compute_every_tile_get_credit_and_show_in_status(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "alice", "bob"):
+            server = coord.server
+            mm = Gemm(server, "s0:mm", (96, 80, 72))
+            bmm = Gemm(server, "s0:bmm", (3, 40, 300, 24), K_SPLIT_PLAN, seed=1)
+            assert bmm.tiled.plan.k_split and len(mm.jobs) >= 8
+            await mm.check()
+            await bmm.check()
+            tiles = len(mm.jobs) + len(bmm.jobs)
+            counters = server.counters
+            assert counters.tiles_verified == counters.tiles_sent == tiles
+            assert (counters.rejected, counters.refused, counters.duplicates) == (0, 0, 0)
+            assert server.jobs == {} and server.scheduler.pending() == 0
+            assert counters.bytes_down == sum(len(j.bundle) for j in mm.jobs + bmm.jobs)
+
+            rows = {c.worker: c for c in coord.ledger.all()}
+            assert set(rows) == {"alice", "bob"}
+            assert rows["alice"].tiles > 0 and rows["bob"].tiles > 0
+            assert rows["alice"].tiles + rows["bob"].tiles == tiles
+            assert rows["alice"].flops + rows["bob"].flops == mm.flops + bmm.flops
+            assert sum(r.bytes_down for r in rows.values()) == counters.bytes_down
+            assert sum(r.bytes_up for r in rows.values()) == counters.bytes_up > 0
+            assert all(r.rejected == 0 and r.compute_s > 0 for r in rows.values())
+
+            status, ctype, body = await asyncio.to_thread(http_get, coord.http + "/api/status")
+            assert status == 200 and ctype == "application/json"
+            doc = json.loads(body)
+            assert doc["job"] == "loopback-job" and doc["step"] == 7
+            assert doc["coordinator_key"] == fingerprint(server.key)
+            assert {w["name"] for w in doc["workers"]} == {"alice", "bob"}
+            for w in doc["workers"]:
+                assert w["contribution"]["tiles"] == rows[w["name"]].tiles
+                assert w["tiles_session"] == rows[w["name"]].tiles
+                assert w["in_flight"] == 0 and w["device"] == "test cpu"
+            assert doc["tiles"]["verified"] == doc["tiles"]["sent"] == tiles
+            assert doc["tiles"]["queued"] == doc["tiles"]["pending"] == 0
+            assert doc["tiles"]["rejected"] == doc["tiles"]["reissued"] == 0
+            assert set(doc["ledger"]) == {"alice", "bob"}
+
+            status, _, _ = await asyncio.to_thread(http_get, coord.http + "/no/such/page")
+            assert status == 404
+            status, _, body = await asyncio.to_thread(http_get, coord.http + "/")
+            assert status == 200 and b"loopback-job" in body
+
+        assert coord.server.conns == {}  # both said bye and were forgotten
+
+    asyncio.run(scenario())
+
+
+def test_worker_cores_see_their_credit_in_heartbeat_acks(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            worker = Honest(coord.url, tmp_path, "carol")
+            try:
+                await until(lambda: "carol" in coord.conn_ids(), "carol to join")
+                gemm = Gemm(coord.server, "g", (64, 32, 48))
+                await gemm.check()
+                want = coord.ledger.get("carol")
+                assert want.tiles == len(gemm.jobs)
+                await until(
+                    lambda: worker.core.status.credit_tiles == want.tiles,
+                    "the credit to reach the worker",
+                )
+                assert worker.core.status.credit_gflop == pytest.approx(want.gflop, abs=1e-6)
+            finally:
+                await worker.stop()
+
+    asyncio.run(scenario())
+
+
+# ---- hostile clients -------------------------------------------------------------------------
+
+
+MAX_MESSAGE = 1 << 20
+
+
+def hostile_frame(kind: str) -> str | bytes:
+    if kind == "text":
+        return "hello, I am text"
+    if kind == "truncated":
+        beat = encode_message(Heartbeat(seq=1, state="working", in_flight=0))
+        return beat[:10]  # the header's length prefix runs past the end
+    if kind == "garbage":
+        return random.Random(3).randbytes(4096)
+    if kind == "oversize":
+        return b"\0" * (MAX_MESSAGE + 64)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    ("kind", "code", "error"),
+    [
+        ("text", 1008, None),
+        ("truncated", 1008, "bad_frame"),
+        ("garbage", 1008, "limit_exceeded"),
+        ("oversize", 1009, None),
+    ],
+)
+def test_a_hostile_connection_is_closed_and_the_honest_worker_finishes(
+    tmp_path: Path, kind: str, code: int, error: str | None
+) -> None:
+    async def scenario() -> None:
+        async with (
+            coordinator(tmp_path, max_message_bytes=MAX_MESSAGE) as coord,
+            honest_workers(coord, tmp_path, "honest"),
+        ):
+            honest_id = coord.conn_ids()["honest"]
+            raw = await Raw.join(coord, "mallory", window=2)
+            gemm = Gemm(coord.server, "g", (96, 64, 80), seed=2)
+            held = [(await raw.expect(Task)).message for _ in range(2)]  # mallory's share
+            try:
+                with contextlib.suppress(ConnectionClosed, AttributeError, OSError):
+                    await raw.ws.send(hostile_frame(kind))
+                close_code, messages = await raw.until_closed()
+            finally:
+                await raw.close()
+            assert close_code == code
+            errors = [m for m in messages if isinstance(m, Error)]
+            if error is not None:
+                assert [e.code for e in errors] == [error]
+            await gemm.check()
+            assert coord.conn_ids() == {"honest": honest_id}  # never dropped or reconnected
+            assert coord.server.scheduler.stats.reissued >= len(held)
+            assert coord.ledger.get("mallory").tiles == 0
+            assert coord.ledger.get("honest").tiles == len(gemm.jobs)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("first", ["text", "garbage", "heartbeat", "truncated"])
+def test_a_bad_first_message_is_refused_before_joining(tmp_path: Path, first: str) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            raw = await Raw.connect(coord.url)
+            try:
+                if first == "heartbeat":
+                    frame: str | bytes = encode_message(Heartbeat(1, "idle", 0))
+                else:
+                    frame = hostile_frame(first)
+                await raw.ws.send(frame)
+                close_code, messages = await raw.until_closed()
+            finally:
+                await raw.close()
+            assert close_code == 1008
+            assert not any(isinstance(m, Welcome) for m in messages)
+            assert coord.server.conns == {} and coord.server.scheduler.workers() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_never_says_hello_is_closed_after_the_handshake_timeout(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path, handshake_timeout_s=0.2) as coord:
+            started = time.monotonic()
+            raw = await Raw.connect(coord.url)
+            try:
+                close_code, messages = await raw.until_closed(seconds=5)
+            finally:
+                await raw.close()
+            elapsed = time.monotonic() - started
+            assert close_code == 1008 and messages == []
+            assert 0.2 <= elapsed < 4
+            assert coord.server.conns == {}
+
+    asyncio.run(scenario())
+
+
+def test_unknown_or_malformed_messages_get_an_error_and_the_connection_stays_open(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            raw = await Raw.join(coord, "curious")
+            try:
+                checks = [
+                    (encode_frame({"type": "bogus", "v": PROTOCOL_VERSION}), "unknown_type"),
+                    (encode_frame({"type": "heartbeat", "v": PROTOCOL_VERSION + 41}), "version"),
+                    (
+                        encode_frame(
+                            {"type": "heartbeat", "v": PROTOCOL_VERSION, "seq": 1, "state": "x"}
+                        ),
+                        "bad_message",
+                    ),
+                    (encode_message(Welcome("w", "00", 1.0, 1, "j")), "unexpected"),
+                ]
+                for seq, (frame, code) in enumerate(checks, start=1):
+                    await raw.ws.send(frame)
+                    error = (await raw.expect(Error)).message
+                    assert isinstance(error, Error) and error.code == code, error
+                    # Still open, still served: a heartbeat gets its Ack.
+                    await raw.send(Heartbeat(seq=seq, state="idle", in_flight=0))
+                    ack = (await raw.expect(Ack)).message
+                    assert isinstance(ack, Ack) and ack.seq == seq
+                assert "curious" in coord.conn_ids()
+            finally:
+                await raw.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_result_for_a_tile_not_assigned_to_the_sender_is_refused(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            raw = await Raw.join(coord, "eager", window=1)
+            try:
+                gemm = Gemm(coord.server, "g", (64, 48, 64), seed=3)
+                first = await raw.expect(Task)
+                assert isinstance(first.message, Task)
+                other = next(t for t in gemm.tile_ids if t != first.message.tile_id)
+                job = next(j for j in gemm.jobs if j.tile_id == other)
+                c = torch.matmul(job.a, job.b)  # even a correct product
+                await raw.send(Result(tile_id=other, compute_s=0.0), [("c", c)])
+                error = (await raw.expect(Error)).message
+                assert isinstance(error, Error)
+                assert (error.code, error.tile_id) == ("not_assigned", other)
+
+                # A result for a tile nobody knows is dropped quietly as a late duplicate.
+                await raw.send(Result(tile_id="nope/0.0.0.0", compute_s=0.0), [("c", c)])
+                await raw.send(Heartbeat(seq=1, state="working", in_flight=1))
+                assert isinstance((await raw.recv()).message, Ack)
+                assert coord.server.counters.duplicates == 1
+
+                # Now do the work honestly: every tile comes to this one client.
+                received = first
+                for i in range(len(gemm.jobs)):
+                    if i:
+                        received = await raw.expect(Task)
+                    result, tensors = answer(received, coord)
+                    await raw.send(result, tensors)
+                await gemm.check()
+                assert coord.ledger.get("eager").tiles == len(gemm.jobs)
+                assert coord.server.counters.rejected == 0
+            finally:
+                await raw.close()
+
+    asyncio.run(scenario())
+
+
+def test_wrong_results_are_rejected_and_the_tiles_reissued(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "honest"):
+            raw = await Raw.join(coord, "cheat", window=2)
+            sent: list[str] = []
+
+            async def cheat() -> None:
+                with contextlib.suppress(ConnectionClosed):
+                    while True:
+                        received = await raw.recv(30)
+                        if isinstance(received.message, Task):
+                            result, tensors = answer(received, coord, tamper=True)
+                            sent.append(result.tile_id)
+                            await raw.send(result, tensors)
+
+            cheating = asyncio.create_task(cheat())
+            try:
+                gemm = Gemm(coord.server, "g", (96, 64, 80), seed=4)
+                await gemm.check()
+                await until(lambda: coord.server.counters.rejected == len(sent), "verdicts")
+            finally:
+                cheating.cancel()
+                await asyncio.gather(cheating, return_exceptions=True)
+                await raw.close()
+            server = coord.server
+            assert len(sent) >= 2 and len(set(sent)) == len(sent)  # never the same tile twice
+            assert server.counters.rejected == len(sent)
+            assert server.scheduler.stats.reissued >= len(sent)
+            assert server.counters.tiles_verified == len(gemm.jobs)
+            cheat_row = coord.ledger.get("cheat")
+            assert (cheat_row.tiles, cheat_row.rejected) == (0, len(sent))
+            assert coord.ledger.get("honest").tiles == len(gemm.jobs)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("how", ["close", "bye", "refuse"])
+def test_tiles_of_a_worker_that_leaves_or_refuses_go_to_the_other_worker(
+    tmp_path: Path, how: str
+) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "stays"):
+            raw = await Raw.join(coord, "leaves", window=2)
+            gemm = Gemm(coord.server, "g", (96, 64, 80), seed=5)
+            held = [(await raw.expect(Task)).message.tile_id for _ in range(2)]
+            assert not any(coord.server.scheduler.is_done(t) for t in held)
+            if how == "close":
+                await raw.close()
+            elif how == "bye":
+                await raw.send(Bye(reason="going home"))
+                close_code, _ = await raw.until_closed()
+                assert close_code == 1000
+                await raw.close()
+            else:  # refuses every tile (as a worker does on a bad signature) and stays
+                refused = list(held)
+
+                async def refuse_all() -> None:
+                    with contextlib.suppress(ConnectionClosed):
+                        for tile_id in held:
+                            await raw.send(Error("bad_signature", "no thanks", tile_id))
+                        while True:
+                            msg = (await raw.recv(30)).message
+                            if isinstance(msg, Task):
+                                refused.append(msg.tile_id)
+                                await raw.send(Error("bad_signature", "no thanks", msg.tile_id))
+
+                refusing = asyncio.create_task(refuse_all())
+                try:
+                    await gemm.check()
+                    await until(lambda: coord.server.counters.refused == len(refused), "refusals")
+                finally:
+                    refusing.cancel()
+                    await asyncio.gather(refusing, return_exceptions=True)
+                status = coord.server.status()
+                leaves = next(w for w in status["workers"] if w["name"] == "leaves")
+                assert leaves["refused"] == len(refused) >= 2
+                await raw.close()
+            await gemm.check()
+            assert coord.server.scheduler.stats.reissued >= 2
+            assert coord.ledger.get("leaves").tiles == 0
+            assert coord.ledger.get("stays").tiles == len(gemm.jobs)
+            await until(lambda: set(coord.conn_ids()) == {"stays"}, "leaves to be forgotten")
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_stops_heartbeating_is_dropped_and_its_tiles_reissued(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        scheduler = SchedulerConfig(heartbeat_timeout_s=1.0)
+        async with (
+            coordinator(tmp_path, scheduler=scheduler) as coord,
+            honest_workers(coord, tmp_path, "alive"),
+        ):
+            raw = await Raw.join(coord, "silent", window=2)
+            gemm = Gemm(coord.server, "g", (96, 64, 80), seed=6)
+            for _ in range(2):
+                await raw.expect(Task)
+            try:
+                close_code, _ = await raw.until_closed(seconds=10)
+            finally:
+                await raw.close()
+            assert close_code == 4000
+            await gemm.check()
+            assert set(coord.conn_ids()) == {"alive"}
+            assert coord.ledger.get("alive").tiles == len(gemm.jobs)
+
+    asyncio.run(scenario())
+
+
+def test_a_paused_worker_hands_its_tiles_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "busy"):
+            raw = await Raw.join(coord, "napping", window=2)
+            assert coord.server.active_workers() == 2
+            gemm = Gemm(coord.server, "g", (96, 64, 80), seed=7)
+            for _ in range(2):
+                await raw.expect(Task)
+            await raw.send(Pause(reason="on battery"))
+            await gemm.check()
+            assert coord.server.active_workers() == 1
+            status = coord.server.status()
+            napping = next(w for w in status["workers"] if w["name"] == "napping")
+            assert (napping["state"], napping["reason"]) == ("paused", "on battery")
+            assert napping["in_flight"] == 0
+            await raw.close()
+
+    asyncio.run(scenario())
+
+
+# ---- the offload: a training step through the server --------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(48, 64)
+        self.fc2 = nn.Linear(64, 64, bias=False)
+        self.out = nn.Linear(64, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc2(F.relu(self.fc1(x)))))
+
+
+def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(32, 48), torch.randint(0, 6, (32,))
+    job = Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), [(x, y)])
+    traced = trace_step(job, x, y)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    want = [p.grad.clone() for p in model.parameters()] + [loss.detach()]
+    flat = [p.detach() for p in model.parameters()] + list(model.buffers())
+    flat += pytree.tree_leaves((x, y))
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):
+            server = coord.server
+            submitted: list[str] = []
+            submit = server.submit
+
+            def recording_submit(jobs: list[Any]) -> None:
+                submitted.extend(job.tile_id for job in jobs)
+                submit(jobs)
+
+            server.submit = recording_submit  # type: ignore[method-assign]
+            offload = TileOffload(
+                server,
+                asyncio.get_running_loop(),
+                server.key,
+                lambda workers, *_: replace(PLAN, target_tiles=2 * workers),
+            )
+            offload.step = 3
+            cancel = threading.Event()
+            try:
+                got, stats = await within(
+                    asyncio.to_thread(
+                        DataflowExecutor(offload, poll_s=0.01).run, traced, flat, cancel
+                    ),
+                    30,
+                )
+            finally:
+                cancel.set()
+            assert stats.gemms_offloaded == len(traced.gemm_nodes()) and stats.gemms_local == 0
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"output {i}")
+            assert server.counters.tiles_verified > stats.gemms_offloaded  # several per GEMM
+            assert {c.worker for c in coord.ledger.all()} == {"w1", "w2"}
+            assert len(submitted) == server.counters.tiles_verified
+            assert all(t.startswith("s3:") for t in submitted)  # the step is in the tile ids
+
+    asyncio.run(scenario())
+
+
+def test_the_offload_declines_what_it_cannot_tile(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            server = coord.server
+            submitted: list[str] = []
+            submit = server.submit
+
+            def recording_submit(jobs: list[Any]) -> None:
+                submitted.extend(job.tile_id for job in jobs)
+                submit(jobs)
+
+            server.submit = recording_submit  # type: ignore[method-assign]
+            offload = TileOffload(
+                server, asyncio.get_running_loop(), server.key, lambda *_: PlanConfig()
+            )
+
+            def never(value: object) -> None:
+                raise AssertionError("declined GEMMs must not complete")
+
+            ints = torch.ones(8, 8, dtype=torch.int64)
+            small = torch.ones(8, 8)
+            assert offload.start("ints", "mm", ints, ints, never) is False
+            assert offload.start("mixed", "mm", small, small.double(), never) is False
+            cplx = torch.ones(8, 8, dtype=torch.complex64)
+            assert offload.start("complex", "mm", cplx, cplx, never) is False
+            # 1 kFLOP is far below PlanConfig().min_offload_flops: run it at the coordinator.
+            assert offload.start("tiny", "mm", small, small, never) is False
+            assert server.jobs == {} and server.counters.tiles_sent == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_straggler_past_its_deadline_is_cancelled_and_its_late_result_ignored(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        scheduler = SchedulerConfig(tile_timeout_s=0.3)
+        async with (
+            coordinator(tmp_path, scheduler=scheduler) as coord,
+            honest_workers(coord, tmp_path, "quick"),
+        ):
+            raw = await Raw.join(coord, "slow", window=2)
+            gemm = Gemm(coord.server, "g", (96, 64, 80), seed=8)
+            tasks = [await raw.expect(Task) for _ in range(2)]
+            held = {t.message.tile_id for t in tasks}  # type: ignore[union-attr]
+            # Keep heartbeating (alive, just slow) until both tiles are cancelled.
+            cancelled: set[str] = set()
+            seq = 0
+            deadline = time.monotonic() + 10
+            while cancelled != held:
+                assert time.monotonic() < deadline, f"cancels seen: {cancelled}"
+                seq += 1
+                await raw.send(Heartbeat(seq=seq, state="working", in_flight=2))
+                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                    while True:  # everything that arrives within the next 0.1 s
+                        msg = (await raw.recv(0.1)).message
+                        if isinstance(msg, Cancel):
+                            cancelled.add(msg.tile_id)
+            await gemm.check()
+            duplicates = coord.server.counters.duplicates
+            result, tensors = answer(tasks[0], coord)  # far too late
+            await raw.send(result, tensors)
+            await raw.send(Heartbeat(seq=seq + 1, state="idle", in_flight=0))
+            assert isinstance((await raw.expect(Ack)).message, Ack)  # and no Error first
+            assert coord.server.counters.duplicates == duplicates + 1
+            assert coord.ledger.get("slow").tiles == 0
+            assert coord.server.scheduler.stats.reissued >= 2
+            await raw.close()
+
+    asyncio.run(scenario())
+
+
+# ---- known bugs --------------------------------------------------------------------------------
+
+
+def test_a_bad_hello_with_non_ascii_text_is_closed_with_policy_violation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            raw = await Raw.connect(coord.url)
+            try:
+                await raw.ws.send(encode_frame({"type": "\u00e9" * 64, "v": PROTOCOL_VERSION}))
+                close_code, messages = await raw.until_closed()
+            finally:
+                await raw.close()
+            assert [m.code for m in messages if isinstance(m, Error)] == ["unknown_type"]
+            assert close_code == 1008
+
+    asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_heartbeat_processed_after_the_worker_expired_is_ignored_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    verify = server_module.freivalds_ok
+
+    def held_verify(*args: Any, **kwargs: Any) -> bool:
+        gate.wait(10)  # holds the result while the worker expires behind it
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "freivalds_ok", held_verify)
+    now = [1000.0]
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path, clock=lambda: now[0]) as coord:
+            server = coord.server
+            raw = await Raw.join(coord, "late", window=1)
+            worker_id = coord.conn_ids()["late"]
+            Gemm(server, "g", (32, 16, 32))
+            result, tensors = answer(await raw.expect(Task), coord)
+            await raw.send(result, tensors)  # its check waits on the gate...
+            await raw.send(Heartbeat(seq=1, state="working", in_flight=1))  # ...this queues
+            await until(lambda: server.counters.tiles_sent == 1, "the tile to go out")
+            now[0] += 3600  # every heartbeat deadline passes
+            await until(lambda: worker_id not in server.scheduler.workers(), "expiry")
+            gate.set()
+            close_code, _ = await raw.until_closed()
+            assert close_code == 4000
+            await raw.close()
+        # Leaving the context waited for every connection handler to finish.
+
+    asyncio.run(scenario())
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failures, [r.getMessage() for r in failures]
+
+
+def test_one_worker_with_a_tiny_memory_cap_does_not_break_offloading(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            raw = await Raw.connect(coord.url)
+            try:
+                await raw.send(Hello("tiny", replace(PROFILE, mem_cap_bytes=1), window=1))
+                await raw.expect(Welcome)
+                server = coord.server
+                offload = TileOffload(
+                    server,
+                    asyncio.get_running_loop(),
+                    server.key,
+                    # What cli.py passes.
+                    lambda workers, memory_cap: PlanConfig(
+                        min_offload_flops=1,
+                        target_tiles=max(2, 2 * workers),
+                        tile_mem_cap_bytes=memory_cap or PlanConfig.tile_mem_cap_bytes,
+                    ),
+                )
+                a = torch.randn(64, 64)
+                started = await asyncio.to_thread(offload.start, "mm", "mm", a, a, lambda v: None)
+                assert started is False or len(server.jobs) <= 64
+            finally:
+                await raw.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,149 @@
+"""The trainer in-process: trace, dataflow step through an offload, optimizer, metrics.
+
+Per-step losses must equal plain ``train_locally`` of the same job and seed: exactly
+without an offload, within 1e-5 relative with GEMMs finished on another thread.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coordinator.executor import GemmDone, StepCancelled
+from coordinator.job import Job, train_locally
+from coordinator.jobs.tiny_gpt import make_job
+from coordinator.trainer import PoolCounters, StepRecord, Trainer
+
+pytestmark = pytest.mark.timeout(60)
+GPT_GEMMS = 39
+
+
+class InThreadOffload:
+    """Every GEMM goes to one worker thread, which answers in arrival order.
+
+    Counts a tile per GEMM, like the server's counters, for ``pool_counters``.
+    """
+
+    def __init__(self) -> None:
+        self.step = -1  # set by the trainer before each step
+        self.steps_seen: list[int] = []
+        self.tiles = 0
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[tuple[torch.Tensor, torch.Tensor, GemmDone] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
+        if not self.steps_seen or self.steps_seen[-1] != self.step:
+            self.steps_seen.append(self.step)
+        self._inbox.put((a, b, done))
+        return True
+
+    def _serve(self) -> None:
+        while (item := self._inbox.get()) is not None:
+            a, b, done = item
+            c = torch.matmul(a, b)
+            with self._lock:
+                self.tiles += 1
+            done(c)
+
+    def counters(self) -> PoolCounters:
+        with self._lock:
+            return PoolCounters(tiles_verified=self.tiles, reissued=0, workers=2)
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(5)
+
+
+def assert_losses_match(got: list[float], want: list[float], rel: float = 1e-5) -> None:
+    assert len(got) == len(want), (got, want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= rel * abs(w), f"step {step}: trainer {g!r} vs local {w!r}"
+
+
+def test_three_steps_through_an_offload_match_local_training(tmp_path: Path) -> None:
+    want = train_locally(make_job(seed=0), 3)
+    offload = InThreadOffload()
+    metrics = tmp_path / "metrics.jsonl"
+    seen: list[StepRecord] = []
+    trainer = Trainer(
+        make_job(seed=0), offload, pool_counters=offload.counters, metrics_out=metrics
+    )
+    try:
+        records = trainer.run(3, on_step=seen.append)
+    finally:
+        offload.close()
+    assert seen == records and [r.step for r in records] == [0, 1, 2]
+    assert_losses_match([r.loss for r in records], want)
+    assert trainer.losses == [r.loss for r in records] and trainer.step == 3
+    assert offload.steps_seen == [0, 1, 2]
+    assert trainer.dag["gemms"] == GPT_GEMMS and trainer.dag["critical_path"] == 26
+    lines = metrics.read_text().splitlines()
+    assert len(lines) == 3
+    for i, line in enumerate(lines):
+        row = json.loads(line)
+        assert {"step", "loss", "seconds", "tiles", "reissued", "workers"} <= set(row)
+        assert row["step"] == i and row["loss"] == records[i].loss
+        assert row["tiles"] == GPT_GEMMS and row["reissued"] == 0 and row["workers"] == 2
+        assert row["gemms_offloaded"] == GPT_GEMMS and row["gemms_local"] == 0
+        assert row["seconds"] > 0
+
+
+def test_without_an_offload_training_is_bit_identical_to_local(tmp_path: Path) -> None:
+    local_job = make_job(seed=2)
+    want = train_locally(local_job, 3)
+    job = make_job(seed=2)
+    records = Trainer(job, None).run(3)
+    assert [r.loss for r in records] == want
+    for (name, p), (_, q) in zip(
+        job.model.named_parameters(), local_job.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    assert all(p.grad is None for p in job.model.parameters())  # zero_grad(set_to_none)
+    assert all(r.gemms_local == GPT_GEMMS and r.tiles == 0 for r in records)
+
+
+def _mlp_job(batches: int, dropout: float = 0.0) -> Job:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 32), nn.ReLU()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    model = nn.Sequential(*layers, nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))]
+    data *= batches
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return Job(model=model, loss_fn=F.cross_entropy, optimizer=opt, batches=data, name="mlp")
+
+
+def test_training_stops_when_the_batches_run_out(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    records = Trainer(_mlp_job(batches=2), None, metrics_out=metrics).run(5)
+    assert [r.step for r in records] == [0, 1]
+    assert len(metrics.read_text().splitlines()) == 2
+
+
+def test_a_cancelled_step_raises_and_records_nothing(tmp_path: Path) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    metrics = tmp_path / "m.jsonl"
+    trainer = Trainer(_mlp_job(batches=3), None, metrics_out=metrics, cancel=cancel)
+    with pytest.raises(StepCancelled):
+        trainer.run(2)
+    assert trainer.step == 0 and trainer.losses == [] and not metrics.exists()
+
+
+def test_a_dropout_model_matches_local_training() -> None:
+    want = train_locally(_mlp_job(batches=3, dropout=0.5), 3)
+    got = [r.loss for r in Trainer(_mlp_job(batches=3, dropout=0.5), None).run(3)]
+    assert_losses_match(got, want)

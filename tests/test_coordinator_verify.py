@@ -1,0 +1,252 @@
+"""Freivalds' check of returned tiles (coordinator.verify.freivalds_ok).
+
+Honest products must pass for every wire dtype, mm and bmm, across shapes up to K=8192
+and large magnitudes; wrong products (one element off, transposed, shuffled, NaN, zeros,
+wrong shape or dtype) must fail. Every call gets its own seeded generator, so each case
+is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from coordinator.verify import freivalds_ok, new_generator
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Largest |value| used per dtype: fp16 overflows at 65504, so its products stay small.
+MAGNITUDES = {
+    torch.float32: (1e-3, 1.0, 1e3),
+    torch.float64: (1e-3, 1.0, 1e3),
+    torch.bfloat16: (1e-3, 1.0, 1e3),
+    torch.float16: (0.1, 1.0),  # smaller values make subnormal products: see the xfail
+}
+SHAPES = (  # (batch or None, m, k, n)
+    (None, 1, 1, 1),
+    (None, 3, 7, 5),
+    (None, 64, 64, 64),
+    (None, 200, 3, 300),
+    (None, 17, 8192, 9),
+    (None, 1, 8192, 1),
+    (None, 96, 2048, 40),
+    (2, 1, 1, 1),
+    (3, 16, 33, 8),
+    (4, 64, 64, 64),
+    (2, 12, 8192, 6),
+)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def operands(
+    batch: int | None, m: int, k: int, n: int, dtype: torch.dtype, scale: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = gen(seed)
+    lead = () if batch is None else (batch,)
+    a = torch.randn(*lead, m, k, generator=g, dtype=torch.float64) * scale
+    b = torch.randn(*lead, k, n, generator=g, dtype=torch.float64) * scale
+    return a.to(dtype), b.to(dtype)
+
+
+def honest(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """What a worker returns: torch.matmul / torch.bmm in the tile's dtype."""
+    return torch.matmul(a, b) if a.dim() == 2 else torch.bmm(a, b)
+
+
+def fits_fp16(k: int, scale: float) -> bool:
+    # |c| ~ k * scale^2 in the worst case: keep honest fp16 products finite.
+    return k * scale * scale * 8 < 65504
+
+
+def honest_cases() -> list[tuple[torch.dtype, tuple[int | None, int, int, int], float]]:
+    cases = []
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            for scale in MAGNITUDES[dtype]:
+                if dtype == torch.float16 and not fits_fp16(shape[2], scale):
+                    continue
+                cases.append((dtype, shape, scale))
+    return cases
+
+
+def test_honest_products_pass_for_every_dtype_op_and_shape() -> None:
+    cases = honest_cases()
+    failures = []
+    for i, (dtype, (batch, m, k, n), scale) in enumerate(cases):
+        for repeat in range(2):  # two operand draws and two check vectors per case
+            seed = 1000 * i + repeat
+            a, b = operands(batch, m, k, n, dtype, scale, seed)
+            if not freivalds_ok(a, b, honest(a, b), gen(seed + 7)):
+                failures.append((dtype, (batch, m, k, n), scale, seed))
+    assert len(cases) * 2 >= 190
+    assert not failures, failures
+
+
+def test_honest_products_pass_with_random_shapes_and_offsets() -> None:
+    # Non-zero means and mixed signs: cancellation makes |a @ b| far smaller than |a||b|.
+    rng = random.Random(5)
+    for case in range(60):
+        dtype = rng.choice(DTYPES)
+        batch = rng.choice([None, rng.randint(1, 4)])
+        m, n = rng.randint(1, 48), rng.randint(1, 48)
+        k = rng.choice([1, 2, 5, 31, 64, 257, 1024, 4096])
+        scale = 1.0 if dtype == torch.float16 and k > 1024 else rng.choice([0.5, 1.0, 4.0])
+        if dtype == torch.float16 and not fits_fp16(k, scale + 1.0):
+            scale = 0.5
+        a, b = operands(batch, m, k, n, torch.float64, scale, 50_000 + case)
+        a, b = (a + rng.uniform(-1, 1)).to(dtype), (b + rng.uniform(-1, 1)).to(dtype)
+        assert freivalds_ok(a, b, honest(a, b), gen(case)), (dtype, batch, m, k, n)
+
+
+def test_honest_product_passes_with_a_private_unpredictable_generator() -> None:
+    a, b = operands(None, 32, 256, 16, torch.float32, 1.0, 3)
+    first, second = new_generator(), new_generator()
+    assert freivalds_ok(a, b, honest(a, b), first)
+    assert not torch.equal(torch.randn(4, generator=first), torch.randn(4, generator=second))
+
+
+def test_empty_product_passes_and_accumulated_product_in_fp64_passes() -> None:
+    a, b = torch.zeros(0, 4), torch.zeros(4, 3)
+    assert freivalds_ok(a, b, torch.zeros(0, 3), new_generator())
+    # The coordinator's own fp64 reference of an fp32 tile, rounded back: still honest.
+    a, b = operands(None, 40, 3000, 20, torch.float32, 10.0, 4)
+    c = (a.double() @ b.double()).float()
+    assert freivalds_ok(a, b, c, gen(1))
+
+
+# ---- wrong products fail ----------------------------------------------------------------
+
+TAMPER_SHAPES = (
+    (None, 8, 16, 8),
+    (None, 64, 64, 64),
+    (None, 33, 1024, 17),
+    (None, 17, 8192, 9),
+    (3, 16, 64, 16),
+    (2, 12, 8192, 6),
+)
+
+
+def row_magnitude(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sum over a row of C of |A||B|: the size of everything that row's values are made of."""
+    return (a.double().abs() @ b.double().abs()).sum(-1)
+
+
+def with_one_element_changed(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, fraction: float, seed: int
+) -> torch.Tensor:
+    rng = random.Random(seed)
+    index = tuple(rng.randrange(size) for size in c.shape)
+    bad = c.clone()
+    delta = fraction * float(row_magnitude(a, b)[index[:-1]])
+    bad[index] = float(bad[index]) + rng.choice([-1, 1]) * delta
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_element_off_by_one_percent_of_its_row_fails(dtype: torch.dtype) -> None:
+    for i, (batch, m, k, n) in enumerate(TAMPER_SHAPES):
+        for scale in (1.0, 1e3):
+            for repeat in range(3):
+                seed = 100 * i + 10 * repeat + int(scale > 1)
+                a, b = operands(batch, m, k, n, dtype, scale, seed)
+                bad = with_one_element_changed(a, b, honest(a, b), 0.01, seed)
+                assert not freivalds_ok(a, b, bad, gen(seed)), (batch, m, k, n, scale, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_transposed_shuffled_scaled_or_zero_products_fail(dtype: torch.dtype) -> None:
+    for i, (batch, m, k, n) in enumerate(TAMPER_SHAPES + ((None, 48, 48, 48), (2, 20, 8, 20))):
+        a, b = operands(batch, m, k, n, dtype, 1.0, 700 + i)
+        c = honest(a, b)
+        wrong = {
+            "zeros": torch.zeros_like(c),
+            "rows shuffled": c[..., torch.randperm(m, generator=gen(i)), :],
+            "columns shuffled": c[..., torch.randperm(n, generator=gen(i)).flip(0)],
+            "off by 1%": c * 1.01,
+            "product of other operands": honest(*operands(batch, m, k, n, dtype, 1.0, 900 + i)),
+        }
+        if m == n:
+            wrong["transposed"] = c.transpose(-1, -2).contiguous()
+        for what, bad in wrong.items():
+            if torch.equal(bad, c):  # a 1-row shuffle or a tiny tile can change nothing
+                continue
+            assert not freivalds_ok(a, b, bad, gen(i)), (what, batch, m, k, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+def test_non_finite_value_injected_into_an_honest_product_fails(
+    dtype: torch.dtype, poison: float
+) -> None:
+    for batch, m, k, n in ((None, 8, 32, 8), (3, 5, 64, 7)):
+        a, b = operands(batch, m, k, n, dtype, 1.0, 11)
+        bad = honest(a, b).clone()
+        bad[(0,) * bad.dim()] = poison
+        assert not freivalds_ok(a, b, bad, gen(1))
+
+
+def test_wrong_shape_or_dtype_fails() -> None:
+    a, b = operands(None, 8, 16, 6, torch.float32, 1.0, 1)
+    c = honest(a, b)
+    assert not freivalds_ok(a, b, c[:-1], new_generator())
+    assert not freivalds_ok(a, b, c[:, :-1], new_generator())
+    assert not freivalds_ok(a, b, c.reshape(6, 8), new_generator())
+    assert not freivalds_ok(a, b, c.unsqueeze(0), new_generator())
+    assert not freivalds_ok(a, b, c.reshape(-1), new_generator())
+    assert not freivalds_ok(a, b, c.double(), new_generator())
+    assert not freivalds_ok(a, b, c.to(torch.bfloat16), new_generator())
+    assert not freivalds_ok(a, b, c.to(torch.int32), new_generator())
+    ab, bb = operands(3, 8, 16, 6, torch.float32, 1.0, 2)
+    cb = honest(ab, bb)
+    assert freivalds_ok(ab, bb, cb, new_generator())
+    assert not freivalds_ok(ab, bb, cb[:2], new_generator())
+    assert not freivalds_ok(ab, bb, cb[0], new_generator())
+    assert not freivalds_ok(ab, bb, cb.half(), new_generator())
+
+
+# ---- known bugs -------------------------------------------------------------------------
+
+
+def test_half_precision_garbage_fails() -> None:
+    accepted = []
+    cases = [
+        (torch.bfloat16, (None, 64, 64, 64)),
+        (torch.bfloat16, (3, 32, 256, 32)),
+        (torch.bfloat16, (None, 128, 4096, 64)),
+        (torch.float16, (None, 128, 4096, 64)),
+        (torch.float16, (None, 17, 8192, 9)),
+    ]
+    for i, (dtype, (batch, m, k, n)) in enumerate(cases):
+        a, b = operands(batch, m, k, n, dtype, 1.0, 40 + i)
+        c = honest(a, b)
+        wrong = {"zeros": torch.zeros_like(c)}
+        if m == n:
+            wrong["transposed"] = c.transpose(-1, -2).contiguous()
+        for what, bad in wrong.items():
+            if freivalds_ok(a, b, bad, gen(i)):
+                accepted.append((dtype, (batch, m, k, n), what))
+    assert not accepted, accepted
+
+
+def test_honest_fp16_products_in_the_subnormal_range_pass() -> None:
+    rejected = []
+    for seed in range(20):
+        g = gen(seed)
+        a = (torch.randn(8, 1, generator=g) * 0.003).half()
+        b = (torch.randn(1, 8, generator=g) * 0.003).half()
+        if not freivalds_ok(a, b, honest(a, b), gen(seed)):
+            rejected.append(seed)
+    assert not rejected, rejected
+
+
+def test_check_leaves_the_global_rng_alone() -> None:
+    a, b = operands(None, 16, 32, 8, torch.float32, 1.0, 0)
+    c = honest(a, b)
+    state = torch.random.get_rng_state()
+    assert freivalds_ok(a, b, c, new_generator())
+    assert torch.equal(torch.random.get_rng_state(), state)
