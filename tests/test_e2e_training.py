@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import signal
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -125,9 +126,17 @@ def test_sigkill_of_a_worker_mid_step_reissues_its_tiles(tmp_path: Path) -> None
         # Freeze the victim first so that it is certainly holding tiles when it dies.
         victim.proc.send_signal(signal.SIGSTOP)
 
-        def victim_holds_tiles() -> bool:
+        def victim_in_flight() -> int:
             workers = coord.status()["workers"]
-            return any(w["name"] == "victim" and w["in_flight"] > 0 for w in workers)
+            return sum(w["in_flight"] for w in workers if w["name"] == "victim")
+
+        def victim_holds_tiles() -> bool:
+            # Results it sent just before it froze may still be on their way: only a
+            # count that stays above zero means tiles it will never return.
+            if victim_in_flight() == 0:
+                return False
+            time.sleep(0.3)
+            return victim_in_flight() > 0
 
         wait_until(victim_holds_tiles, 30, "the frozen victim to hold tiles")
         victim.proc.send_signal(signal.SIGKILL)
