@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if log.getEffectiveLevel() > logging.DEBUG:
+        # One line per HTTP request and connection drowns the training output.
+        logging.getLogger("websockets").setLevel(logging.WARNING)
     return asyncio.run(serve(args))
 
 

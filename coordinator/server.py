@@ -231,8 +231,8 @@ class CoordinatorServer:
             async for data in ws:
                 await self._on_frame(conn, data)
         except _Drop as drop:
-            level = logging.INFO if drop.code == CLOSE_NORMAL else logging.WARNING
-            log.log(level, "closing %s (%s): %s", conn.worker_id, conn.name, drop.reason)
+            if drop.code != CLOSE_NORMAL:
+                log.warning("closing %s (%s): %s", conn.worker_id, conn.name, drop.reason)
             await ws.close(drop.code, _close_reason(drop.reason))
         except ConnectionClosed:
             pass

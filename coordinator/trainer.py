@@ -87,7 +87,14 @@ class Trainer:
         traced = self.tracer.get(inputs, targets)
         if not self.dag:
             self.dag = dag_summary(gemm_dag(traced))
-            log.info("traced step: %s", self.dag)
+            ops = self.dag.get("ops", {})
+            log.info(
+                "traced step: %d GEMMs (%s), %.2f GFLOP, critical path %d GEMMs",
+                self.dag["gemms"],
+                ", ".join(f"{n} {op}" for op, n in ops.items()),
+                self.dag["gflop"],
+                self.dag["critical_path"],
+            )
         if self.offload is not None and hasattr(self.offload, "step"):
             self.offload.step = self.step
         model = self.job.model
