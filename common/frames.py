@@ -55,12 +55,37 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _padded_header(header: dict[str, Any]) -> bytes:
+    body = canonical_json(header)
+    return body + b" " * ((-(_PREFIX.size + len(body))) % PAYLOAD_ALIGN)
+
+
 def encode_frame(header: dict[str, Any], payload: Sequence[Buffer] = ()) -> bytes:
     """Build one wire message. ``payload`` parts are concatenated as given."""
-    body = canonical_json(header)
-    pad = (-(_PREFIX.size + len(body))) % PAYLOAD_ALIGN
-    body += b" " * pad
+    body = _padded_header(header)
     return b"".join([_PREFIX.pack(len(body)), body, *payload])
+
+
+def allocate_frame(header: dict[str, Any], payload_len: int) -> tuple[bytearray, memoryview]:
+    """A frame with ``header`` written and a zeroed, writable payload of ``payload_len``.
+
+    Lets a sender write tensors straight into the message (one copy, not two) and
+    fill in header fields of fixed length afterwards with ``rewrite_header``.
+    """
+    body = _padded_header(header)
+    frame = bytearray(_PREFIX.size + len(body) + payload_len)
+    _PREFIX.pack_into(frame, 0, len(body))
+    frame[_PREFIX.size : _PREFIX.size + len(body)] = body
+    return frame, memoryview(frame)[_PREFIX.size + len(body) :]
+
+
+def rewrite_header(frame: bytearray, header: dict[str, Any]) -> None:
+    """Replace the header of an allocated frame by one that encodes to the same length."""
+    (old_len,) = _PREFIX.unpack_from(frame, 0)
+    body = canonical_json(header)
+    if len(body) > old_len:
+        raise ValueError(f"new header is {len(body)} bytes; the frame has room for {old_len}")
+    frame[_PREFIX.size : _PREFIX.size + old_len] = body + b" " * (old_len - len(body))
 
 
 def decode_frame(data: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Frame:

@@ -17,10 +17,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from common import PROTOCOL_VERSION
 from common.errors import LimitExceeded, ProtocolError, TensorCodecError
-from common.frames import Frame, decode_frame, encode_frame
+from common.frames import Frame, allocate_frame, decode_frame, encode_frame, rewrite_header
 from common.limits import DEFAULT_LIMITS, WireLimits
-from common.signing import SIGNATURE_FIELD, sign_bundle, verify_bundle
-from common.tensors import decode_tensors, encode_tensors
+from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, sign_bundle, verify_bundle
+from common.tensors import decode_tensors, encode_tensors, layout_tensors, write_tensors
 
 TILE_OPS = ("mm", "bmm")  # the op whitelist: a worker computes nothing else
 WORKER_STATES = ("working", "idle", "paused")
@@ -390,20 +390,30 @@ def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None 
 
 def encode_task(
     tile_id: str, op: str, a: torch.Tensor, b: torch.Tensor, key: Ed25519PrivateKey
-) -> bytes:
-    """A signed task bundle for ``a @ b``; the payload is hashed once, in its parts."""
+) -> bytearray:
+    """A signed task bundle for ``a @ b``.
+
+    The operands (any strides: tiles are usually slices of a larger matrix) are copied
+    once, straight into the frame, which is then hashed and signed in place.
+    """
     if op not in TILE_OPS:
         raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
-    descriptors, parts = encode_tensors([("a", a), ("b", b)])
+    operands = [("a", a), ("b", b)]
+    descriptors, payload_len = layout_tensors(operands)
     header = {
         "type": Task.TYPE,
         "v": PROTOCOL_VERSION,
         "tile_id": tile_id,
         "op": op,
         "tensors": descriptors,
+        # A placeholder of the signature's exact length, so the header keeps its size.
+        SIGNATURE_FIELD: "0" * SIGNATURE_HEX_LEN,
     }
-    header[SIGNATURE_FIELD] = sign_bundle(key, header, parts)
-    return encode_frame(header, parts)
+    frame, payload = allocate_frame(header, payload_len)
+    write_tensors(payload, operands, descriptors)
+    header[SIGNATURE_FIELD] = sign_bundle(key, header, payload)
+    rewrite_header(frame, header)
+    return frame
 
 
 def verify_task(received: Received, key: Ed25519PublicKey) -> tuple[torch.Tensor, torch.Tensor]:

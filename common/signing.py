@@ -24,7 +24,7 @@ from common.frames import canonical_json
 
 TASK_DOMAIN = b"cleave/task/v1\0"
 SIGNATURE_FIELD = "sig"
-_SIGNATURE_HEX_LEN = 128
+SIGNATURE_HEX_LEN = 128
 
 
 def generate_private_key() -> Ed25519PrivateKey:
@@ -102,7 +102,7 @@ def verify_bundle(
 ) -> None:
     """Raise SignatureError unless ``header["sig"]`` was made by ``key`` over this bundle."""
     sig_hex = header.get(SIGNATURE_FIELD)
-    if not isinstance(sig_hex, str) or len(sig_hex) != _SIGNATURE_HEX_LEN:
+    if not isinstance(sig_hex, str) or len(sig_hex) != SIGNATURE_HEX_LEN:
         raise SignatureError("task bundle has no well-formed signature")
     try:
         signature = bytes.fromhex(sig_hex)

@@ -40,6 +40,40 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TensorCodecError(f"dtype {dtype} is not allowed on the wire") from None
 
 
+def layout_tensors(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[dict[str, Any]], int]:
+    """Descriptors for tensors laid out at aligned offsets, and the payload length."""
+    descriptors: list[dict[str, Any]] = []
+    offset = 0
+    for name, t in tensors:
+        offset += (-offset) % PAYLOAD_ALIGN
+        nbytes = t.numel() * t.element_size()
+        descriptors.append(
+            {
+                "name": name,
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": nbytes,
+            }
+        )
+        offset += nbytes
+    return descriptors, offset
+
+
+def write_tensors(
+    payload: memoryview,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    descriptors: Sequence[dict[str, Any]],
+) -> None:
+    """Copy tensors (any strides, any device) into a writable payload laid out for them."""
+    for (_, t), desc in zip(tensors, descriptors, strict=True):
+        if t.numel():
+            dst = torch.frombuffer(payload, dtype=t.dtype, count=t.numel(), offset=desc["offset"])
+            dst.view(t.shape).copy_(t.detach())
+
+
 def encode_tensors(
     tensors: Sequence[tuple[str, torch.Tensor]],
 ) -> tuple[list[dict[str, Any]], list[memoryview | bytes]]:

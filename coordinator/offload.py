@@ -17,7 +17,7 @@ from common.tensors import DTYPE_NAMES
 from coordinator.executor import GemmDone
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.server import CoordinatorServer
-from coordinator.tiling import TiledGemm, TileJob
+from coordinator.tiling import TiledGemm
 
 log = logging.getLogger("cleave.coordinator")
 
@@ -55,6 +55,6 @@ class TileOffload:
         if plan is None:
             return False
         gemm = TiledGemm(f"s{self.step}:{name}", plan, a, b, on_done=done)
-        jobs: list[TileJob] = gemm.make_jobs(self._key)
-        self._loop.call_soon_threadsafe(self._server.submit, jobs)
+        for job in gemm.iter_jobs(self._key):
+            self._loop.call_soon_threadsafe(self._server.submit, [job])
         return True

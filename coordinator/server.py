@@ -79,7 +79,7 @@ class WorkerConn:
     profile: DeviceProfile
     window: int
     connected_at: float
-    outbox: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[bytes | bytearray] = field(default_factory=asyncio.Queue)
     state: str = "working"
     reason: str = ""
     last_seen: float = 0.0

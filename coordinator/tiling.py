@@ -9,13 +9,13 @@ so the result does not depend on which worker answered first.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from common.messages import encode_task
+from common.messages import encode_task, parse_message
 from coordinator.planner import GemmPlan, TileRegion
 from coordinator.scheduler import TileTicket
 
@@ -27,7 +27,7 @@ class TileJob:
     tile_id: str
     gemm: TiledGemm
     region: TileRegion
-    bundle: bytes  # signed task frame, sent as is (also on re-issue)
+    bundle: bytearray  # signed task frame, sent as is (also on re-issue)
     a: torch.Tensor  # operands as sent: Freivalds checks the result against them
     b: torch.Tensor
     ticket: TileTicket
@@ -63,19 +63,20 @@ class TiledGemm:
         self._delivered: set[tuple[int, int, int, int]] = set()
 
     def _operands(self, r: TileRegion) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided views of the tile's operands (``encode_task`` copies them once)."""
         if self.op == "bmm":
             a = self._a[r.b0 : r.b1, r.m0 : r.m1, r.k0 : r.k1]
             b = self._b[r.b0 : r.b1, r.k0 : r.k1, r.n0 : r.n1]
         else:
             a = self._a[r.m0 : r.m1, r.k0 : r.k1]
             b = self._b[r.k0 : r.k1, r.n0 : r.n1]
-        return a.contiguous(), b.contiguous()
+        return a, b
 
-    def make_jobs(self, key: Ed25519PrivateKey) -> list[TileJob]:
+    def iter_jobs(self, key: Ed25519PrivateKey) -> Iterator[TileJob]:
+        """Encode and sign tiles one at a time, so the first can be on its way to a
+        worker while the rest are still being cut."""
         itemsize = self._a.element_size()
-        jobs = []
         for region in self.plan.tiles:
-            a, b = self._operands(region)
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             ticket = TileTicket(
                 tile_id=tile_id,
@@ -84,11 +85,15 @@ class TiledGemm:
                 down_bytes=region.down_bytes(itemsize),
                 up_bytes=region.up_bytes(itemsize),
             )
-            bundle = encode_task(tile_id, self.op, a, b, key)
-            jobs.append(TileJob(tile_id, self, region, bundle, a, b, ticket))
-        # The full operands are no longer needed once every tile holds its slices.
+            bundle = encode_task(tile_id, self.op, *self._operands(region), key)
+            # The check needs the operands exactly as sent: views into the bundle.
+            sent = parse_message(bundle).tensors()
+            yield TileJob(tile_id, self, region, bundle, sent["a"], sent["b"], ticket)
+        # Every tile now holds its own operands; the full matrices can go.
         self._a = self._b = torch.empty(0)
-        return jobs
+
+    def make_jobs(self, key: Ed25519PrivateKey) -> list[TileJob]:
+        return list(self.iter_jobs(key))
 
     def deliver(self, region: TileRegion, c: torch.Tensor) -> bool:
         """Place a verified tile. Returns True when this completed the GEMM."""
