@@ -27,6 +27,10 @@ log = logging.getLogger("cleave.coordinator")
 EXIT_INTERRUPTED = 130
 
 
+class RunAborted(Exception):
+    """The run cannot go on; the message says why and what to look at."""
+
+
 def load_job(spec: str) -> Job:
     """``MODULE:FACTORY`` -> ``FACTORY()``, with errors a user can act on."""
     module_name, sep, factory_name = spec.partition(":")
@@ -39,7 +43,11 @@ def load_job(spec: str) -> Job:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise SystemExit(f"{module_name} has no callable {factory_name!r}")
-    job = factory()
+    try:
+        job = factory()
+    except Exception as exc:
+        log.exception("the job factory %s failed", spec)
+        raise SystemExit(f"{spec}() raised {type(exc).__name__}: {exc}") from None
     if not isinstance(job, Job):
         raise SystemExit(f"{spec} returned {type(job).__name__}, not a coordinator.Job")
     return job
@@ -122,11 +130,13 @@ def _print(text: str) -> None:
 async def serve(args: argparse.Namespace) -> int:
     if args.steps < 0 or args.local_workers < 0:
         raise SystemExit("--steps and --local-workers must be >= 0")
+    if args.min_workers is not None and args.min_workers < 1:
+        raise SystemExit("--min-workers must be >= 1: tiles need someone to compute them")
     min_workers = args.min_workers if args.min_workers is not None else max(1, args.local_workers)
+    job = load_job(args.job)  # before touching the state directory: a typo creates nothing
     state_dir: Path = args.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
     key = load_or_create_private_key(state_dir / "coordinator.key")
-    job = load_job(args.job)
     ledger = Ledger(state_dir / "ledger.sqlite")
     progress: dict[str, Any] = {"state": "starting", "step": 0, "steps": args.steps, "losses": []}
     server = CoordinatorServer(
@@ -142,7 +152,11 @@ async def serve(args: argparse.Namespace) -> int:
     _print(f"Cleave coordinator for job {job.name!r} on {url}")
     _print(f"  status:          http://{connect_host}:{port}/api/status")
     _print(f"  key fingerprint: {fingerprint(key)}")
-    _print(f"  connect a worker: cleave-worker --coordinator {url}")
+    if args.host in ("0.0.0.0", "::", ""):
+        _print(f"  connect a worker: cleave-worker --coordinator ws://THIS-HOST:{port}{WS_PATH}")
+        _print(f"  (local workers use {url})")
+    else:
+        _print(f"  connect a worker: cleave-worker --coordinator {url}")
 
     loop = asyncio.get_running_loop()
     cancel = threading.Event()
@@ -162,14 +176,18 @@ async def serve(args: argparse.Namespace) -> int:
         lambda workers, memory_cap: PlanConfig(
             min_offload_flops=int(args.min_offload_mflop * 1e6),
             target_tiles=max(2, 2 * workers),
-            tile_mem_cap_bytes=memory_cap or PlanConfig.tile_mem_cap_bytes,
+            # Never above the default: it keeps every tile well inside the wire limits.
+            tile_mem_cap_bytes=min(
+                memory_cap or PlanConfig.tile_mem_cap_bytes, PlanConfig.tile_mem_cap_bytes
+            ),
         ),
     )
     trainer = Trainer(
         job,
         offload,
+        # Plain ints and an immutable snapshot: safe to read from the training thread.
         pool_counters=lambda: PoolCounters(
-            server.counters.tiles_verified, server.scheduler.stats.reissued, len(server.conns)
+            server.counters.tiles_verified, server.counters.reissued, server.pool.workers
         ),
         metrics_out=args.metrics_out,
         cancel=cancel,
@@ -186,15 +204,20 @@ async def serve(args: argparse.Namespace) -> int:
     async def train() -> None:
         progress["state"] = "waiting for workers"
         waited = time.monotonic()
-        while server.active_workers() < min_workers:
-            _print(f"waiting for workers: {server.active_workers()}/{min_workers} connected")
+        while server.pool.active < min_workers:
+            if local.count and local.all_exited():
+                raise RunAborted(
+                    f"all {local.count} local workers exited before training could start; "
+                    f"their logs are in {local.dir}"
+                )
+            _print(f"waiting for workers: {server.pool.active}/{min_workers} connected")
             try:
                 await asyncio.wait_for(server.wait_for_workers(min_workers), 10)
             except asyncio.TimeoutError:
                 continue
         log.info(
             "%d workers after %.1f s; training %d steps",
-            server.active_workers(),
+            server.pool.active,
             time.monotonic() - waited,
             args.steps,
         )
@@ -206,18 +229,24 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     local.start()
     training = asyncio.ensure_future(train())
+    failed: str | None = None
     try:
         await training
+    except RunAborted as exc:
+        failed = str(exc)
     except (asyncio.CancelledError, Exception) as exc:
         if not interrupted:
             log.exception("training failed")
-            raise SystemExit(1) from exc
+            failed = f"training failed: {type(exc).__name__}: {exc}"
     finally:
         cancel.set()
         await asyncio.to_thread(local.stop)
         await server.close()
         _print_contributions(ledger)
         ledger.close()
+    if failed is not None:
+        _print(f"error: {failed}")
+        return 1
     if interrupted:
         _print("interrupted")
         return EXIT_INTERRUPTED

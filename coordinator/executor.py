@@ -47,11 +47,23 @@ def _is_mutating(node: Node) -> bool:
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
 
+def _is_random(node: Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
+
+
 def _dependencies(nodes: Sequence[Node]) -> dict[Node, set[Node]]:
-    """Data dependencies, plus ordering around the few nodes that mutate an input in place:
-    a mutation waits for everything before it, and everything after waits for it."""
+    """Data dependencies, plus two orderings that data alone does not give:
+
+    - a node that mutates an input in place waits for everything before it, and
+      everything after waits for it;
+    - random ops (dropout, bernoulli, randn) run in graph order, one after another, so
+      they draw from the RNG in the same order as eager torch, however late the GEMMs
+      they depend on come back.
+    """
     deps: dict[Node, set[Node]] = {}
     last_mutation: Node | None = None
+    last_random: Node | None = None
     for i, node in enumerate(nodes):
         d = set(node.all_input_nodes)
         if _is_mutating(node):
@@ -59,6 +71,10 @@ def _dependencies(nodes: Sequence[Node]) -> dict[Node, set[Node]]:
             last_mutation = node
         elif last_mutation is not None:
             d.add(last_mutation)
+        if _is_random(node):
+            if last_random is not None:
+                d.add(last_random)
+            last_random = node
         deps[node] = d
     return deps
 

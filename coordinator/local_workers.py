@@ -56,6 +56,9 @@ class LocalWorkers:
             self.dir,
         )
 
+    def all_exited(self) -> bool:
+        return bool(self.procs) and all(proc.poll() is not None for proc in self.procs)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask each worker to leave (SIGINT: it says bye), then kill stragglers."""
         for proc in self.procs:

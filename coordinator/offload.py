@@ -44,9 +44,8 @@ class TileOffload:
         batch, m, k = (a.shape[0], a.shape[1], a.shape[2]) if op == "bmm" else (1, *a.shape)
         n = b.shape[-1]
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
-        config = self._plan_config(
-            self._server.active_workers(), self._server.smallest_memory_cap()
-        )
+        pool = self._server.pool  # an immutable snapshot: safe to read from this thread
+        config = self._plan_config(pool.active, pool.memory_cap)
         try:
             plan = plan_gemm(shape, config)
         except ValueError as exc:  # no tile of this GEMM fits: the coordinator computes it

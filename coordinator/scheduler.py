@@ -290,6 +290,41 @@ class Scheduler:
             return Completion(Verdict.DUPLICATE)
         return Completion(Verdict.NOT_ASSIGNED)
 
+    def stranded(self) -> list[str]:
+        """Queued tiles that no connected, unpaused worker may ever take: every one of
+        them refused the tile, or it exceeds every one's memory cap. Waiting would wait
+        forever, so the caller computes these itself. Empty while no worker is active
+        (then waiting for one is right). O(queue): most tiles are ruled out in O(1)."""
+        active = [w for w in self._workers.values() if not w.paused]
+        if not active:
+            return []
+        caps = [w.mem_cap_bytes for w in active]
+        largest_cap = None if None in caps else max(c for c in caps if c is not None)
+        stranded = []
+        for entry in self._queue:
+            tile = self._live_queue_entry(entry)
+            if tile is None or tile.holders:
+                continue
+            too_big = largest_cap is not None and tile.ticket.wire_bytes > largest_cap
+            if too_big or (
+                len(tile.refused_by) >= 1
+                and not any(
+                    w.worker_id not in tile.refused_by and w.can_hold(tile.ticket) for w in active
+                )
+            ):
+                stranded.append(tile.tile_id)
+        return stranded
+
+    def take_over(self, tile_id: str) -> list[str]:
+        """The caller computed a tile itself: it is done. Returns holders to cancel."""
+        tile = self._tiles.get(tile_id)
+        if tile is None:
+            return []
+        cancel = self._retire(tile, winner=None)
+        self._mark_done(tile.ticket)
+        self._bump("completed")
+        return cancel
+
     def reject(self, worker_id: str, tile_id: str, now: float, *, reason: str) -> bool:
         """The worker refused the tile, or its result failed verification.
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
@@ -85,17 +86,33 @@ class WorkerConn:
     last_seen: float = 0.0
     tiles_session: int = 0
     refused: int = 0
+    # When each in-flight tile was sent: a worker's claimed compute time is credited
+    # no higher than the time it actually held the tile.
+    sent_at: dict[str, float] = field(default_factory=dict)
+    verifying: set[str] = field(default_factory=set)  # results being checked right now
 
 
 @dataclass
 class Counters:
     tiles_sent: int = 0
     tiles_verified: int = 0
+    reissued: int = 0  # sends of a tile that had been sent before (lost, refused, failed)
     rejected: int = 0  # results that failed verification
     refused: int = 0  # tiles a worker refused (e.g. bad signature)
     duplicates: int = 0
+    computed_here: int = 0  # tiles no connected worker could take
     bytes_down: int = 0
     bytes_up: int = 0
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the training thread may know about the pool: an immutable snapshot the event
+    loop replaces, so the other thread never iterates the loop's live dictionaries."""
+
+    workers: int = 0
+    active: int = 0
+    memory_cap: int | None = None
 
 
 class _Drop(Exception):
@@ -116,6 +133,7 @@ class CoordinatorServer:
         ledger: Ledger,
         config: ServerConfig = ServerConfig(),
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         status_extra: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.key = key
@@ -123,11 +141,13 @@ class CoordinatorServer:
         self.ledger = ledger
         self.config = config
         self.clock = clock
+        self.wall_clock = wall_clock
         self.status_extra = status_extra
         self.scheduler = Scheduler(config.scheduler)
         self.counters = Counters()
         self.conns: dict[str, WorkerConn] = {}
         self.jobs: dict[str, TileJob] = {}
+        self.pool = PoolView()
         self.port = 0
         self._ids = itertools.count(1)
         # One verify thread, so one private generator needs no lock.
@@ -167,27 +187,38 @@ class CoordinatorServer:
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # A background task must never die silently: say what broke.
+            log.error("background task %s failed", task.get_coro(), exc_info=task.exception())
 
     async def wait_for_workers(self, count: int) -> None:
         async with self._workers_changed:
-            await self._workers_changed.wait_for(lambda: self.active_workers() >= count)
+            await self._workers_changed.wait_for(lambda: self.pool.active >= count)
 
     def active_workers(self) -> int:
         return sum(1 for c in self.conns.values() if c.state != "paused")
 
-    def smallest_memory_cap(self) -> int | None:
-        """The smallest tile memory cap among connected workers, so any worker can take
-        any tile (None when no worker stated one). Caps below a floor are left out: one
-        volunteer must not shred every GEMM into crumbs; the scheduler simply gives that
-        worker no tile larger than its cap."""
+    def _refresh_pool(self) -> None:
+        """Publish a new ``PoolView`` (event loop thread only; on joins, leaves, pauses)."""
         caps = [
             c.profile.mem_cap_bytes
             for c in self.conns.values()
             if c.profile.mem_cap_bytes >= MIN_PLANNING_MEMORY_CAP
         ]
-        return min(caps) if caps else None
+        self.pool = PoolView(
+            workers=len(self.conns),
+            active=self.active_workers(),
+            # The smallest cap, so any worker can take any tile. Caps below a floor are
+            # left out: one volunteer must not shred every GEMM into crumbs; the
+            # scheduler gives that worker no tile over its cap, and tiles nobody can
+            # take are computed here.
+            memory_cap=min(caps) if caps else None,
+        )
 
     # ---- work in -----------------------------------------------------------------------
 
@@ -210,7 +241,9 @@ class CoordinatorServer:
                 )
                 continue
             conn.outbox.put_nowait(job.bundle)
+            conn.sent_at[job.tile_id] = self.clock()
             self.counters.tiles_sent += 1
+            self.counters.reissued += assignment.reissue
             self.counters.bytes_down += len(job.bundle)
 
     # ---- connections -----------------------------------------------------------------
@@ -226,8 +259,13 @@ class CoordinatorServer:
             return
         except ConnectionClosed:
             return
+        # Registered only now, after the Welcome went out: a client that vanishes during
+        # the handshake never becomes a ghost that tiles are queued for.
+        self._register(conn)
         writer = self._spawn(self._writer(conn))
         try:
+            await self._notify_workers_changed()
+            self._dispatch()
             async for data in ws:
                 await self._on_frame(conn, data)
         except _Drop as drop:
@@ -241,6 +279,7 @@ class CoordinatorServer:
             await self._forget(conn)
 
     async def _handshake(self, ws: ServerConnection) -> WorkerConn:
+        """Hello in, Welcome out. Registers nothing: see ``_register``."""
         if ws.request is not None and ws.request.path != WS_PATH:
             raise _Drop(CLOSE_POLICY, f"workers connect to {WS_PATH}")
         data = await ws.recv()
@@ -254,18 +293,7 @@ class CoordinatorServer:
         hello = received.message
         if not isinstance(hello, Hello):
             raise _Drop(CLOSE_POLICY, f"expected hello, got {received.frame.type}")
-        now = self.clock()
         worker_id = f"w{next(self._ids)}"
-        conn = WorkerConn(
-            worker_id, hello.name, ws, hello.profile, hello.window, now, last_seen=now
-        )
-        self.conns[worker_id] = conn
-        self.scheduler.add_worker(
-            worker_id,
-            window=hello.window,
-            now=now,
-            mem_cap_bytes=hello.profile.mem_cap_bytes or None,
-        )
         await ws.send(
             encode_message(
                 Welcome(
@@ -277,17 +305,28 @@ class CoordinatorServer:
                 )
             )
         )
+        now = self.clock()
+        return WorkerConn(
+            worker_id, hello.name, ws, hello.profile, hello.window, now, last_seen=now
+        )
+
+    def _register(self, conn: WorkerConn) -> None:
+        self.conns[conn.worker_id] = conn
+        self.scheduler.add_worker(
+            conn.worker_id,
+            window=conn.window,
+            now=conn.connected_at,
+            mem_cap_bytes=conn.profile.mem_cap_bytes or None,
+        )
+        self._refresh_pool()
         log.info(
             "worker %s joined as %s: %s, %d threads, %.0f GFLOP/s",
-            hello.name,
-            worker_id,
-            hello.profile.device_name or hello.profile.device,
-            hello.profile.threads,
-            hello.profile.gflops,
+            conn.name,
+            conn.worker_id,
+            conn.profile.device_name or conn.profile.device,
+            conn.profile.threads,
+            conn.profile.gflops,
         )
-        await self._notify_workers_changed()
-        self._dispatch()
-        return conn
 
     async def _writer(self, conn: WorkerConn) -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -297,6 +336,7 @@ class CoordinatorServer:
     async def _forget(self, conn: WorkerConn) -> None:
         if self.conns.pop(conn.worker_id, None) is None:
             return
+        self._refresh_pool()
         if conn.worker_id in self.scheduler.workers():
             requeued = self.scheduler.remove_worker(conn.worker_id, self.clock())
             if requeued:
@@ -305,6 +345,7 @@ class CoordinatorServer:
                 )
         await self._notify_workers_changed()
         self._dispatch()
+        self._rescue_stranded()
 
     async def _notify_workers_changed(self) -> None:
         async with self._workers_changed:
@@ -322,6 +363,7 @@ class CoordinatorServer:
                     await self._forget(conn)
             if expiry.requeued:
                 self._dispatch()
+            self._rescue_stranded()
 
     # ---- messages --------------------------------------------------------------------
 
@@ -331,6 +373,8 @@ class CoordinatorServer:
             # already re-issued; the connection is on its way out.
             raise _Drop(CLOSE_TIMEOUT, "heartbeat timeout")
         conn.last_seen = self.clock()
+        # Any frame shows the worker is alive, even one that waits behind a slow check.
+        self.scheduler.heartbeat(conn.worker_id, conn.last_seen)
         if isinstance(data, str):
             raise _Drop(CLOSE_POLICY, "text frames are not part of the protocol")
         try:
@@ -347,7 +391,13 @@ class CoordinatorServer:
     async def _on_message(self, conn: WorkerConn, msg: Message, received: Received) -> None:
         now = self.clock()
         if isinstance(msg, Result):
-            await self._on_result(conn, msg, received)
+            if msg.tile_id in conn.verifying:
+                self.counters.duplicates += 1  # the same result again: one check is enough
+                return
+            # Checked in its own task, so this connection's next frames (heartbeats
+            # among them) are read while the verify thread works.
+            conn.verifying.add(msg.tile_id)
+            self._spawn(self._checked_result(conn, msg, received))
         elif isinstance(msg, Heartbeat):
             self.scheduler.heartbeat(conn.worker_id, now)
             conn.state, conn.reason = msg.state, msg.reason
@@ -358,6 +408,7 @@ class CoordinatorServer:
         elif isinstance(msg, Pause):
             conn.state, conn.reason = "paused", msg.reason
             requeued = self.scheduler.set_paused(conn.worker_id, True, now)
+            self._refresh_pool()
             log.info(
                 "worker %s paused (%s); %d tiles move elsewhere",
                 conn.name,
@@ -369,6 +420,7 @@ class CoordinatorServer:
         elif isinstance(msg, Resume):
             conn.state, conn.reason = "working", ""
             self.scheduler.set_paused(conn.worker_id, False, now)
+            self._refresh_pool()
             await self._notify_workers_changed()
             self._dispatch()
         elif isinstance(msg, Bye):
@@ -386,12 +438,22 @@ class CoordinatorServer:
             log.warning(
                 "worker %s refused tile %s: %s: %s", conn.name, msg.tile_id, msg.code, msg.message
             )
+            conn.sent_at.pop(msg.tile_id, None)
             self.scheduler.reject(
                 conn.worker_id, msg.tile_id, self.clock(), reason=f"refused: {msg.code}"
             )
             self._dispatch()
+            self._rescue_stranded()
         else:
             log.warning("worker %s reported %s: %s", conn.name, msg.code, msg.message)
+
+    async def _checked_result(self, conn: WorkerConn, msg: Result, received: Received) -> None:
+        try:
+            await self._on_result(conn, msg, received)
+        except ConnectionClosed:
+            pass  # the worker left meanwhile; its tiles are re-issued by _forget
+        finally:
+            conn.verifying.discard(msg.tile_id)
 
     async def _on_result(self, conn: WorkerConn, msg: Result, received: Received) -> None:
         job = self.jobs.get(msg.tile_id)
@@ -418,10 +480,12 @@ class CoordinatorServer:
         now = self.clock()
         if not ok:
             self.counters.rejected += 1
-            self.ledger.reject(conn.name, now=time.time())
+            self.ledger.reject(conn.name, now=self.wall_clock())
             log.warning("tile %s from %s failed verification: re-issuing", msg.tile_id, conn.name)
+            conn.sent_at.pop(msg.tile_id, None)
             self.scheduler.reject(conn.worker_id, msg.tile_id, now, reason="failed verification")
             self._dispatch()
+            self._rescue_stranded()
             return
         assert c is not None
         completion = self.scheduler.complete(conn.worker_id, msg.tile_id, now)
@@ -429,6 +493,7 @@ class CoordinatorServer:
             self.counters.duplicates += 1
             return
         del self.jobs[msg.tile_id]
+        held_s = now - conn.sent_at.pop(msg.tile_id, now)
         conn.tiles_session += 1
         self.counters.tiles_verified += 1
         self.counters.bytes_up += len(received.frame.payload)
@@ -437,17 +502,42 @@ class CoordinatorServer:
             flops=job.flops,
             bytes_down=len(job.bundle),
             bytes_up=len(received.frame.payload),
-            compute_s=msg.compute_s,
-            now=time.time(),
+            compute_s=min(msg.compute_s, held_s),
+            now=self.wall_clock(),
         )
         for other in completion.cancel:
             self._cancel(other, msg.tile_id)
         self._dispatch()
         finished = await loop.run_in_executor(self._verify_pool, job.gemm.deliver, job.region, c)
         if finished:
-            # Keeps the scheduler's record of done tiles bounded by the GEMMs in flight.
-            for worker_id, tile_id in self.scheduler.forget_gemm(job.gemm.gemm_id):
+            self._gemm_finished(job)
+
+    def _gemm_finished(self, job: TileJob) -> None:
+        # Keeps the scheduler's record of done tiles bounded by the GEMMs in flight.
+        for worker_id, tile_id in self.scheduler.forget_gemm(job.gemm.gemm_id):
+            self._cancel(worker_id, tile_id)
+
+    def _rescue_stranded(self) -> None:
+        """Compute here the tiles that no connected worker may take (all refused them,
+        or they exceed every memory cap): waiting for them would wait forever."""
+        for tile_id in self.scheduler.stranded():
+            for worker_id in self.scheduler.take_over(tile_id):
                 self._cancel(worker_id, tile_id)
+            job = self.jobs.pop(tile_id, None)
+            if job is None:  # pragma: no cover - the scheduler and the job map agree
+                continue
+            self.counters.computed_here += 1
+            log.warning(
+                "no connected worker may take tile %s (refused by all, or over every memory "
+                "cap): computing it at the coordinator",
+                tile_id,
+            )
+            self._spawn(self._compute_here(job))
+
+    async def _compute_here(self, job: TileJob) -> None:
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(self._verify_pool, _compute_and_deliver, job):
+            self._gemm_finished(job)
 
     def _cancel(self, worker_id: str, tile_id: str) -> None:
         conn = self.conns.get(worker_id)
@@ -471,7 +561,6 @@ class CoordinatorServer:
         return _text_response(HTTPStatus.NOT_FOUND, "not found\n")
 
     def status(self) -> dict[str, Any]:
-        stats = self.scheduler.stats
         now = self.clock()
         workers = []
         for conn in self.conns.values():
@@ -501,14 +590,20 @@ class CoordinatorServer:
             "tiles": {
                 "sent": self.counters.tiles_sent,
                 "verified": self.counters.tiles_verified,
-                "reissued": stats.reissued,
+                "reissued": self.counters.reissued,
                 "rejected": self.counters.rejected,
                 "refused": self.counters.refused,
                 "duplicates": self.counters.duplicates,
+                "computed_here": self.counters.computed_here,
                 "queued": self.scheduler.queued_count(),
                 "pending": self.scheduler.pending(),
             },
         }
+
+
+def _compute_and_deliver(job: TileJob) -> bool:
+    product = torch.bmm(job.a, job.b) if job.gemm.op == "bmm" else torch.mm(job.a, job.b)
+    return job.gemm.deliver(job.region, product)
 
 
 def _close_reason(text: str) -> str:

@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.func import functional_call, functionalize, grad_and_value
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from coordinator.executor import DataflowExecutor, GemmDone, StepCancelled
 from coordinator.job import Job
@@ -309,33 +307,6 @@ def test_independent_gemms_are_in_flight_together() -> None:
     assert len(first_two) == 2
 
 
-def _trace_with_buffers_as_inputs(job: Job, inputs: Any, targets: Any) -> TracedStep:
-    """trace_step with the fix for its BatchNorm bug (see test_coordinator_tracing.py):
-    buffers go into grad_and_value as an input, and the trace runs on clones of them."""
-    model = job.model
-    param_names = tuple(n for n, _ in model.named_parameters())
-    buffer_names = tuple(n for n, _ in model.named_buffers())
-    params = [p.detach() for _, p in model.named_parameters()]
-    buffers = [b.clone() for _, b in model.named_buffers()]
-    leaves, spec = pytree.tree_flatten((inputs, targets))
-    n_p, n_b = len(params), len(buffers)
-
-    def step(*flat: Any) -> list[torch.Tensor]:
-        p = dict(zip(param_names, flat[:n_p], strict=True))
-        b = dict(zip(buffer_names, flat[n_p : n_p + n_b], strict=True))
-        x, y = pytree.tree_unflatten(list(flat[n_p + n_b :]), spec)
-
-        def loss_of(p_: dict[str, torch.Tensor], b_: dict[str, torch.Tensor]) -> torch.Tensor:
-            return job.loss_fn(functional_call(model, (p_, b_), (x,)), y)
-
-        grads, loss = grad_and_value(loss_of)(p, b)
-        return [grads[name] for name in param_names] + [loss]
-
-    with torch.random.fork_rng(devices=[]):
-        gm = make_fx(functionalize(step, remove="mutations"))(*params, *buffers, *leaves)
-    return TracedStep(gm, param_names, buffer_names, spec)
-
-
 class BatchNormNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -354,7 +325,7 @@ def test_buffers_mutated_in_place_match_eager(offloaded: bool) -> None:
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 12), torch.randint(0, 4, (8,))
     job = Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), [(x, y)])
-    traced = _trace_with_buffers_as_inputs(job, x, y)
+    traced = trace_step(job, x, y)
     assert any(n.target == torch.ops.aten.copy_.default for n in traced.graph.nodes)
     reference.train()
     offload = ThreadedOffload(5) if offloaded else None
@@ -373,6 +344,40 @@ def test_buffers_mutated_in_place_match_eager(offloaded: bool) -> None:
         else:
             assert torch.equal(b, ref_b), name
     assert int(model.bn.num_batches_tracked) == 2
+
+
+class RandomBranches(nn.Module):
+    """Random ops whose inputs come from GEMMs: they become ready in whatever order the
+    workers answer, yet must draw from the RNG in eager order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(24, 32)
+        self.right = nn.Linear(24, 32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left = torch.bernoulli(torch.sigmoid(self.left(x))) * self.left(x)
+        right = F.dropout(self.right(x), p=0.3, training=True)
+        return self.head(left + right)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_ops_draw_in_eager_order_whatever_order_gemms_finish(seed: int) -> None:
+    torch.manual_seed(11)
+    model = RandomBranches()
+    x, y = torch.randn(16, 24), torch.randint(0, 5, (16,))
+    job = Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), [(x, y)])
+    traced = trace_step(job, x, y)
+    torch.manual_seed(100)
+    want = eager(model, F.cross_entropy, x, y)
+    torch.manual_seed(100)
+    offload = ThreadedOffload(seed, max_delay_s=0.01)
+    try:
+        got, _ = DataflowExecutor(offload, poll_s=0.01).run(traced, flat_args(model, traced, x, y))
+    finally:
+        offload.close()
+    assert_close(got, want)
 
 
 def test_local_graph_without_gemms_or_offload_calls() -> None:

@@ -212,14 +212,18 @@ class Raw:
         return cls(ws)
 
     @classmethod
-    async def join(cls, coord: Coordinator, name: str, window: int = 1) -> Raw:
+    async def join_with(cls, coord: Coordinator, hello: Hello) -> Raw:
         raw = await cls.connect(coord.url)
-        await raw.send(Hello(name=name, profile=PROFILE, window=window))
+        await raw.send(hello)
         welcome = (await raw.expect(Welcome)).message
         assert isinstance(welcome, Welcome)
         raw.welcome = welcome
-        await until(lambda: name in coord.conn_ids(), f"{name} to join")
+        await until(lambda: hello.name in coord.conn_ids(), f"{hello.name} to join")
         return raw
+
+    @classmethod
+    async def join(cls, coord: Coordinator, name: str, window: int = 1) -> Raw:
+        return await cls.join_with(coord, Hello(name=name, profile=PROFILE, window=window))
 
     async def send(
         self, msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None
@@ -810,7 +814,7 @@ def test_a_bad_hello_with_non_ascii_text_is_closed_with_policy_violation(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-def test_a_heartbeat_processed_after_the_worker_expired_is_ignored_quietly(
+def test_a_result_checked_after_the_worker_expired_is_ignored_quietly(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
@@ -830,9 +834,8 @@ def test_a_heartbeat_processed_after_the_worker_expired_is_ignored_quietly(
             worker_id = coord.conn_ids()["late"]
             Gemm(server, "g", (32, 16, 32))
             result, tensors = answer(await raw.expect(Task), coord)
-            await raw.send(result, tensors)  # its check waits on the gate...
-            await raw.send(Heartbeat(seq=1, state="working", in_flight=1))  # ...this queues
-            await until(lambda: server.counters.tiles_sent == 1, "the tile to go out")
+            await raw.send(result, tensors)  # its check waits on the gate
+            await until(lambda: bool(server.conns[worker_id].verifying), "the check to start")
             now[0] += 3600  # every heartbeat deadline passes
             await until(lambda: worker_id not in server.scheduler.workers(), "expiry")
             gate.set()
@@ -846,13 +849,15 @@ def test_a_heartbeat_processed_after_the_worker_expired_is_ignored_quietly(
     assert not failures, [r.getMessage() for r in failures]
 
 
-def test_one_worker_with_a_tiny_memory_cap_does_not_break_offloading(tmp_path: Path) -> None:
+def test_tiles_over_the_only_workers_memory_cap_are_computed_at_the_coordinator(
+    tmp_path: Path,
+) -> None:
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord:
-            raw = await Raw.connect(coord.url)
+            raw = await Raw.join_with(
+                coord, Hello("tiny", replace(PROFILE, mem_cap_bytes=1), window=1)
+            )
             try:
-                await raw.send(Hello("tiny", replace(PROFILE, mem_cap_bytes=1), window=1))
-                await raw.expect(Welcome)
                 server = coord.server
                 offload = TileOffload(
                     server,
@@ -862,13 +867,72 @@ def test_one_worker_with_a_tiny_memory_cap_does_not_break_offloading(tmp_path: P
                     lambda workers, memory_cap: PlanConfig(
                         min_offload_flops=1,
                         target_tiles=max(2, 2 * workers),
-                        tile_mem_cap_bytes=memory_cap or PlanConfig.tile_mem_cap_bytes,
+                        tile_mem_cap_bytes=min(
+                            memory_cap or PlanConfig.tile_mem_cap_bytes,
+                            PlanConfig.tile_mem_cap_bytes,
+                        ),
                     ),
                 )
-                a = torch.randn(64, 64)
-                started = await asyncio.to_thread(offload.start, "mm", "mm", a, a, lambda v: None)
-                assert started is False or len(server.jobs) <= 64
+                loop = asyncio.get_running_loop()
+                product: asyncio.Future[torch.Tensor] = loop.create_future()
+                a, b = torch.randn(64, 48), torch.randn(48, 40)
+                started = await asyncio.to_thread(
+                    offload.start,
+                    "mm",
+                    "mm",
+                    a,
+                    b,
+                    lambda v: loop.call_soon_threadsafe(product.set_result, v),
+                )
+                assert started is True
+                torch.testing.assert_close(await within(product), a @ b)
+                assert server.counters.computed_here >= 1
+                assert server.counters.tiles_sent == 0  # nothing over its cap went to it
+                assert server.status()["tiles"]["computed_here"] == server.counters.computed_here
             finally:
                 await raw.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_tile_the_only_worker_refuses_is_computed_at_the_coordinator(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            raw = await Raw.join(coord, "picky", window=1)
+            gemm = Gemm(coord.server, "g", (48, 32, 40), config=replace(PLAN, target_tiles=2))
+            first = (await raw.expect(Task)).message.tile_id
+            await raw.send(Error("bad_signature", "no thanks", first))
+
+            async def answer_the_rest() -> None:
+                with contextlib.suppress(ConnectionClosed):
+                    while True:
+                        task = await raw.expect(Task, 30)
+                        await raw.send(*answer(task, coord))
+
+            answering = asyncio.create_task(answer_the_rest())
+            try:
+                await gemm.check()
+            finally:
+                answering.cancel()
+                await asyncio.gather(answering, return_exceptions=True)
+            assert coord.server.counters.computed_here == 1
+            assert coord.ledger.get("picky").tiles == len(gemm.jobs) - 1
+            await raw.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_during_the_handshake_leaves_no_ghost(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            for i in range(5):
+                raw = await Raw.connect(coord.url)
+                await raw.send(Hello(f"ghost-{i}", PROFILE, window=2))
+                await raw.close()
+            honest = await Raw.join(coord, "real", window=1)
+            await until(lambda: coord.server.pool.workers == 1, "only the real worker to remain")
+            assert set(coord.conn_ids()) == {"real"}
+            assert coord.server.scheduler.workers() == [coord.conn_ids()["real"]]
+            await honest.close()
 
     asyncio.run(scenario())

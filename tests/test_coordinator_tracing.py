@@ -9,6 +9,7 @@ import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
+from test_coordinator_executor import BatchNormNet
 from torch import nn
 from torch.fx import Node
 
@@ -224,18 +225,7 @@ def test_shape_key_tells_structure_shape_dtype_and_plain_values_apart() -> None:
     assert shape_key({"x": t}) != shape_key({"y": t})
 
 
-# ---- known bugs ------------------------------------------------------------------------------
-
-
-class BatchNormNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(12, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.relu(self.bn(self.inp(x))))
+# ---- buffers and randomness ------------------------------------------------------------------
 
 
 def test_batchnorm_model_traces_and_the_trace_leaves_its_buffers_alone() -> None:

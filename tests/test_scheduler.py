@@ -770,3 +770,31 @@ def test_random_simulation_finishes_every_tile_once(seed: int) -> None:
     assert len(m.removed) > 0 and len(m.forgotten) > 0
     m.drain()
     assert m.s.stats.completed == len(m.accepted)
+
+
+def test_a_tile_refused_by_every_active_worker_is_stranded_until_taken_over() -> None:
+    sched = Scheduler()
+    sched.add_worker("only", window=2, now=0.0)
+    sched.submit([TileTicket("t1", "g", 10, 10, 10), TileTicket("t2", "g", 10, 10, 10)])
+    assert {a.tile_id for a in sched.assign(0.0)} == {"t1", "t2"}
+    assert sched.stranded() == []
+    sched.reject("only", "t1", 1.0, reason="refused: bad_signature")
+    assert sched.assign(1.0) == []
+    assert sched.stranded() == ["t1"]
+    sched.add_worker("fresh", window=1, now=2.0)
+    assert sched.stranded() == []  # someone new may take it: not stranded any more
+    sched.remove_worker("fresh", 3.0)
+    assert sched.take_over("t1") == []
+    assert sched.is_done("t1") and sched.queued_count() == 0
+    assert sched.complete("only", "t2", 4.0).verdict is Verdict.ACCEPTED
+    assert sched.pending() == 0
+    sched.check_invariants()
+
+
+def test_a_tile_over_every_memory_cap_is_stranded_but_not_without_workers() -> None:
+    sched = Scheduler()
+    sched.submit([TileTicket("big", "g", 10, 1000, 1000)])
+    assert sched.stranded() == []  # no worker yet: wait for one
+    sched.add_worker("small", window=2, now=0.0, mem_cap_bytes=100)
+    assert sched.assign(0.0) == []
+    assert sched.stranded() == ["big"]
