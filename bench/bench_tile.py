@@ -89,22 +89,29 @@ def bench_shape(
 
     def pipelined(c: int) -> None:
         session = _session(public_key_hex(key))
+        # The real worker touches its session only on the event loop thread; this lock
+        # stands in for that, and the GEMM itself runs outside it, as in the worker.
+        session_lock = threading.Lock()
         verified: queue.Queue = queue.Queue(maxsize=2)
 
         def io_thread() -> None:
             for i in range(c):
-                verified.put(session.receive(frames[i % len(frames)], 0.0))
+                with session_lock:
+                    actions = session.receive(frames[i % len(frames)], 0.0)
+                verified.put(actions)
 
         feeder = threading.Thread(target=io_thread)
         feeder.start()
         done = 0
         while done < c:
             verified.get()
-            job = session.next_tile()
+            with session_lock:
+                job = session.next_tile()
             if job is None:
                 continue
             out = computer.compute(job.op, job.a, job.b)
-            session.tile_finished(job, out, 0.0)
+            with session_lock:
+                session.tile_finished(job, out, 0.0)
             done += 1
         feeder.join()
 

@@ -148,3 +148,6 @@ def test_sigkill_of_a_worker_mid_step_reissues_its_tiles(tmp_path: Path) -> None
     assert_losses_match([r["loss"] for r in records], train_locally(make_tiny_gpt(), steps))
     assert sum(r["reissued"] for r in records) > 0, records
     assert records[-1]["workers"] == 1
+    # Every verified tile was credited exactly once, none of them twice.
+    ledger = _ledger(coord.state)
+    assert sum(ledger.values()) == sum(r["tiles"] for r in records), ledger
