@@ -266,7 +266,7 @@ class WorkerSession:
                     f"(window={self.window}, max_held_tiles={self.max_held_tiles})"
                 )
             # The signature is checked before any operand is decoded (verify_task's order).
-            a, b = verify_task(received, self._key)
+            a, b = verify_task(received, self._key, self.limits)
             self._check_fits(a, b)
         except ProtocolError as exc:
             return self._refuse_tile(tile_id, exc)

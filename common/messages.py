@@ -416,15 +416,17 @@ def encode_task(
     return frame
 
 
-def verify_task(received: Received, key: Ed25519PublicKey) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check a task's signature, then decode and check its operands.
+def verify_task(
+    received: Received, key: Ed25519PublicKey, limits: WireLimits = DEFAULT_LIMITS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a task's signature, then decode and check its operands under ``limits``.
 
     The signature is checked first so that nothing unsigned is even decoded.
     """
     if not isinstance(received.message, Task):
         raise ProtocolError(f"expected a task, got a {received.message.TYPE!r} message")
     verify_bundle(key, received.frame.header, received.frame.payload)
-    return check_operands(received.message.op, received.tensors())
+    return check_operands(received.message.op, received.tensors(limits), limits)
 
 
 @dataclass(frozen=True)
