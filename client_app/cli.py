@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -18,6 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from client_app.config import MAX_WINDOW, ConfigError, PinStore, WorkerSettings, config_dir
+from client_app.policy import Schedule
+from client_app.policy_runner import PolicyRunner
 from client_app.worker import RunResult, WorkerCore
 
 EXIT_OK = 0
@@ -44,6 +47,13 @@ def _window(text: str) -> int:
     return value
 
 
+def _cpu_percent(text: str) -> int:
+    value = _positive_int(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"must be <= 100, not {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -52,6 +62,24 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
     return value
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be in [0, 100], not {text}")
+    return value
+
+
+def _schedule(text: str) -> str:
+    try:
+        Schedule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="CPU threads for tiles (default: half the cores, or settings.json)",
     )
+    parser.add_argument(
+        "--cpu-percent",
+        type=_cpu_percent,
+        metavar="P",
+        help="compute at most P%% of the time, resting between tiles (1-100; default 100)",
+    )
     parser.add_argument("--no-gpu", action="store_true", help="compute on the CPU even with CUDA")
     parser.add_argument("--name", metavar="NAME", help="name shown to the coordinator's operator")
     parser.add_argument(
@@ -83,6 +117,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=_window,
         metavar="N",
         help="tiles to hold at once (default 2: one computing while the next arrives)",
+    )
+    policy = parser.add_argument_group("when to compute (saved choices apply unless overridden)")
+    policy.add_argument(
+        "--idle-only",
+        action="store_true",
+        help="compute only while nobody uses this machine (see --idle-threshold/--idle-minutes)",
+    )
+    policy.add_argument(
+        "--idle-threshold",
+        type=_percent,
+        metavar="PERCENT",
+        help="other programs' CPU below this counts as idle (default 25)",
+    )
+    policy.add_argument(
+        "--idle-minutes",
+        type=_positive_float,
+        metavar="M",
+        help="idle for this long before computing (default 5)",
+    )
+    policy.add_argument(
+        "--schedule",
+        type=_schedule,
+        metavar="WINDOWS",
+        help='compute only in these daily windows, e.g. "22:00-07:00,12:00-13:00"',
+    )
+    policy.add_argument(
+        "--no-battery-pause",
+        action="store_true",
+        help="keep computing on battery (default: pause while unplugged)",
     )
     parser.add_argument(
         "--forget",
@@ -122,6 +185,8 @@ def _settings_from_args(args: argparse.Namespace, saved: WorkerSettings) -> Work
         settings = replace(settings, coordinator_url=args.coordinator)
     if args.threads:
         settings = replace(settings, threads=args.threads)
+    if args.cpu_percent:
+        settings = replace(settings, cpu_percent=args.cpu_percent)
     if args.no_gpu:
         settings = replace(settings, use_gpu=False)
     if args.name:
@@ -130,6 +195,16 @@ def _settings_from_args(args: argparse.Namespace, saved: WorkerSettings) -> Work
         settings = replace(settings, memory_mb=args.memory_mb)
     if args.window:
         settings = replace(settings, window=args.window)
+    if args.idle_only:
+        settings = replace(settings, idle_only=True)
+    if args.idle_threshold is not None:  # 0 is a valid (strict) threshold
+        settings = replace(settings, idle_threshold_percent=args.idle_threshold)
+    if args.idle_minutes:
+        settings = replace(settings, idle_minutes=args.idle_minutes)
+    if args.schedule is not None:  # "" clears a saved schedule
+        settings = replace(settings, schedule=args.schedule)
+    if args.no_battery_pause:
+        settings = replace(settings, pause_on_battery=False)
     return settings
 
 
@@ -140,7 +215,7 @@ def _default_handler(sig: int) -> Any:
     return signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
 
 
-async def _run(core: WorkerCore) -> RunResult:
+async def _run(core: WorkerCore, policy: PolicyRunner | None = None) -> RunResult:
     loop = asyncio.get_running_loop()
     # Signals reach only the main thread; an app that runs main() in another thread
     # routes them itself (e.g. to core.stop()).
@@ -161,7 +236,32 @@ async def _run(core: WorkerCore) -> RunResult:
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(on_signal))
         else:
             loop.add_signal_handler(sig, on_signal)
-    return await core.run()
+    # The policy ticks next to the core on this loop and outlives nothing: it stops
+    # when the core has left.
+    policy_task = asyncio.ensure_future(policy.run()) if policy is not None else None
+    try:
+        return await core.run()
+    finally:
+        if policy is not None and policy_task is not None:
+            policy.stop()
+            policy_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await policy_task
+
+
+def _describe_policy(settings: WorkerSettings) -> str:
+    rules = []
+    if settings.idle_only:
+        rules.append(
+            f"only when idle (others' CPU < {settings.idle_threshold_percent:g}% "
+            f"for {settings.idle_minutes:g} min)"
+        )
+    if settings.schedule:
+        rules.append(f"schedule {settings.schedule}")
+    rules.append("pause on battery" if settings.pause_on_battery else "also on battery")
+    if settings.snooze_until:
+        rules.append(f"snoozed until {settings.snooze_until}")
+    return ", ".join(rules)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,7 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.window,
         directory,
     )
-    result = asyncio.run(_run(core))
+    policy = PolicyRunner(core, settings)
+    log.info("policy: %s", _describe_policy(settings))
+    result = asyncio.run(_run(core, policy))
     if result is RunResult.REFUSED:
         log.error("not working for %s: its key changed (see above)", settings.coordinator_url)
         return EXIT_REFUSED

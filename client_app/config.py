@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from client_app.policy import Schedule, Snooze
 from common.errors import KeyMismatchError
 
 CONFIG_DIR_ENV = "CLEAVE_CONFIG_DIR"
@@ -161,6 +162,16 @@ class WorkerSettings:
     use_gpu: bool = True
     memory_mb: int = 0  # tile memory cap; 0: min(1 GiB, 25% of RAM)
     window: int = 2  # tiles in flight: one computing while the next one arrives
+    cpu_percent: int = 100  # duty cycle: share of time spent computing (1..100)
+    # When to compute (client_app.policy). Defaults keep a plain worker computing as
+    # before, except on battery: draining a laptop unasked is the one surprise no
+    # volunteer wants, and a machine without a battery never sees it.
+    idle_only: bool = False  # compute only while the owner is not using the machine
+    idle_threshold_percent: float = 25.0  # other processes' CPU below this counts as idle
+    idle_minutes: float = 5.0  # ... for this long (and no keyboard/mouse input, if known)
+    pause_on_battery: bool = True
+    schedule: str = ""  # daily windows, "22:00-07:00,12:00-13:00"; empty: any time
+    snooze_until: str = ""  # ISO local time; empty: not snoozed
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -171,6 +182,17 @@ class WorkerSettings:
             raise ValueError(f"window must be in [1, {MAX_WINDOW}], not {self.window}")
         if len(self.name) > MAX_NAME_CHARS:
             raise ValueError(f"name must be at most {MAX_NAME_CHARS} characters")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        if not 0.0 <= self.idle_threshold_percent <= 100.0:
+            raise ValueError(
+                f"idle_threshold_percent must be in [0, 100], not {self.idle_threshold_percent}"
+            )
+        if not 0.0 < self.idle_minutes <= 24 * 60:
+            raise ValueError(f"idle_minutes must be in (0, 1440], not {self.idle_minutes}")
+        Schedule.parse(self.schedule)  # ValueError says what is wrong
+        Snooze.from_iso(self.snooze_until)
 
     @property
     def effective_threads(self) -> int:
@@ -189,6 +211,8 @@ class WorkerSettings:
             value = data[f.name]
             expected = type(getattr(cls(), f.name))
             # bool is an int subclass: "threads": true must not read as 1 thread.
+            if expected is float and type(value) is int:
+                value = float(value)  # hand-edited JSON writes 5 for 5.0
             if type(value) is not expected:
                 raise ConfigError(
                     f"settings field {f.name!r} must be {expected.__name__}, not {value!r}"

@@ -3,11 +3,13 @@
 Per connection, three tasks share one WebSocket: a receive loop feeding the session, a
 heartbeat loop, and a compute loop that hands verified tiles, in order, to one
 dedicated thread (torch work never runs on the event loop, so heartbeats and cancels
-keep flowing while a GEMM runs). Losing the connection ends all three; the session
+keep flowing while a GEMM runs). Under a CPU-time limit the compute loop rests between
+tiles (an asyncio sleep, see ``client_app.duty``): heartbeats, cancels and the prefetch
+window carry on while it rests. Losing the connection ends all three; the session
 forgets that connection's tiles and the worker reconnects with backoff.
 
 A GUI drives ``WorkerCore`` from its own thread through the thread-safe methods
-(``stop``, ``set_threads``, ``pause``, ``resume``) and observes
+(``stop``, ``set_threads``, ``set_cpu_percent``, ``pause``, ``resume``) and observes
 it through ``WorkerStatus`` snapshots (delivered on the worker's event-loop thread).
 """
 
@@ -33,6 +35,7 @@ from websockets.protocol import State
 from client_app.backoff import backoff_delay
 from client_app.compute import TileComputer
 from client_app.config import WorkerSettings
+from client_app.duty import DutyCycle, fraction_from_percent
 from client_app.profile import build_profile
 from client_app.session import Actions, Phase, PinCheck, TileJob, WorkerSession
 from client_app.status import StatusObserver, WorkerStatus
@@ -99,6 +102,11 @@ class WorkerCore:
         self._summary_min_interval_s = summary_min_interval_s
         self._summaries = 0
         self._clock = clock
+        # The owner's limit; the event loop alone touches the controller (see _pace).
+        self._duty = DutyCycle(fraction_from_percent(settings.cpu_percent))
+        self._cpu_percent = settings.cpu_percent
+        self._resting = False
+        self._duty_changed: asyncio.Event | None = None
 
         self.session: WorkerSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,6 +156,22 @@ class WorkerCore:
         # An int store is atomic; the compute thread reads it before each tile.
         self.computer.threads = threads
         self._call_in_loop(self._publish)
+
+    def set_cpu_percent(self, percent: int) -> None:
+        """Change the CPU-time limit (1..100). Safe from any thread.
+
+        It governs the rest after the tile in progress; a rest already under way ends
+        at once if the limit was raised, and runs its course if it was lowered.
+        """
+        fraction_from_percent(percent)  # ValueError here, in the caller's thread
+        # An int store is atomic; the event loop hands it to the controller (_pace).
+        self._cpu_percent = percent
+        self._call_in_loop(self._on_cpu_percent)
+
+    def _on_cpu_percent(self) -> None:
+        if self._duty_changed is not None:
+            self._duty_changed.set()
+        self._publish()
 
     def pause(self, reason: str) -> None:
         """Stop taking tiles (the coordinator moves them elsewhere). Safe from any thread.
@@ -215,6 +239,7 @@ class WorkerCore:
         # Events are made here, not in __init__: they belong to the loop that runs us.
         self._stop_event = asyncio.Event()
         self._welcomed = asyncio.Event()
+        self._duty_changed = asyncio.Event()
         if self._stop_requested:
             self._stop_event.set()
         # One thread for all torch work: tiles run in arrival order, and torch's
@@ -417,8 +442,10 @@ class WorkerCore:
                 await work.wait()
                 continue
             self._publish()
+            start = self._clock()
+            cost = 0.0  # a tile that failed is not charged: its cost is unknown
             try:
-                c, seconds = await loop.run_in_executor(self._executor, self._compute, job)
+                c, seconds, cost = await loop.run_in_executor(self._executor, self._compute, job)
             except (RuntimeError, ValueError, MemoryError) as exc:
                 frame = session.tile_failed(job, exc)
             else:
@@ -433,16 +460,59 @@ class WorkerCore:
                         job.a.dtype,
                         seconds * 1e3,
                     )
+            end = self._clock()
             if frame is not None:
                 await _send(ws, frame)
             self._maybe_log_summary(session)
             self._publish()
+            await self._pace(start, end, cost)
 
-    def _compute(self, job: TileJob) -> tuple[torch.Tensor, float]:
-        # Runs on the compute thread; times only the GEMM (and device transfers).
+    def _compute(self, job: TileJob) -> tuple[torch.Tensor, float, float]:
+        """``(c, GEMM seconds, cost)``; runs on the compute thread.
+
+        The cost is what the CPU-time limit charges: the process's CPU time during the
+        GEMM over the thread cap, i.e. the share of the granted cores it used. Wall time
+        would overcharge a GEMM slowed by the owner's own programs, and the compute
+        thread's own CPU time (``time.thread_time``) misses torch's other intra-op
+        threads. Event-loop work done meanwhile (decoding the next tile) is the
+        worker's too and is charged with it. On a GPU the device is what the limit
+        occupies, so a tile costs its wall time.
+        """
+        threads = self.computer.threads
+        cpu0 = time.process_time()
         start = time.perf_counter()
         c = self.computer.compute(job.op, job.a, job.b)
-        return c, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.computer.device.type == "cpu":
+            cost = (time.process_time() - cpu0) / threads
+        else:
+            cost = seconds
+        return c, seconds, cost
+
+    async def _pace(self, start: float, end: float, cost: float) -> None:
+        """Rest after a tile as long as the CPU-time limit asks (no-op at 100%)."""
+        assert self._duty_changed is not None
+        self._duty.set_fraction(self._cpu_percent / 100.0)
+        rest_s = self._duty.unit_done(start, end, cost)
+        if rest_s <= 0.0:
+            return
+        # Sleeping on the event loop, not the compute thread: heartbeats, cancels and
+        # prefetched tiles keep flowing; a stop cancels this task mid-rest.
+        deadline = self._clock() + rest_s
+        percent = self._cpu_percent
+        self._resting = True
+        self._publish()
+        try:
+            while (left := deadline - self._clock()) > 0:
+                self._duty_changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._duty_changed.wait(), left)
+                if self._cpu_percent > percent:
+                    break  # a raised limit owes no more of the rest the old one asked
+                percent = self._cpu_percent
+        finally:
+            self._resting = False
+            self._publish()
 
     def _maybe_log_summary(self, session: WorkerSession) -> None:
         stats = session.stats
@@ -526,6 +596,9 @@ class WorkerCore:
                 return "paused", f"Paused: {session.paused_reason}"
             if session.current_tile:
                 return "computing", f"Computing tile {session.current_tile}"
+            if self._resting:
+                # Still "computing": the worker is at work, pacing itself between tiles.
+                return "computing", f"Resting (CPU limit {self._cpu_percent}%)"
             return "waiting", f"Waiting for tiles ({session.stats.tiles_done} done)"
         return self._link, self._line_override or f"Connecting to {self.url}"
 

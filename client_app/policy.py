@@ -1,0 +1,294 @@
+"""When the owner lets this machine compute: idle detection, battery, schedule, snooze.
+
+Pure logic in the websockets/Flower style (DESIGN §5): no I/O, no clocks read here.
+Callers pass readings (``client_app.readings``), a local wall-clock ``datetime`` for the
+schedule and snooze, and a monotonic ``float`` for the idle detector's timers (so a
+wall-clock jump, e.g. an NTP step or a DST change, cannot fake minutes of idleness).
+``client_app.policy_runner`` is the thin loop that applies decisions to a WorkerCore.
+
+Priority, highest first: snooze > battery > schedule > computer in use. A person's
+explicit "not now" beats every automatic rule, and among the automatic ones the line
+shown is the most lasting cause (on battery until plugged in, the schedule until its
+next window, "in use" may clear in minutes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+
+SECONDS_PER_DAY = 24 * 60 * 60
+
+# Decision.reason_code values: stable identifiers for code (a GUI icon, tests); the
+# human text lives in Decision.line and Decision.reason.
+RUN = "run"
+SNOOZED = "snoozed"
+ON_BATTERY = "on_battery"
+OUTSIDE_SCHEDULE = "outside_schedule"
+IN_USE = "in_use"
+
+
+@dataclass(frozen=True)
+class Readings:
+    """One sample of the machine; None means the source is unavailable here."""
+
+    other_cpu_percent: float | None = None  # other processes' CPU, 0-100 of the machine
+    user_idle_s: float | None = None  # seconds since the last keyboard/mouse input
+    on_battery: bool | None = None  # None: no battery or unknown, treated as mains
+
+
+# ---- idle detection --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IdleDetector:
+    """Answers "is the owner using this computer?", with hysteresis so it does not flap.
+
+    Becomes idle once other processes' CPU has stayed below ``threshold`` for
+    ``idle_after_s`` (and, where a user-input reading exists, nobody has touched the
+    keyboard or mouse for as long). Becomes busy again when the CPU stays above
+    ``threshold + margin`` for ``busy_after_s``, or at once on user input. Between
+    ``threshold`` and ``threshold + margin`` nothing changes: load hovering around the
+    threshold keeps whichever state holds. Immutable: ``observe`` returns the next state.
+
+    It starts busy: with idle-only on, the first ``idle_after_s`` after start-up prove
+    idleness instead of assuming it.
+    """
+
+    threshold: float = 25.0
+    idle_after_s: float = 300.0
+    margin: float = 10.0
+    busy_after_s: float = 5.0
+    idle: bool = False
+    quiet_since: float | None = None  # monotonic time the CPU went below threshold
+    loud_since: float | None = None  # monotonic time the CPU went above threshold+margin
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 100.0:
+            raise ValueError(f"threshold must be in [0, 100] percent, not {self.threshold}")
+        if self.idle_after_s < 0 or self.busy_after_s < 0 or self.margin < 0:
+            raise ValueError("idle_after_s, busy_after_s and margin must be >= 0")
+
+    def observe(self, readings: Readings, t: float) -> IdleDetector:
+        """The state after seeing ``readings`` at monotonic time ``t`` (seconds)."""
+        cpu = readings.other_cpu_percent
+        quiet_since, loud_since = self.quiet_since, self.loud_since
+        # No CPU reading is no evidence either way: keep the timers as they are rather
+        # than invent a quiet or a loud period.
+        if cpu is not None:
+            quiet, loud = cpu < self.threshold, cpu > self.threshold + self.margin
+            quiet_since = (t if quiet_since is None else quiet_since) if quiet else None
+            loud_since = (t if loud_since is None else loud_since) if loud else None
+        user_active = readings.user_idle_s is not None and readings.user_idle_s < self.idle_after_s
+        if self.idle:
+            busy = user_active or (loud_since is not None and t - loud_since >= self.busy_after_s)
+            idle = not busy
+        else:
+            idle = (
+                not user_active and quiet_since is not None and t - quiet_since >= self.idle_after_s
+            )
+        return replace(self, idle=idle, quiet_since=quiet_since, loud_since=loud_since)
+
+
+# ---- schedule --------------------------------------------------------------------------
+
+
+def _parse_clock(text: str, *, allow_24: bool) -> int:
+    """Seconds after midnight of "HH:MM"; "24:00" only as a window's end."""
+    hh, sep, mm = text.strip().partition(":")
+    if not sep or not (hh.isdigit() and mm.isdigit()) or len(mm) != 2 or not 1 <= len(hh) <= 2:
+        raise ValueError(f"{text.strip()!r} is not a time like 07:30")
+    hours, minutes = int(hh), int(mm)
+    if hours == 24 and minutes == 0 and allow_24:
+        return SECONDS_PER_DAY
+    if hours > 23 or minutes > 59:
+        raise ValueError(f"{text.strip()!r} is not a time of day")
+    return hours * 3600 + minutes * 60
+
+
+@dataclass(frozen=True)
+class Window:
+    """Allowed from ``start_s`` (inclusive) to ``end_s`` (exclusive), seconds after
+    midnight; ``end_s < start_s`` spans midnight ("22:00-07:00")."""
+
+    start_s: int
+    end_s: int
+
+    def contains(self, second_of_day: float) -> bool:
+        if self.start_s < self.end_s:
+            return self.start_s <= second_of_day < self.end_s
+        return second_of_day >= self.start_s or second_of_day < self.end_s
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Daily windows when computing is allowed; no windows means always.
+
+    Local wall-clock time, evaluated on whatever ``datetime`` the caller passes (naive
+    or aware); on a DST change day a window follows the clock on the wall.
+    """
+
+    windows: tuple[Window, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        """Parse "22:00-07:00, 12:00-13:30"; "" is always. ValueError if malformed."""
+        windows: list[Window] = []
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            start, sep, end = part.partition("-")
+            if not sep:
+                raise ValueError(f"{part.strip()!r} is not a window like 22:00-07:00")
+            window = Window(_parse_clock(start, allow_24=False), _parse_clock(end, allow_24=True))
+            if window.start_s == window.end_s:
+                # Empty or all day? Ambiguous, so refused: "00:00-24:00" or "" say all day.
+                raise ValueError(f"{part.strip()!r} starts and ends at the same time")
+            windows.append(window)
+        return cls(tuple(windows))
+
+    @property
+    def always(self) -> bool:
+        return not self.windows
+
+    def allows(self, now: datetime) -> bool:
+        if self.always:
+            return True
+        second = now.hour * 3600 + now.minute * 60 + now.second + now.microsecond / 1e6
+        return any(w.contains(second) for w in self.windows)
+
+    def next_change(self, now: datetime) -> datetime | None:
+        """The first boundary after ``now`` where ``allows`` flips; None if it never does."""
+        if self.always:
+            return None
+        current = self.allows(now)
+        midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        edges = sorted(
+            {
+                midnight + timedelta(days=day, seconds=s)
+                for day in (0, 1, 2)
+                for w in self.windows
+                for s in (w.start_s, w.end_s)
+            }
+        )
+        for edge in edges:
+            if edge > now and self.allows(edge) != current:
+                return edge
+        return None  # windows that together cover the whole day
+
+
+# ---- snooze ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snooze:
+    """The owner said "not now" until ``until`` (local time); None: not snoozed."""
+
+    until: datetime | None = None
+
+    def active(self, now: datetime) -> bool:
+        return self.until is not None and now < self.until
+
+    @classmethod
+    def for_duration(cls, now: datetime, duration: timedelta = timedelta(hours=1)) -> Snooze:
+        """The "1 hour" button."""
+        return cls(now + duration)
+
+    @classmethod
+    def until_tomorrow(cls, now: datetime) -> Snooze:
+        """The "until tomorrow" button: the next local midnight.
+
+        Midnight, not a morning hour: it is what "tomorrow" means on a calendar, needs no
+        extra setting, and the schedule and idle rules still guard the night.
+        """
+        midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        return cls(midnight + timedelta(days=1))
+
+    @classmethod
+    def from_iso(cls, text: str) -> Snooze:
+        """The settings' ``snooze_until``; "" is not snoozed. ValueError if malformed."""
+        return cls(datetime.fromisoformat(text) if text.strip() else None)
+
+    def to_iso(self) -> str:
+        return "" if self.until is None else self.until.isoformat(timespec="seconds")
+
+
+def format_until(until: datetime, now: datetime) -> str:
+    """As "15:40" today, "tomorrow 00:00", else "2024-05-03 09:00"."""
+    clock = until.strftime("%H:%M")
+    if until.date() == now.date():
+        return clock
+    if until.date() == now.date() + timedelta(days=1):
+        return f"tomorrow {clock}"
+    return f"{until:%Y-%m-%d} {clock}"
+
+
+# ---- decision --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The owner's rules, in the policy's own terms (see ``policy_runner.policy_config``)."""
+
+    idle_only: bool = False
+    idle_threshold_percent: float = 25.0
+    idle_after_s: float = 300.0
+    pause_on_battery: bool = True
+    schedule: Schedule = field(default_factory=Schedule)
+    snooze: Snooze = field(default_factory=Snooze)
+
+    def new_detector(self) -> IdleDetector:
+        return IdleDetector(threshold=self.idle_threshold_percent, idle_after_s=self.idle_after_s)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether to compute now, and why.
+
+    ``reason`` is the short text for ``WorkerCore.pause`` (the coordinator sees it and
+    the core shows "Paused: <reason>"); ``line`` is the status line for people. When
+    ``run`` is True both are empty: the worker's own line ("Computing ...", "Waiting
+    for tiles") says what it is doing.
+    """
+
+    run: bool
+    reason_code: str
+    line: str = ""
+    reason: str = ""
+
+
+ALLOWED = Decision(run=True, reason_code=RUN)
+
+
+def decide(
+    readings: Readings, now: datetime, config: PolicyConfig, *, idle: bool = True
+) -> Decision:
+    """Apply the owner's rules in priority order (module docstring) at local time ``now``.
+
+    ``idle`` is the IdleDetector's current answer; it matters only with ``idle_only``.
+    """
+    if config.snooze.active(now):
+        assert config.snooze.until is not None
+        until = format_until(config.snooze.until, now)
+        return Decision(False, SNOOZED, f"Snoozed until {until}", f"snoozed until {until}")
+    if config.pause_on_battery and readings.on_battery:
+        return Decision(False, ON_BATTERY, "Paused: on battery", "on battery")
+    if not config.schedule.allows(now):
+        return Decision(False, OUTSIDE_SCHEDULE, "Paused: outside schedule", "outside schedule")
+    if config.idle_only and not idle:
+        return Decision(False, IN_USE, "Paused: computer in use", "computer in use")
+    return ALLOWED
+
+
+def decide_all(
+    samples: Sequence[tuple[float, datetime, Readings]], config: PolicyConfig
+) -> list[Decision]:
+    """Decisions for a sequence of (monotonic t, local now, readings): what a runner
+    would decide sample by sample. Handy for tests and for replaying a logged trace."""
+    detector = config.new_detector()
+    out: list[Decision] = []
+    for t, now, readings in samples:
+        detector = detector.observe(readings, t)
+        out.append(decide(readings, now, config, idle=detector.idle))
+    return out
