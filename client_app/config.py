@@ -172,12 +172,19 @@ class WorkerSettings:
     pause_on_battery: bool = True
     schedule: str = ""  # daily windows, "22:00-07:00,12:00-13:00"; empty: any time
     snooze_until: str = ""  # ISO local time; empty: not snoozed
+    bandwidth_kbps: int = 0  # per direction, KiB/s (client_app.bandwidth); 0: unlimited
+    # Share the GPU only while no other program is using it (client_app.gpu_busy).
+    gpu_only_when_free: bool = True
+    start_at_login: bool = False  # client_app.autostart keeps the OS entry in step
+    start_minimized: bool = False  # the desktop app opens to its tray icon only
 
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 1 (or 0 for the default), not {self.threads}")
         if self.memory_mb < 0:
             raise ValueError(f"memory_mb must be >= 0, not {self.memory_mb}")
+        if self.bandwidth_kbps < 0:
+            raise ValueError(f"bandwidth_kbps must be >= 0, not {self.bandwidth_kbps}")
         if not 1 <= self.window <= MAX_WINDOW:
             raise ValueError(f"window must be in [1, {MAX_WINDOW}], not {self.window}")
         if len(self.name) > MAX_NAME_CHARS:

@@ -9,8 +9,11 @@ window carry on while it rests. Losing the connection ends all three; the sessio
 forgets that connection's tiles and the worker reconnects with backoff.
 
 A GUI drives ``WorkerCore`` from its own thread through the thread-safe methods
-(``stop``, ``set_threads``, ``set_cpu_percent``, ``pause``, ``resume``) and observes
-it through ``WorkerStatus`` snapshots (delivered on the worker's event-loop thread).
+(``stop``, ``set_threads``, ``set_cpu_percent``, ``set_bandwidth_kbps``, ``pause``,
+``resume``) and observes it through ``WorkerStatus`` snapshots (delivered on the
+worker's event-loop thread). Under a bandwidth limit (``client_app.bandwidth``) the
+receive loop waits after each frame and results wait before they are sent; heartbeats
+have their own task and are never held back.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.protocol import State
 
 from client_app.backoff import backoff_delay
+from client_app.bandwidth import TokenBucket, bytes_per_s
 from client_app.compute import TileComputer
 from client_app.config import WorkerSettings
 from client_app.duty import DutyCycle, fraction_from_percent
@@ -104,9 +108,16 @@ class WorkerCore:
         self._clock = clock
         # The owner's limit; the event loop alone touches the controller (see _pace).
         self._duty = DutyCycle(fraction_from_percent(settings.cpu_percent))
+        # Process CPU time at the last charge (see _compute); None: start afresh.
+        self._charge_from: float | None = None
         self._cpu_percent = settings.cpu_percent
         self._resting = False
         self._duty_changed: asyncio.Event | None = None
+        # Bandwidth limit, one bucket per direction; like _duty, touched by the loop only.
+        self._bandwidth_kbps = settings.bandwidth_kbps
+        self._down = TokenBucket(bytes_per_s(settings.bandwidth_kbps), clock=clock)
+        self._up = TokenBucket(bytes_per_s(settings.bandwidth_kbps), clock=clock)
+        self._bandwidth_changed: asyncio.Event | None = None
 
         self.session: WorkerSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -167,6 +178,32 @@ class WorkerCore:
         # An int store is atomic; the event loop hands it to the controller (_pace).
         self._cpu_percent = percent
         self._call_in_loop(self._on_cpu_percent)
+
+    def set_bandwidth_kbps(self, kbps: int) -> None:
+        """Change the bandwidth limit (KiB/s each way, 0: unlimited). Safe from any thread.
+
+        A wait under way is recomputed at the new rate (it ends at once when unlimited).
+        """
+        bytes_per_s(kbps)  # ValueError here, in the caller's thread
+        self._bandwidth_kbps = kbps
+        self._call_in_loop(self._on_bandwidth)
+
+    def _on_bandwidth(self) -> None:
+        rate = bytes_per_s(self._bandwidth_kbps)
+        self._down.set_rate(rate)
+        self._up.set_rate(rate)
+        if self._bandwidth_changed is not None:
+            self._bandwidth_changed.set()
+
+    async def _throttle(self, bucket: TokenBucket, n: int) -> None:
+        """Charge ``n`` bytes to ``bucket`` and wait until it allows more traffic."""
+        assert self._bandwidth_changed is not None
+        wait = bucket.reserve(n)
+        while wait > 0.0:
+            self._bandwidth_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._bandwidth_changed.wait(), wait)
+            wait = bucket.wait_s()
 
     def _on_cpu_percent(self) -> None:
         if self._duty_changed is not None:
@@ -240,6 +277,8 @@ class WorkerCore:
         self._stop_event = asyncio.Event()
         self._welcomed = asyncio.Event()
         self._duty_changed = asyncio.Event()
+        self._bandwidth_changed = asyncio.Event()
+        self._on_bandwidth()  # a limit set before run() counts from here
         if self._stop_requested:
             self._stop_event.set()
         # One thread for all torch work: tiles run in arrival order, and torch's
@@ -395,6 +434,9 @@ class WorkerCore:
             if actions.close:
                 log.info("closing connection to %s: %s", self.url, actions.close)
                 return
+            # Not reading the next frame is the limit: TCP backpressure slows the sender.
+            # Heartbeats are sent by their own task and never wait here.
+            await self._throttle(self._down, len(data))
 
     def _on_welcome(self, session: WorkerSession, first_pin: bool) -> None:
         assert self._welcomed is not None
@@ -440,6 +482,9 @@ class WorkerCore:
                 # No await between next_tile() and clear(): no wake-up can be lost.
                 work.clear()
                 await work.wait()
+                # Whatever ran while there was no work (heartbeats) is not owed by
+                # the next tile: charging starts afresh.
+                self._charge_from = None
                 continue
             self._publish()
             start = self._clock()
@@ -462,6 +507,7 @@ class WorkerCore:
                     )
             end = self._clock()
             if frame is not None:
+                await self._throttle(self._up, len(frame))
                 await _send(ws, frame)
             self._maybe_log_summary(session)
             self._publish()
@@ -470,8 +516,10 @@ class WorkerCore:
     def _compute(self, job: TileJob) -> tuple[torch.Tensor, float, float]:
         """``(c, GEMM seconds, cost)``; runs on the compute thread.
 
-        The cost is what the CPU-time limit charges: the process's CPU time during the
-        GEMM over the thread cap, i.e. the share of the granted cores it used. Wall time
+        The cost is what the CPU-time limit charges: the process's CPU time since the
+        previous tile was charged (this GEMM, plus the decoding, signature checks and
+        heartbeats done meanwhile, also while resting) over the thread cap, i.e. the
+        share of the granted cores the worker used. Wall time
         would overcharge a GEMM slowed by the owner's own programs, and the compute
         thread's own CPU time (``time.thread_time``) misses torch's other intra-op
         threads. Event-loop work done meanwhile (decoding the next tile) is the
@@ -479,12 +527,15 @@ class WorkerCore:
         occupies, so a tile costs its wall time.
         """
         threads = self.computer.threads
-        cpu0 = time.process_time()
+        now_cpu = time.process_time()
+        cpu0 = now_cpu if self._charge_from is None else self._charge_from
         start = time.perf_counter()
         c = self.computer.compute(job.op, job.a, job.b)
         seconds = time.perf_counter() - start
+        cpu1 = time.process_time()
+        self._charge_from = cpu1  # only this (single) compute thread writes it
         if self.computer.device.type == "cpu":
-            cost = (time.process_time() - cpu0) / threads
+            cost = (cpu1 - cpu0) / threads
         else:
             cost = seconds
         return c, seconds, cost

@@ -170,7 +170,13 @@ async def keep_supplied(coord: FakeCoordinator, link: Link, window: int = 2) -> 
 
 
 class Meter:
-    """Process CPU time and the computer's accounts, between two marks."""
+    """CPU time between two marks: the worker's two threads, and the whole process.
+
+    Mark and read on the event loop thread. The worker's CPU time is its compute thread
+    plus its event loop thread (which also runs the tiny fake coordinator). The whole
+    process also holds whatever threads earlier tests in this pytest run left behind,
+    so it is only reported, not asserted on.
+    """
 
     def __init__(self, computer: BurningComputer) -> None:
         self.computer = computer
@@ -178,14 +184,19 @@ class Meter:
 
     def mark(self) -> None:
         self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.loop_cpu0 = time.thread_time()
         self.burned0, self.busy0 = self.computer.burned_cpu_s, self.computer.busy_wall_s
 
     def read(self) -> dict[str, float]:
         wall = time.perf_counter() - self.wall0
+        compute = (self.computer.burned_cpu_s - self.burned0) / wall
+        loop = (time.thread_time() - self.loop_cpu0) / wall
         return {
             "window_s": wall,
+            "worker": compute + loop,
+            "compute_thread": compute,
+            "loop_thread": loop,
             "process": (time.process_time() - self.cpu0) / wall,
-            "compute_thread": (self.computer.burned_cpu_s - self.burned0) / wall,
             "busy_wall": (self.computer.busy_wall_s - self.busy0) / wall,
         }
 
@@ -213,8 +224,9 @@ def test_half_cpu_is_measured_within_15_percent(tmp_path: Path) -> None:
 
     figures = asyncio.run(scenario())
     print(f"\nCPU limit 50%: {figures}")
-    assert 0.425 <= figures["process"] <= 0.575, figures
-    assert 0.425 <= figures["compute_thread"] <= 0.575, figures
+    assert 0.425 <= figures["worker"] <= 0.575, figures  # the issue's criterion: ±15%
+    # The GEMMs are most of it; the rest is decoding, checks and heartbeats.
+    assert figures["compute_thread"] >= 0.3, figures
     assert figures["heartbeats"] >= 25, figures
     lines = {s.line for s in statuses if s.state == "computing"}
     assert "Resting (CPU limit 50%)" in lines
@@ -257,7 +269,7 @@ def test_full_cpu_never_rests_and_a_live_change_applies(tmp_path: Path) -> None:
     assert rested_at_full == 0
     # Only the event loop's turnaround separates tiles at 100%.
     assert full["busy_wall"] >= 0.85, full
-    assert 0.25 * 0.7 <= quarter["compute_thread"] <= 0.25 * 1.3, quarter
+    assert 0.25 * 0.7 <= quarter["worker"] <= 0.25 * 1.3, quarter
     assert "Resting (CPU limit 25%)" in {s.line for s in statuses}
     with pytest.raises(ValueError):
         make_core("ws://x/ws", tmp_path).set_cpu_percent(0)

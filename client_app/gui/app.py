@@ -1,0 +1,89 @@
+"""``cleave-app [--coordinator URL] [--join] [--minimized]``: the desktop app.
+
+Settings live in the same ``settings.json`` as ``cleave-worker``'s (``config_dir()``),
+so either program picks up where the other left off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+
+from client_app.config import ConfigError, WorkerSettings, config_dir
+from client_app.gui.main_window import MainWindow
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cleave-app", description="Donate this machine's CPU/GPU time to Cleave."
+    )
+    parser.add_argument(
+        "--coordinator", metavar="URL", help="coordinator URL, e.g. ws://host:8765/ws (saved)"
+    )
+    parser.add_argument("--join", action="store_true", help="join at once")
+    parser.add_argument(
+        "--minimized", action="store_true", help="start in the tray (if the desktop has one)"
+    )
+    return parser
+
+
+def load_settings(args: argparse.Namespace) -> tuple[WorkerSettings, str]:
+    """Saved settings with ``--coordinator`` applied, and a warning to show (or "")."""
+    directory = config_dir()
+    warning = ""
+    try:
+        settings = WorkerSettings.load(directory)
+    except ConfigError as exc:
+        # The app must still open so the owner can fix things; the file is left alone
+        # until they change a setting.
+        warning = str(exc)
+        settings = WorkerSettings()
+    if args.coordinator:
+        settings = replace(settings, coordinator_url=args.coordinator)
+        if not warning:
+            settings.save(directory)
+    return settings, warning
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+    )
+    logging.getLogger("websockets").setLevel(logging.INFO)
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    assert isinstance(app, QApplication)
+    app.setApplicationName("Cleave")
+    settings, warning = load_settings(args)
+    window = MainWindow(settings, config_dir())
+    # With a tray, closing the window keeps the worker running; Quit is the way out.
+    app.setQuitOnLastWindowClosed(not window.tray.available)
+    window.quit_done.connect(app.quit)
+    # Reached also when Qt quits on its own (last window closed, session end): the
+    # coordinator should still get its Bye.
+    app.aboutToQuit.connect(window.shutdown)
+    if warning:
+        window.status_label.setText(f"Settings not loaded: {warning}")
+    # getattr: "start minimised" is a setting newer than this window's first version.
+    minimized = args.minimized or bool(getattr(settings, "start_minimized", False))
+    if not (minimized and window.tray.available):
+        window.show()
+    if args.join and settings.coordinator_url:
+        window.join()
+    # Ctrl-C / SIGTERM quit as the tray's Quit does: leave first. Python runs signal
+    # handlers only between bytecodes, so an idle timer gives it the chance while Qt waits.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: window.quit())
+    wakeup = QTimer()
+    wakeup.timeout.connect(lambda: None)
+    wakeup.start(250)
+    return int(app.exec())

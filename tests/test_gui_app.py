@@ -1,0 +1,304 @@
+"""``cleave-app``: the desktop app against a real coordinator, responsiveness, status
+lines, and settings that survive a restart. Qt runs offscreen (conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("PySide6")
+pytest.importorskip("pytestqt")
+
+from procs import Coordinator, Worker, assert_losses_match  # noqa: E402
+from PySide6.QtCore import QEventLoop, Qt, QTimer  # noqa: E402
+from pytestqt.qtbot import QtBot  # noqa: E402
+from test_worker_loopback import PROFILE, FakeCoordinator, operands  # noqa: E402
+
+from client_app.config import WorkerSettings, config_dir  # noqa: E402
+from client_app.gui import app as gui_app  # noqa: E402
+from client_app.gui.bridge import WorkerBridge  # noqa: E402
+from client_app.gui.main_window import MainWindow  # noqa: E402
+from client_app.gui.status_text import shown_state, status_line  # noqa: E402
+from client_app.gui.tray import state_icon  # noqa: E402
+from client_app.policy import Readings  # noqa: E402
+from client_app.status import WorkerStatus  # noqa: E402
+from common.messages import Result  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def plugged_in() -> Readings:
+    # Real readings would pause a test run on a laptop's battery.
+    return Readings(cpu_percent=0.0, on_battery=False)
+
+
+def make_window(qtbot: QtBot, settings: WorkerSettings, **core_options: Any) -> MainWindow:
+    bridge = WorkerBridge(
+        config_dir(), core_options=core_options, sample=plugged_in, policy_interval_s=0.2
+    )
+    window = MainWindow(settings, config_dir(), bridge=bridge)
+    # Leave and wait for the worker thread before the window goes: a worker outliving
+    # its window would report into a deleted bridge during a later test.
+    qtbot.addWidget(window, before_close_func=lambda w: w.shutdown())
+    window.show()
+    return window
+
+
+def leave_and_wait(qtbot: QtBot, window: MainWindow) -> None:
+    if window.bridge.joined:
+        window.bridge.leave()
+        qtbot.waitUntil(lambda: not window.bridge.joined, timeout=15_000)
+
+
+# ---- (a) end to end: Join, compute, verified credit, Leave, the run still completes --------
+
+
+@pytest.mark.e2e
+def test_join_computes_credits_and_leave_loses_nothing(qtbot: QtBot, tmp_path: Path) -> None:
+    from coordinator import train_locally
+    from coordinator.jobs.tiny_gpt import make_job
+
+    steps = 6
+    coord = Coordinator(tmp_path, "--steps", str(steps), "--min-workers", "1")
+    headless: Worker | None = None
+    settings = WorkerSettings(name="gui-w", threads=1, use_gpu=False)
+    window = make_window(qtbot, settings, backoff_base_s=0.05)
+    seen: list[WorkerStatus] = []
+    window.bridge.status_changed.connect(seen.append)
+    try:
+        window.url_edit.setText(coord.url)
+        qtbot.mouseClick(window.join_button, Qt.MouseButton.LeftButton)
+        assert window.bridge.joined and window.join_button.text() == "Leave"
+
+        def counted_by_coordinator() -> bool:
+            workers = coord.status()["workers"]
+            return any(w["name"] == "gui-w" and w["tiles_session"] > 0 for w in workers)
+
+        # Small tiles finish in milliseconds, so "computing" may be a snapshot the
+        # coalescing bridge skips; the tile count says that computing happened.
+        qtbot.waitUntil(lambda: window.bridge.status.tiles_done > 0, timeout=60_000)
+        assert any(s.state in ("computing", "waiting") for s in seen)
+        assert window.fingerprint_label.text() == coord.status()["coordinator_key"]
+        qtbot.waitUntil(counted_by_coordinator, timeout=30_000)
+        # The coordinator's verified figure arrives with a heartbeat's Ack.
+        qtbot.waitUntil(lambda: window.bridge.status.credit_tiles > 0, timeout=30_000)
+        credit = window.bridge.status.credit_tiles
+        assert f"{credit} verified" in window.totals_label.text()
+        if window.stats_view is not None:  # the stats view is someone else's module
+            shown = window.stats_view.values()["credit.session"]  # type: ignore[attr-defined]
+            assert shown.startswith(f"{credit:,} tiles"), shown
+
+        assert len(coord.steps()) < steps  # leaving mid-run is the point
+        qtbot.mouseClick(window.join_button, Qt.MouseButton.LeftButton)  # Leave
+        qtbot.waitUntil(lambda: not window.bridge.joined, timeout=15_000)
+        assert window.join_button.text() == "Join" and status_line(window.bridge.status) == "Left"
+        headless = Worker(tmp_path, coord.url, "headless")
+        assert coord.wait(180) == 0, coord.output()
+    finally:
+        leave_and_wait(qtbot, window)
+        if headless is not None:
+            headless.stop()
+        coord.kill()
+    records = coord.steps()
+    assert_losses_match([r["loss"] for r in records], train_locally(make_job(), steps))
+
+
+# ---- (b) the event loop stays responsive while a large tile computes ------------------------
+
+
+class FakeInThread:
+    """The loopback tests' fake coordinator on a thread: hands out big tiles and notes
+    what the worker sends back."""
+
+    def __init__(self, tiles: int, shape: tuple[int, int, int]) -> None:
+        self.tiles, self.shape = tiles, shape
+        self.url = ""
+        self.results: list[float] = []  # perf_counter when each result arrived
+        self.received: list[str] = []  # message type names, heartbeats aside
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    async def _main(self) -> None:
+        async with FakeCoordinator(max_size=1 << 28) as coord:
+            self.url = coord.url
+            self._ready.set()
+            link = await coord.next_link(30)
+            for i in range(self.tiles):
+                a, b = operands(i, self.shape)
+                await link.send(coord.task(f"big-{i}", a, b))
+            while not self._done.is_set():
+                try:
+                    received = await asyncio.wait_for(link.inbox.get(), 0.05)
+                except asyncio.TimeoutError:
+                    continue
+                self.received.append(type(received.message).__name__)
+                if isinstance(received.message, Result):
+                    self.results.append(time.perf_counter())
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(30)
+
+
+def queued_event_latency() -> float:
+    """Seconds from posting a zero-delay timer to its running on the Qt event loop."""
+    loop = QEventLoop()
+    ran: list[float] = []
+    start = time.perf_counter()
+    QTimer.singleShot(0, lambda: (ran.append(time.perf_counter()), loop.quit()))
+    loop.exec()
+    return ran[0] - start
+
+
+def test_event_loop_stays_responsive_while_a_tile_computes(qtbot: QtBot) -> None:
+    fake = FakeInThread(tiles=3, shape=(1536, 1536, 1536))  # ~7 GFLOP each, 1 thread
+    settings = WorkerSettings(coordinator_url=fake.url, name="big-w", threads=1, use_gpu=False)
+    window = make_window(qtbot, settings, profile=PROFILE, backoff_base_s=0.05)
+    try:
+        window.join()
+        qtbot.waitUntil(lambda: window.bridge.status.state == "computing", timeout=30_000)
+        latencies: list[float] = []
+        measured_at: list[float] = []
+        while len(latencies) < 10 and len(fake.results) < fake.tiles:
+            latencies.append(queued_event_latency())
+            measured_at.append(time.perf_counter())
+            qtbot.wait(20)
+        qtbot.waitUntil(lambda: len(fake.results) == fake.tiles, timeout=60_000)
+        # Measured while tiles were still out: before the last result came back.
+        measured = [t for t in measured_at if t < fake.results[-1]]
+        assert len(measured) >= 5, (measured_at, fake.results)
+        assert max(latencies) < 0.1, latencies
+    finally:
+        leave_and_wait(qtbot, window)
+        fake.close()
+
+
+def test_quit_while_a_tile_computes_leaves_cleanly(qtbot: QtBot) -> None:
+    fake = FakeInThread(tiles=1, shape=(3072, 3072, 3072))  # ~58 GFLOP: still computing
+    settings = WorkerSettings(coordinator_url=fake.url, name="quit-w", threads=1, use_gpu=False)
+    window = make_window(qtbot, settings, profile=PROFILE, backoff_base_s=0.05)
+    try:
+        window.join()
+        qtbot.waitUntil(lambda: window.bridge.status.state == "computing", timeout=30_000)
+        start = time.perf_counter()
+        with qtbot.waitSignal(window.quit_done, timeout=10_000):
+            window.tray.quit_action.trigger()
+        # Leaving does not wait for the GEMM: the Bye tells the coordinator to re-issue.
+        assert not window.bridge.joined and status_line(window.bridge.status) == "Left"
+        qtbot.waitUntil(lambda: "Bye" in fake.received, timeout=5_000)
+        assert "Result" not in fake.received, fake.received
+        assert time.perf_counter() - start < 5.0
+    finally:
+        leave_and_wait(qtbot, window)
+        fake.close()
+
+
+def test_settings_dialog_changes_apply_live_and_persist(qtbot: QtBot) -> None:
+    fake = FakeInThread(tiles=0, shape=(8, 8, 8))
+    settings = WorkerSettings(coordinator_url=fake.url, name="set-w", threads=1, use_gpu=False)
+    window = make_window(qtbot, settings, profile=PROFILE, backoff_base_s=0.05)
+    try:
+        window.join()
+        qtbot.waitUntil(lambda: window.bridge.status.state == "waiting", timeout=30_000)
+        if not window.settings_button.isVisible():
+            pytest.skip("client_app.gui.settings_dialog is not importable")
+        qtbot.mouseClick(window.settings_button, Qt.MouseButton.LeftButton)
+        dialog = window.settings_dialog
+        assert dialog is not None and dialog.isVisible()
+        changed = replace(window.settings, threads=2, cpu_percent=50)
+        dialog.settings_changed.emit(changed)  # type: ignore[attr-defined]
+        qtbot.waitUntil(lambda: window.bridge.status.threads == 2, timeout=5_000)
+        assert WorkerSettings.load(config_dir()) == changed
+        dialog.close()
+    finally:
+        leave_and_wait(qtbot, window)
+        fake.close()
+
+
+# ---- (c) the status line for every state ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "core_line", "shown", "look"),
+    [
+        ("computing", "Computing tile t-12", "Computing", "computing"),
+        ("computing", "Resting (CPU limit 50%)", "Resting (CPU limit 50%)", "computing"),
+        ("waiting", "Waiting for tiles (3 done)", "Waiting for work", "waiting"),
+        ("paused", "Paused: computer in use", "Paused: computer in use", "paused"),
+        ("paused", "Paused: on battery", "Paused: on battery", "paused"),
+        ("paused", "Paused: outside schedule", "Paused: outside schedule", "paused"),
+        ("paused", "Paused: paused by you", "Paused: paused by you", "paused"),
+        ("paused", "Paused: snoozed until 15:40", "Snoozed until 15:40", "snoozed"),
+        ("reconnecting", "Reconnecting in 8 s", "Reconnecting in 8 s", "reconnecting"),
+        ("connecting", "Connecting to ws://h/ws", "Connecting to ws://h/ws", "connecting"),
+        (
+            "refused",
+            "Refused: coordinator key changed",
+            "Refused: coordinator key changed",
+            "refused",
+        ),
+        ("stopped", "Not joined", "Not joined", "stopped"),
+        ("stopped", "Stopped", "Left", "stopped"),
+    ],
+)
+def test_status_line_for_every_state(
+    qtbot: QtBot, state: str, core_line: str, shown: str, look: str
+) -> None:
+    status = WorkerStatus(state=state, line=core_line, current_tile="t-12")
+    assert status_line(status) == shown
+    assert shown_state(status) == look
+    assert not state_icon(look).isNull()
+    window = make_window(qtbot, WorkerSettings())
+    window.show_status(status)
+    assert window.status_label.text() == shown
+    assert window.tray.state == look
+
+
+# ---- (d) settings survive a restart; tray actions -----------------------------------------
+
+
+def test_settings_persist_between_two_app_instances(qtbot: QtBot) -> None:
+    args = gui_app.build_parser().parse_args(["--coordinator", "ws://127.0.0.1:9/ws"])
+    settings, warning = gui_app.load_settings(args)
+    assert warning == ""
+    first = make_window(qtbot, settings)
+    first.apply_settings(replace(first.settings, threads=3, cpu_percent=40, schedule="22:00-07:00"))
+    first.tray.snooze_action.trigger()
+    assert first.settings.snooze_until
+
+    # A second instance, without --coordinator: everything comes from settings.json.
+    again, warning = gui_app.load_settings(gui_app.build_parser().parse_args([]))
+    assert warning == ""
+    assert again == first.settings
+    second = make_window(qtbot, again)
+    assert second.url_edit.text() == "ws://127.0.0.1:9/ws"
+    assert (again.threads, again.cpu_percent, again.schedule) == (3, 40, "22:00-07:00")
+    # The headless worker reads the very same file.
+    assert WorkerSettings.load(config_dir()) == again
+
+
+def test_join_saves_a_name_and_a_bad_url_says_why(qtbot: QtBot) -> None:
+    window = make_window(qtbot, WorkerSettings())
+    window.url_edit.setText("http://not-a-websocket")
+    qtbot.mouseClick(window.join_button, Qt.MouseButton.LeftButton)
+    assert not window.bridge.joined
+    assert window.status_label.text().startswith("Cannot join: coordinator URL must start")
+    window.url_edit.setText("ws://127.0.0.1:9/ws")  # nothing listens: it keeps retrying
+    window.tray.join_action.trigger()
+    try:
+        assert window.bridge.joined and window.tray.join_action.text() == "Leave"
+        assert WorkerSettings.load(config_dir()).name  # generated once, then kept
+        window.tray.pause_action.setChecked(True)
+        assert window.bridge.manually_paused
+    finally:
+        leave_and_wait(qtbot, window)
+    assert window.join_button.text() == "Join" and window.tray.join_action.text() == "Join"
