@@ -6,10 +6,10 @@ schedule and snooze, and a monotonic ``float`` for the idle detector's timers (s
 wall-clock jump, e.g. an NTP step or a DST change, cannot fake minutes of idleness).
 ``client_app.policy_runner`` is the thin loop that applies decisions to a WorkerCore.
 
-Priority, highest first: snooze > battery > schedule > computer in use. A person's
-explicit "not now" beats every automatic rule, and among the automatic ones the line
-shown is the most lasting cause (on battery until plugged in, the schedule until its
-next window, "in use" may clear in minutes).
+Priority, highest first: snooze > battery > schedule > graphics card in use > computer
+in use. A person's explicit "not now" beats every automatic rule, and among the
+automatic ones the line shown is the most lasting cause (on battery until plugged in,
+the schedule until its next window, a busy GPU or "in use" may clear in minutes).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ RUN = "run"
 SNOOZED = "snoozed"
 ON_BATTERY = "on_battery"
 OUTSIDE_SCHEDULE = "outside_schedule"
+GPU_BUSY = "gpu_busy"
 IN_USE = "in_use"
 
 
@@ -36,6 +37,7 @@ class Readings:
     other_cpu_percent: float | None = None  # other processes' CPU, 0-100 of the machine
     user_idle_s: float | None = None  # seconds since the last keyboard/mouse input
     on_battery: bool | None = None  # None: no battery or unknown, treated as mains
+    gpu_busy: bool | None = None  # another program uses the GPU; None: no GPU or unknown
 
 
 # ---- idle detection --------------------------------------------------------------------
@@ -237,6 +239,7 @@ class PolicyConfig:
     pause_on_battery: bool = True
     schedule: Schedule = field(default_factory=Schedule)
     snooze: Snooze = field(default_factory=Snooze)
+    gpu_only_when_free: bool = False  # pause while another program keeps the GPU busy
 
     def new_detector(self) -> IdleDetector:
         return IdleDetector(threshold=self.idle_threshold_percent, idle_after_s=self.idle_after_s)
@@ -276,6 +279,9 @@ def decide(
         return Decision(False, ON_BATTERY, "Paused: on battery", "on battery")
     if not config.schedule.allows(now):
         return Decision(False, OUTSIDE_SCHEDULE, "Paused: outside schedule", "outside schedule")
+    # Unknown (None: no GPU, no NVML) never pauses: see client_app.gpu_busy.
+    if config.gpu_only_when_free and readings.gpu_busy is True:
+        return Decision(False, GPU_BUSY, "Paused: graphics card in use", "graphics card in use")
     if config.idle_only and not idle:
         return Decision(False, IN_USE, "Paused: computer in use", "computer in use")
     return ALLOWED

@@ -58,6 +58,7 @@ def policy_config(settings: WorkerSettings) -> PolicyConfig:
         pause_on_battery=settings.pause_on_battery,
         schedule=Schedule.parse(settings.schedule),
         snooze=snooze,
+        gpu_only_when_free=settings.use_gpu and settings.gpu_only_when_free,
     )
 
 

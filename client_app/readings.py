@@ -1,4 +1,4 @@
-"""The machine's side of the policy: CPU load, battery, user-input idle time.
+"""The machine's side of the policy: CPU load, battery, user-input idle time, GPU use.
 
 Thin and defensive: every source that is missing or fails reads as None, never an
 exception, because a worker must keep working (or keep paused) whatever the desktop
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ from typing import TypeVar
 
 import psutil
 
+from client_app import gpu_busy
 from client_app.policy import Readings
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,34 @@ def on_battery() -> bool | None:
     if battery is None or battery.power_plugged is None:
         return None
     return not battery.power_plugged
+
+
+def gpu_busy_source() -> Callable[[], bool | None] | None:
+    """A callable answering "does another program keep the GPU busy?", or None where
+    there is no CUDA GPU or no NVML (``pynvml``) to ask; then the reading stays unknown.
+
+    NVML's device 0 stands for the GPU the worker computes on (torch's default device).
+    """
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        if importlib.util.find_spec("pynvml") is None:  # optional: nvidia-ml-py
+            return None
+    except Exception as exc:  # ImportError, or a broken driver: no GPU reading
+        log.debug("no GPU-busy source: %s", exc)
+        return None
+
+    def busy() -> bool | None:
+        # Once this process has a CUDA context, utilization may be our own tiles: then
+        # only other programs' compute contexts count (a GPU used only by us is free).
+        verdict = gpu_busy.query_nvidia(0, own_busy=torch.cuda.is_initialized())
+        if verdict is gpu_busy.GpuUse.UNKNOWN:
+            return None
+        return verdict is gpu_busy.GpuUse.BUSY
+
+    return busy
 
 
 # ---- user-input idle time, per platform ----------------------------------------------
@@ -174,20 +204,23 @@ class Sampler:
         cpu: Callable[[], float | None] | None = None,
         user_idle: Callable[[], float | None] | None = None,
         battery: Callable[[], bool | None] = on_battery,
+        gpu: Callable[[], bool | None] | None = None,
     ) -> None:
         self._cpu = CpuSampler() if cpu is None else cpu
         self._user_idle = user_idle
         self._battery = battery
+        self._gpu = gpu
 
     @classmethod
     def for_this_machine(cls) -> Sampler:
-        return cls(user_idle=user_idle_source())
+        return cls(user_idle=user_idle_source(), gpu=gpu_busy_source())
 
     def __call__(self) -> Readings:
         return Readings(
             other_cpu_percent=_safely(self._cpu),
             user_idle_s=_safely(self._user_idle) if self._user_idle is not None else None,
             on_battery=_safely(self._battery),
+            gpu_busy=_safely(self._gpu) if self._gpu is not None else None,
         )
 
 

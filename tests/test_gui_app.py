@@ -214,9 +214,13 @@ def test_settings_dialog_changes_apply_live_and_persist(qtbot: QtBot) -> None:
         qtbot.mouseClick(window.settings_button, Qt.MouseButton.LeftButton)
         dialog = window.settings_dialog
         assert dialog is not None and dialog.isVisible()
-        changed = replace(window.settings, threads=2, cpu_percent=50)
+        changed = replace(window.settings, threads=2, cpu_percent=50, bandwidth_kbps=512)
         dialog.settings_changed.emit(changed)  # type: ignore[attr-defined]
         qtbot.waitUntil(lambda: window.bridge.status.threads == 2, timeout=5_000)
+        core = window.bridge._core
+        assert core is not None
+        qtbot.waitUntil(lambda: core._bandwidth_kbps == 512, timeout=5_000)
+        assert core._cpu_percent == 50
         assert WorkerSettings.load(config_dir()) == changed
         dialog.close()
     finally:

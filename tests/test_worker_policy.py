@@ -5,6 +5,7 @@ Every test injects its readings and its clock; nothing here sleeps or reads the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from client_app.config import ConfigError, WorkerSettings
 from client_app.policy import (
+    GPU_BUSY,
     IN_USE,
     ON_BATTERY,
     OUTSIDE_SCHEDULE,
@@ -28,6 +30,8 @@ from client_app.policy import (
     decide_all,
     format_until,
 )
+from client_app.policy_runner import policy_config
+from client_app.readings import Sampler
 
 DAY = datetime(2024, 5, 2)  # a Thursday; naive local time unless a test says otherwise
 
@@ -383,3 +387,59 @@ def test_bad_policy_settings_are_config_errors(tmp_path: Path, json_text: str) -
     (tmp_path / "settings.json").write_text(json_text)
     with pytest.raises(ConfigError):
         WorkerSettings.load(tmp_path)
+
+
+# ---- graphics card in use ----------------------------------------------------------------
+
+GPU_FREE_ONLY = PolicyConfig(gpu_only_when_free=True)
+NOON = at("12:00")
+
+
+def test_busy_gpu_pauses_with_its_line() -> None:
+    decision = decide(Readings(gpu_busy=True), NOON, GPU_FREE_ONLY)
+    assert decision == Decision(
+        False, GPU_BUSY, "Paused: graphics card in use", "graphics card in use"
+    )
+
+
+@pytest.mark.parametrize("gpu_busy", [False, None])
+def test_free_or_unknown_gpu_runs(gpu_busy: bool | None) -> None:
+    assert decide(Readings(gpu_busy=gpu_busy), NOON, GPU_FREE_ONLY).reason_code == RUN
+
+
+def test_busy_gpu_runs_when_the_flag_is_off() -> None:
+    assert decide(Readings(gpu_busy=True), NOON, PolicyConfig()).reason_code == RUN
+
+
+def test_gpu_busy_priority_after_battery_and_schedule_before_in_use() -> None:
+    busy = Readings(gpu_busy=True, on_battery=True)
+    assert decide(busy, NOON, GPU_FREE_ONLY).reason_code == ON_BATTERY
+    night_only = replace(GPU_FREE_ONLY, schedule=Schedule.parse("22:00-07:00"))
+    assert decide(Readings(gpu_busy=True), NOON, night_only).reason_code == OUTSIDE_SCHEDULE
+    in_use = replace(GPU_FREE_ONLY, idle_only=True)
+    assert decide(Readings(gpu_busy=True), NOON, in_use, idle=False).reason_code == GPU_BUSY
+    snoozed = replace(GPU_FREE_ONLY, snooze=Snooze(NOON + timedelta(hours=1)))
+    assert decide(Readings(gpu_busy=True), NOON, snoozed).reason_code == SNOOZED
+
+
+@pytest.mark.parametrize(
+    ("use_gpu", "only_when_free", "expected"),
+    [(True, True, True), (True, False, False), (False, True, False)],
+)
+def test_policy_config_gpu_only_when_free(
+    use_gpu: bool, only_when_free: bool, expected: bool
+) -> None:
+    settings = replace(WorkerSettings(), use_gpu=use_gpu, gpu_only_when_free=only_when_free)
+    assert policy_config(settings).gpu_only_when_free is expected
+
+
+def test_sampler_reads_the_gpu_source_and_treats_failure_as_unknown() -> None:
+    def broken() -> bool | None:
+        raise RuntimeError("NVML went away")
+
+    def sampler(gpu: Callable[[], bool | None] | None) -> Sampler:
+        return Sampler(cpu=lambda: 1.0, battery=lambda: None, gpu=gpu)
+
+    assert sampler(lambda: True)().gpu_busy is True
+    assert sampler(broken)().gpu_busy is None
+    assert sampler(None)().gpu_busy is None

@@ -169,7 +169,8 @@ class WorkerBridge(QObject):
         return not thread.is_alive()
 
     def apply_settings(self, settings: WorkerSettings) -> None:
-        """Apply live what can change under a running worker: threads, CPU limit, policy.
+        """Apply live what can change under a running worker: threads, CPU limit,
+        bandwidth, policy.
 
         The URL, GPU use, name, memory cap and window take effect at the next join.
         """
@@ -179,6 +180,7 @@ class WorkerBridge(QObject):
         if settings.effective_threads != core.computer.threads:
             core.set_threads(settings.effective_threads)
         core.set_cpu_percent(settings.cpu_percent)
+        core.set_bandwidth_kbps(settings.bandwidth_kbps)
         policy.set_config(settings)
 
     def set_manual_pause(self, paused: bool) -> None:
