@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(BIN)/cleave-coordinator serve --job coordinator.jobs.tiny_gpt:make_job \
-		--steps $(STEPS) --local-workers 2 --port 0 --state-dir cleave-state
+		--steps $(STEPS) --local-workers 2 --port 0 --state-dir cleave-state --fresh
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -77,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--metrics-out", type=Path, help="append one JSON object per step here")
     serve.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="write STATE_DIR/checkpoint.pt every N steps and at the end (default 1: "
+        "small jobs checkpoint cheaply); a restart with the same --state-dir resumes",
+    )
+    serve.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start from step 0: discard STATE_DIR/checkpoint.pt (the key and ledger stay)",
+    )
+    serve.add_argument(
         "--local-workers",
         type=int,
         default=0,
@@ -130,6 +142,8 @@ def _print(text: str) -> None:
 async def serve(args: argparse.Namespace) -> int:
     if args.steps < 0 or args.local_workers < 0:
         raise SystemExit("--steps and --local-workers must be >= 0")
+    if args.checkpoint_every < 1:
+        raise SystemExit("--checkpoint-every must be >= 1")
     if args.min_workers is not None and args.min_workers < 1:
         raise SystemExit("--min-workers must be >= 1: tiles need someone to compute them")
     min_workers = args.min_workers if args.min_workers is not None else max(1, args.local_workers)
@@ -191,7 +205,28 @@ async def serve(args: argparse.Namespace) -> int:
         ),
         metrics_out=args.metrics_out,
         cancel=cancel,
+        checkpoint_path=state_dir / "checkpoint.pt",
+        checkpoint_every=args.checkpoint_every,
     )
+    if args.fresh:
+        (state_dir / "checkpoint.pt").unlink(missing_ok=True)
+    try:
+        resumed = trainer.resume()
+    except Exception as exc:
+        await server.close()
+        ledger.close()
+        raise SystemExit(
+            f"cannot resume from {state_dir / 'checkpoint.pt'} ({type(exc).__name__}: {exc}); "
+            "is it from another job? Move it away to start over."
+        ) from None
+    if resumed:
+        _print(f"resuming from step {trainer.step} of {args.steps}")
+        if trainer.step >= args.steps:
+            _print(
+                f"this state directory has already trained {trainer.step} steps: raise "
+                "--steps to go on, or pass --fresh to start over"
+            )
+    progress["step"] = trainer.step
 
     def on_step(record: StepRecord) -> None:
         progress["step"] = record.step + 1
@@ -219,10 +254,11 @@ async def serve(args: argparse.Namespace) -> int:
             "%d workers after %.1f s; training %d steps",
             server.pool.active,
             time.monotonic() - waited,
-            args.steps,
+            max(0, args.steps - trainer.step),
         )
         progress["state"] = "training"
-        await asyncio.to_thread(trainer.run, args.steps, on_step)
+        # --steps is the total: after a resume, only the steps still missing are trained.
+        await asyncio.to_thread(trainer.run, max(0, args.steps - trainer.step), on_step)
         progress["state"] = "done"
 
     for sig in (signal.SIGINT, signal.SIGTERM):

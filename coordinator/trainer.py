@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
+from coordinator.checkpoint import load_checkpoint, save_checkpoint
 from coordinator.executor import DataflowExecutor, GemmOffload
 from coordinator.job import Job
 from coordinator.tracing import StepTracer, dag_summary, gemm_dag
@@ -53,7 +55,11 @@ class Trainer:
         pool_counters: Callable[[], PoolCounters] = lambda: PoolCounters(0, 0, 0),
         metrics_out: Path | None = None,
         cancel: threading.Event | None = None,
+        checkpoint_path: Path | None = None,
+        checkpoint_every: int = 1,
     ) -> None:
+        if checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be >= 1")
         self.job = job
         self.offload = offload
         self.executor = DataflowExecutor(offload)
@@ -61,13 +67,49 @@ class Trainer:
         self.pool_counters = pool_counters
         self.metrics_out = metrics_out
         self.cancel = cancel or threading.Event()
+        self.checkpoint_path = checkpoint_path
+        self.checkpoint_every = checkpoint_every
         self.step = 0
+        self.batches_consumed = 0
+        self._checkpointed_step = -1
         self.losses: list[float] = []
         self.dag: dict[str, Any] = {}
+
+    def resume(self) -> bool:
+        """Load the checkpoint, if there is one: model, optimizer, RNG, data position and
+        step counter. True if training resumes from it."""
+        if self.checkpoint_path is None:
+            return False
+        ckpt = load_checkpoint(self.checkpoint_path)
+        if ckpt is None:
+            return False
+        self.job.model.load_state_dict(ckpt.model)
+        self.job.optimizer.load_state_dict(ckpt.optimizer)
+        for _ in range(ckpt.batches_consumed):  # fast-forward the data to where it was
+            self.job.next_batch()
+        self.batches_consumed = ckpt.batches_consumed
+        self.step = self._checkpointed_step = ckpt.step
+        torch.set_rng_state(ckpt.rng_state)
+        log.info("resuming from step %d (checkpoint %s)", ckpt.step, self.checkpoint_path)
+        return True
+
+    def save_checkpoint(self) -> None:
+        if self.checkpoint_path is None or self._checkpointed_step == self.step:
+            return
+        save_checkpoint(
+            self.checkpoint_path,
+            model=self.job.model,
+            optimizer=self.job.optimizer,
+            step=self.step,
+            batches_consumed=self.batches_consumed,
+            rng_state=torch.get_rng_state(),
+        )
+        self._checkpointed_step = self.step
 
     def run(
         self, steps: int, on_step: Callable[[StepRecord], None] | None = None
     ) -> list[StepRecord]:
+        """Train ``steps`` more steps; checkpoint every ``checkpoint_every`` and at the end."""
         records = []
         for _ in range(steps):
             try:
@@ -78,10 +120,12 @@ class Trainer:
             records.append(record)
             if on_step is not None:
                 on_step(record)
+        self.save_checkpoint()  # a clean end: nothing is lost whatever N is
         return records
 
     def train_step(self) -> StepRecord:
         inputs, targets = self.job.next_batch()
+        self.batches_consumed += 1
         started = time.perf_counter()
         before = self.pool_counters()
         traced = self.tracer.get(inputs, targets)
@@ -123,4 +167,6 @@ class Trainer:
         if self.metrics_out is not None:
             with self.metrics_out.open("a") as fh:
                 fh.write(json.dumps(asdict(record)) + "\n")
+        if self.step % self.checkpoint_every == 0:
+            self.save_checkpoint()
         return record

@@ -34,7 +34,8 @@ def test_worker_reconnects_to_a_restarted_coordinator(tmp_path: Path) -> None:
             "the worker to notice the coordinator is gone",
         )
         assert worker.proc.poll() is None, worker.output()
-        second = Coordinator(tmp_path / "second", *args)
+        # Two more steps on top of the two checkpointed by the first run.
+        second = Coordinator(tmp_path / "second", *args, "--steps", "4")
         assert second.wait(120) == 0, second.output()
     finally:
         worker.stop()
