@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P",
         help="compute at most P%% of the time, resting between tiles (1-100; default 100)",
     )
+    parser.add_argument(
+        "--ca-file",
+        metavar="PEM",
+        help="for wss:// URLs: also trust the certificate(s) in this PEM file "
+        "(e.g. a coordinator's self-signed certificate)",
+    )
     parser.add_argument("--no-gpu", action="store_true", help="compute on the CPU even with CUDA")
     parser.add_argument("--name", metavar="NAME", help="name shown to the coordinator's operator")
     parser.add_argument(
@@ -293,7 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not settings.coordinator_url:
         parser.error("--coordinator URL is required (none saved in settings.json)")
     try:
-        core = WorkerCore(settings, pin_check=pins.check, backoff_base_s=args.backoff_base)
+        core = WorkerCore(
+            settings,
+            pin_check=pins.check,
+            backoff_base_s=args.backoff_base,
+            ca_file=args.ca_file,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     log.info(

@@ -161,7 +161,13 @@ class PolicyRunner:
         self._wake = asyncio.Event()
         try:
             while not self._stopping:
-                reading = await asyncio.to_thread(self._sample)
+                try:
+                    reading = await asyncio.to_thread(self._sample)
+                except Exception:
+                    # A broken reading must not take the worker down with it: decide
+                    # on "unknown", which never pauses for that source.
+                    log.exception("could not read the machine's state; treating it as unknown")
+                    reading = Readings()
                 if self._stopping:
                     break
                 self.step(reading)

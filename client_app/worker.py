@@ -24,6 +24,7 @@ import enum
 import logging
 import math
 import random
+import ssl
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -86,11 +87,23 @@ class WorkerCore:
         summary_every: int = 10,
         summary_min_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        ca_file: str | None = None,
     ) -> None:
         if not settings.coordinator_url.startswith(("ws://", "wss://")):
             raise ValueError(
                 f"coordinator URL must start with ws:// or wss://, not {settings.coordinator_url!r}"
             )
+        tls = settings.coordinator_url.startswith("wss://")
+        if ca_file is not None and not tls:
+            raise ValueError("a CA file applies only to wss:// coordinator URLs")
+        # wss://: verify the coordinator's certificate against the system store, plus
+        # (or, for a self-signed coordinator, in practice instead of it) the CA file.
+        self._ssl: ssl.SSLContext | None = None
+        if tls:
+            try:
+                self._ssl = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot load CA file {ca_file!r}: {exc}") from None
         self.settings = settings
         self.url = settings.coordinator_url
         self.computer = computer or TileComputer(settings.effective_threads, settings.use_gpu)
@@ -360,9 +373,12 @@ class WorkerCore:
 
     async def _one_connection(self) -> None:
         assert self._stop_event is not None
+        # websockets refuses ssl= on a ws:// URL, so pass it only for wss://.
+        tls: dict[str, Any] = {"ssl": self._ssl} if self._ssl is not None else {}
         opening = asyncio.ensure_future(
             connect(
                 self.url,
+                **tls,
                 # Deflate on float tensors cuts throughput ~25x and saves almost nothing.
                 compression=None,
                 max_size=self._max_frame_bytes,

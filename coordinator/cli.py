@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import logging
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=int, default=8765, help="port for workers and status (0: any)"
     )
+    serve.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="PEM",
+        help="serve wss:// and https:// with this certificate (chain); needs --tls-key",
+    )
+    serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
     serve.add_argument(
         "--state-dir",
         type=Path,
@@ -135,6 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(serve(args))
 
 
+def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """``--tls-cert``/``--tls-key`` -> a server context, or None for plain ws://."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise SystemExit("--tls-cert and --tls-key go together: give both or neither")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(certfile=cert, keyfile=key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"cannot load --tls-cert {cert} / --tls-key {key}: {exc}") from None
+    return ctx
+
+
 def _print(text: str) -> None:
     print(text, flush=True)
 
@@ -147,6 +169,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.min_workers is not None and args.min_workers < 1:
         raise SystemExit("--min-workers must be >= 1: tiles need someone to compute them")
     min_workers = args.min_workers if args.min_workers is not None else max(1, args.local_workers)
+    ssl_context = tls_context(args.tls_cert, args.tls_key)
     job = load_job(args.job)  # before touching the state directory: a typo creates nothing
     state_dir: Path = args.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -160,14 +183,15 @@ async def serve(args: argparse.Namespace) -> int:
         config=ServerConfig(scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout)),
         status_extra=lambda: {**progress, "losses": progress["losses"][-50:]},
     )
-    port = await server.start(args.host, args.port)
+    port = await server.start(args.host, args.port, ssl_context=ssl_context)
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    url = f"ws://{connect_host}:{port}{WS_PATH}"
+    ws, http = ("wss", "https") if ssl_context is not None else ("ws", "http")
+    url = f"{ws}://{connect_host}:{port}{WS_PATH}"
     _print(f"Cleave coordinator for job {job.name!r} on {url}")
-    _print(f"  status:          http://{connect_host}:{port}/api/status")
+    _print(f"  status:          {http}://{connect_host}:{port}/api/status")
     _print(f"  key fingerprint: {fingerprint(key)}")
     if args.host in ("0.0.0.0", "::", ""):
-        _print(f"  connect a worker: cleave-worker --coordinator ws://THIS-HOST:{port}{WS_PATH}")
+        _print(f"  connect a worker: cleave-worker --coordinator {ws}://THIS-HOST:{port}{WS_PATH}")
         _print(f"  (local workers use {url})")
     else:
         _print(f"  connect a worker: cleave-worker --coordinator {url}")
@@ -182,7 +206,14 @@ async def serve(args: argparse.Namespace) -> int:
         cancel.set()
         training.cancel() if not training.done() else None
 
-    local = LocalWorkers(args.local_workers, url, state_dir, args.local_worker_threads)
+    local = LocalWorkers(
+        args.local_workers,
+        url,
+        state_dir,
+        args.local_worker_threads,
+        # They connect to 127.0.0.1 or the --host name: the certificate must name it.
+        ca_file=args.tls_cert.resolve() if ssl_context is not None else None,
+    )
     offload = TileOffload(
         server,
         loop,

@@ -19,9 +19,17 @@ log = logging.getLogger("cleave.coordinator")
 
 
 class LocalWorkers:
-    def __init__(self, count: int, url: str, state_dir: Path, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        url: str,
+        state_dir: Path,
+        threads: int | None = None,
+        ca_file: Path | None = None,
+    ) -> None:
         self.count = count
         self.url = url
+        self.ca_file = ca_file  # wss://: the coordinator's own certificate, to trust it
         self.dir = state_dir / "local-workers"
         self.threads = threads or max(1, (os.cpu_count() or 2) // max(1, count))
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -42,6 +50,8 @@ class LocalWorkers:
                 "--threads",
                 str(self.threads),
             ]
+            if self.ca_file is not None:
+                cmd += ["--ca-file", str(self.ca_file)]
             logfile = (self.dir / f"worker-{i}.log").open("ab")
             self.procs.append(
                 subprocess.Popen(

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -159,11 +160,13 @@ class CoordinatorServer:
 
     # ---- lifecycle -------------------------------------------------------------------
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen on ``host:port``; with ``ssl_context``, WebSocket and status are TLS only."""
         self._server = await serve(
             self._handle,
             host,
             port,
+            ssl=ssl_context,
             compression=None,  # deflate on float data costs ~25x throughput
             max_size=self.config.max_message_bytes,
             process_request=self._process_request,

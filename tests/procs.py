@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -57,8 +58,8 @@ class Coordinator:
             stdout=self._logfh,
             stderr=subprocess.STDOUT,
         )
-        self.url = self._wait_for(r"on (ws://127\.0\.0\.1:\d+/ws)", 60)
-        self.http = self.url.replace("ws://", "http://").removesuffix("/ws")
+        self.url = self._wait_for(r"on (wss?://127\.0\.0\.1:\d+/ws)", 60)
+        self.http = re.sub(r"^ws", "http", self.url).removesuffix("/ws")
 
     def _wait_for(self, pattern: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -74,8 +75,8 @@ class Coordinator:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.http + "/api/status", timeout=5) as resp:
+    def status(self, context: ssl.SSLContext | None = None) -> dict[str, Any]:
+        with urllib.request.urlopen(self.http + "/api/status", timeout=5, context=context) as resp:
             return json.load(resp)
 
     def steps(self) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def plugged_in() -> Readings:
     # Real readings would pause a test run on a laptop's battery.
-    return Readings(cpu_percent=0.0, on_battery=False)
+    return Readings(other_cpu_percent=0.0, on_battery=False)
 
 
 def make_window(qtbot: QtBot, settings: WorkerSettings, **core_options: Any) -> MainWindow:

@@ -313,3 +313,33 @@ def test_cleave_worker_runs_the_policy_next_to_the_core(tmp_path: Path) -> None:
     code, output = asyncio.run(scenario())
     assert code == cli.EXIT_OK, output
     assert f"schedule {schedule}" in output and "Paused: outside schedule" in output
+
+
+def test_a_reading_that_raises_is_treated_as_unknown_and_the_runner_goes_on() -> None:
+    import asyncio
+
+    from client_app.policy import PolicyConfig
+    from client_app.policy_runner import PolicyRunner
+
+    calls: list[str] = []
+
+    class Core:
+        def pause(self, reason: str) -> None:
+            calls.append(f"pause:{reason}")
+
+        def resume(self) -> None:
+            calls.append("resume")
+
+    def broken() -> Readings:
+        raise OSError("sensor gone")
+
+    async def scenario() -> None:
+        runner = PolicyRunner(Core(), PolicyConfig(), sample=broken, interval_s=0.01)
+        task = asyncio.ensure_future(runner.run())
+        await asyncio.sleep(0.1)
+        assert not task.done()  # still ticking despite the broken sensor
+        runner.stop()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(scenario())
+    assert not any(c.startswith("pause") for c in calls), calls
