@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import date
+from typing import Protocol
 
 from PySide6.QtCore import QPointF, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QFontMetricsF, QPainter, QPainterPath, QPaintEvent, QPalette, QPen
@@ -41,13 +42,30 @@ def compact_number(value: float) -> str:
     return f"{value:.3g}"
 
 
-class _Chart(QWidget):
-    """Frame, title, y grid and empty-state text; subclasses paint their series."""
+class _Series(Protocol):
+    """What a chart paints: each concrete chart supplies these for its own data."""
 
-    def __init__(self, title: str, empty_text: str, parent: QWidget | None = None) -> None:
+    def is_empty(self) -> bool: ...
+
+    def max_value(self) -> float: ...
+
+    def x_labels(self) -> list[tuple[float, str]]:
+        """(fraction 0..1 along the x axis, text) pairs."""
+        ...
+
+    def paint_series(self, p: QPainter, plot: QRectF, top: float, colour: QColor) -> None: ...
+
+
+class _Chart(QWidget):
+    """Frame, title, y grid and empty-state text; ``series`` paints the data."""
+
+    def __init__(
+        self, title: str, empty_text: str, series: _Series, parent: QWidget | None = None
+    ) -> None:
         super().__init__(parent)
         self._title = title
         self._empty_text = empty_text
+        self._series = series
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self.setMinimumSize(160, 90)
 
@@ -56,19 +74,6 @@ class _Chart(QWidget):
 
     def title(self) -> str:
         return self._title
-
-    def is_empty(self) -> bool:
-        raise NotImplementedError
-
-    def _max_value(self) -> float:
-        raise NotImplementedError
-
-    def _x_labels(self) -> list[tuple[float, str]]:
-        """(fraction 0..1 along the x axis, text) pairs."""
-        raise NotImplementedError
-
-    def _paint_series(self, p: QPainter, plot: QRectF, top: float, colour: QColor) -> None:
-        raise NotImplementedError
 
     def paintEvent(self, event: QPaintEvent) -> None:  # noqa: N802 - Qt's name
         p = QPainter(self)
@@ -103,7 +108,7 @@ class _Chart(QWidget):
             fm.elidedText(self._title, Qt.TextElideMode.ElideRight, title_rect.width()),
         )
 
-        top, step = nice_axis(self._max_value())
+        top, step = nice_axis(self._series.max_value())
         y_labels = [compact_number(step * i) for i in range(Y_TICKS + 1)]
         label_w = max(fm.horizontalAdvance(s) for s in y_labels) + 4
         plot = QRectF(
@@ -131,7 +136,7 @@ class _Chart(QWidget):
         # X labels in priority order; one that would overlap a placed one is skipped,
         # so narrow charts show fewer labels instead of a smudge.
         placed: list[tuple[float, float]] = []
-        for frac, label in self._x_labels():
+        for frac, label in self._series.x_labels():
             w = fm.horizontalAdvance(label)
             x = plot.left() + plot.width() * frac
             left = min(max(x - w / 2, plot.left() - label_w), plot.right() - w + 2)
@@ -144,7 +149,7 @@ class _Chart(QWidget):
             )
             placed.append((left, left + w))
 
-        if self.is_empty():
+        if self._series.is_empty():
             p.setPen(faint)
             p.drawText(
                 plot, Qt.AlignmentFlag.AlignCenter | Qt.TextFlag.TextWordWrap, self._empty_text
@@ -152,7 +157,7 @@ class _Chart(QWidget):
             return
         p.save()
         p.setClipRect(plot.adjusted(-1, -1, 1, 1))
-        self._paint_series(p, plot, top, series)
+        self._series.paint_series(p, plot, top, series)
         p.restore()
 
 
@@ -163,6 +168,7 @@ class ThroughputChart(_Chart):
         super().__init__(
             "Throughput, last hour (GFLOP/s, per-minute average)",
             "No tiles computed in the last hour",
+            self,
             parent,
         )
         self._rates: list[float] = []
@@ -178,13 +184,13 @@ class ThroughputChart(_Chart):
     def is_empty(self) -> bool:
         return not any(self._rates)
 
-    def _max_value(self) -> float:
+    def max_value(self) -> float:
         return max(self._rates, default=0.0)
 
-    def _x_labels(self) -> list[tuple[float, str]]:
+    def x_labels(self) -> list[tuple[float, str]]:
         return [(0.0, "60 min ago"), (0.25, "45"), (0.5, "30"), (0.75, "15"), (1.0, "now")]
 
-    def _paint_series(self, p: QPainter, plot: QRectF, top: float, colour: QColor) -> None:
+    def paint_series(self, p: QPainter, plot: QRectF, top: float, colour: QColor) -> None:
         n = len(self._rates)
         if n < 2:
             return
@@ -215,7 +221,7 @@ class DailyChart(_Chart):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(
-            "Contribution per day (GFLOP)", "No contribution in these days yet", parent
+            "Contribution per day (GFLOP)", "No contribution in these days yet", self, parent
         )
         self._days: list[tuple[date, float, int]] = []
 
@@ -230,10 +236,10 @@ class DailyChart(_Chart):
     def is_empty(self) -> bool:
         return not any(g > 0 for _, g, _ in self._days)
 
-    def _max_value(self) -> float:
+    def max_value(self) -> float:
         return max((g for _, g, _ in self._days), default=0.0)
 
-    def _x_labels(self) -> list[tuple[float, str]]:
+    def x_labels(self) -> list[tuple[float, str]]:
         n = len(self._days)
         if n == 0:
             return []
@@ -243,7 +249,7 @@ class DailyChart(_Chart):
         newest_first = labels[::-1]
         return newest_first[::2] + newest_first[1::2]
 
-    def _paint_series(self, p: QPainter, plot: QRectF, top: float, colour: QColor) -> None:
+    def paint_series(self, p: QPainter, plot: QRectF, top: float, colour: QColor) -> None:
         n = len(self._days)
         if n == 0:
             return
