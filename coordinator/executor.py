@@ -89,7 +89,10 @@ class DataflowExecutor:
         traced: TracedStep,
         flat_args: Sequence[Any],
         cancel: threading.Event | None = None,
+        label: str = "",
     ) -> tuple[list[Any], StepStats]:
+        """Run one step. ``label`` prefixes the names the offload sees ("s3:mm_12"), so
+        every GEMM of a run has its own name."""
         nodes = list(traced.graph.nodes)
         order = {node: i for i, node in enumerate(nodes)}
         deps = _dependencies(nodes)
@@ -138,7 +141,7 @@ class DataflowExecutor:
                 elif node.op == "output":
                     result = list(map_arg(node.args[0], lambda n: env[n]))  # type: ignore[arg-type]
                     complete(node, None)
-                elif node.target in GEMM_OPS and self._start_gemm(node, env, completions):
+                elif node.target in GEMM_OPS and self._start_gemm(node, env, completions, label):
                     in_flight += 1
                     stats.gemms_offloaded += 1
                     stats.max_gemms_in_flight = max(stats.max_gemms_in_flight, in_flight)
@@ -170,6 +173,7 @@ class DataflowExecutor:
         node: Node,
         env: dict[Node, Any],
         completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]],
+        label: str,
     ) -> bool:
         if self._offload is None:
             return False
@@ -180,7 +184,8 @@ class DataflowExecutor:
         def done(value: torch.Tensor | BaseException) -> None:
             completions.put((node, value))
 
-        return self._offload.start(node.name, "bmm" if op == "bmm" else "mm", a, b, done)
+        name = f"{label}:{node.name}" if label else node.name
+        return self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, done)
 
 
 def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ class TileOffload:
         self._loop = loop
         self._key = key
         self._plan_config = plan_config
-        self.step = 0
 
     def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
         if a.dtype not in DTYPE_NAMES or a.dtype != b.dtype or a.is_complex():
@@ -53,7 +52,7 @@ class TileOffload:
             return False
         if plan is None:
             return False
-        gemm = TiledGemm(f"s{self.step}:{name}", plan, a, b, on_done=done)
+        gemm = TiledGemm(name, plan, a, b, on_done=done)
         for job in gemm.iter_jobs(self._key):
             self._loop.call_soon_threadsafe(self._server.submit, [job])
         return True

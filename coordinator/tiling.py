@@ -92,9 +92,6 @@ class TiledGemm:
         # Every tile now holds its own operands; the full matrices can go.
         self._a = self._b = torch.empty(0)
 
-    def make_jobs(self, key: Ed25519PrivateKey) -> list[TileJob]:
-        return list(self.iter_jobs(key))
-
     def deliver(self, region: TileRegion, c: torch.Tensor) -> bool:
         """Place a verified tile. Returns True when this completed the GEMM."""
         with self._lock:

@@ -139,13 +139,11 @@ class Trainer:
                 self.dag["gflop"],
                 self.dag["critical_path"],
             )
-        if self.offload is not None and hasattr(self.offload, "step"):
-            self.offload.step = self.step
         model = self.job.model
         params = [p for _, p in model.named_parameters()]
         leaves = pytree.tree_leaves((inputs, targets))
         flat = [p.detach() for p in params] + list(model.buffers()) + leaves
-        outputs, stats = self.executor.run(traced, flat, self.cancel)
+        outputs, stats = self.executor.run(traced, flat, self.cancel, label=f"s{self.step}")
         grads, loss = outputs[:-1], outputs[-1]
         for p, g in zip(params, grads, strict=True):
             p.grad = g

@@ -2,7 +2,7 @@
 
 Honest workers are real ``client_app.worker.WorkerCore`` instances running in the same
 event loop; clients that must misbehave are raw websockets connections speaking
-``common.messages``. GEMMs are cut with ``TiledGemm.make_jobs`` as ``TileOffload`` does,
+``common.messages``. GEMMs are cut with ``TiledGemm.iter_jobs`` as ``TileOffload`` does,
 and every assembled output is checked against ``torch.matmul``.
 """
 
@@ -149,7 +149,7 @@ class Gemm:
             loop.call_soon_threadsafe(self.result.set_result, out)
 
         self.tiled = TiledGemm(gemm_id, plan, self.a, self.b, on_done)
-        self.jobs = self.tiled.make_jobs(server.key)
+        self.jobs = list(self.tiled.iter_jobs(server.key))
         self.tile_ids = [job.tile_id for job in self.jobs]
         self.flops = sum(job.flops for job in self.jobs)
         server.submit(self.jobs)
@@ -699,12 +699,11 @@ def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Pa
                 server.key,
                 lambda workers, *_: replace(PLAN, target_tiles=2 * workers),
             )
-            offload.step = 3
             cancel = threading.Event()
             try:
                 got, stats = await within(
                     asyncio.to_thread(
-                        DataflowExecutor(offload, poll_s=0.01).run, traced, flat, cancel
+                        DataflowExecutor(offload, poll_s=0.01).run, traced, flat, cancel, "s3"
                     ),
                     30,
                 )

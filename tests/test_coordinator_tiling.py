@@ -106,7 +106,7 @@ def tiled(case: tuple, seed: int = 0) -> tuple[TiledGemm, list[TileJob], Done, t
         assert plan.grid == grid
     done = Done()
     gemm = TiledGemm(f"g{seed}", plan, a, b, done)
-    return gemm, gemm.make_jobs(KEY), done, want
+    return gemm, list(gemm.iter_jobs(KEY)), done, want
 
 
 def product(job: TileJob) -> torch.Tensor:

@@ -32,8 +32,7 @@ class InThreadOffload:
     """
 
     def __init__(self) -> None:
-        self.step = -1  # set by the trainer before each step
-        self.steps_seen: list[int] = []
+        self.steps_seen: list[int] = []  # from the "s{step}:" label the trainer gives
         self.tiles = 0
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue[tuple[torch.Tensor, torch.Tensor, GemmDone] | None] = (
@@ -43,8 +42,11 @@ class InThreadOffload:
         self._thread.start()
 
     def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
-        if not self.steps_seen or self.steps_seen[-1] != self.step:
-            self.steps_seen.append(self.step)
+        label, _, _ = name.partition(":")
+        assert label.startswith("s"), name
+        step = int(label[1:])
+        if not self.steps_seen or self.steps_seen[-1] != step:
+            self.steps_seen.append(step)
         self._inbox.put((a, b, done))
         return True
 

@@ -12,6 +12,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtGui import QColor, QImage  # noqa: E402
 from pytestqt.qtbot import QtBot  # noqa: E402
+from test_history import st as status  # one status builder for both history tests
 
 from client_app.gui.charts import DailyChart, ThroughputChart, compact_number, nice_axis  # noqa: E402
 from client_app.gui.stats_view import (  # noqa: E402
@@ -21,7 +22,6 @@ from client_app.gui.stats_view import (  # noqa: E402
     format_gflop,
 )
 from client_app.history import History  # noqa: E402
-from client_app.status import WorkerStatus  # noqa: E402
 
 UTC = timezone.utc
 T0 = datetime(2025, 3, 10, 12, 0, tzinfo=UTC).timestamp()
@@ -33,30 +33,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def status(
-    tiles: int,
-    gflop: float,
-    compute_s: float,
-    b_in: int,
-    b_out: int,
-    credit_tiles: int = 0,
-    credit_gflop: float = 0.0,
-) -> WorkerStatus:
-    return WorkerStatus(
-        state="computing",
-        line="",
-        coordinator_url="wss://c",
-        worker_id="w-7",
-        tiles_done=tiles,
-        gflop_done=gflop,
-        compute_s=compute_s,
-        bytes_in=b_in,
-        bytes_out=b_out,
-        credit_tiles=credit_tiles,
-        credit_gflop=credit_gflop,
-    )
 
 
 @pytest.fixture
