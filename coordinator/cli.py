@@ -126,6 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds without a heartbeat before a worker's tiles are re-issued",
     )
+    serve.add_argument(
+        "--join-token",
+        default="",
+        metavar="TOKEN",
+        help="private pool: only workers that present this token may join "
+        "(use with TLS, or the token crosses the network in clear)",
+    )
+    serve.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a new connection has to authenticate before it is closed",
+    )
     serve.add_argument("--log-level", default="INFO")
     return parser
 
@@ -180,7 +193,11 @@ async def serve(args: argparse.Namespace) -> int:
         key=key,
         job_name=job.name,
         ledger=ledger,
-        config=ServerConfig(scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout)),
+        config=ServerConfig(
+            handshake_timeout_s=args.handshake_timeout,
+            join_token=args.join_token,
+            scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout),
+        ),
         status_extra=lambda: {**progress, "losses": progress["losses"][-50:]},
     )
     port = await server.start(args.host, args.port, ssl_context=ssl_context)

@@ -11,20 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
@@ -48,6 +45,7 @@ from common.messages import (
     parse_message,
 )
 from common.signing import fingerprint, public_key_hex
+from coordinator import http_api
 from coordinator.ledger import Ledger
 from coordinator.scheduler import Scheduler, SchedulerConfig, Verdict
 from coordinator.tiling import TileJob
@@ -57,7 +55,6 @@ log = logging.getLogger("cleave.coordinator")
 
 WS_PATH = "/ws"
 MIN_PLANNING_MEMORY_CAP = 16 << 20
-STATUS_PATH = "/api/status"
 CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008  # RFC 6455: policy violation (malformed or forbidden messages)
 CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
@@ -67,6 +64,7 @@ CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
 class ServerConfig:
     heartbeat_interval_s: float = 2.0
     handshake_timeout_s: float = 10.0
+    join_token: str = ""  # non-empty: a private pool; workers must present it
     expire_every_s: float = 0.5
     max_message_bytes: int = 256 << 20  # largest result frame accepted from a worker
     limits: WireLimits = DEFAULT_LIMITS
@@ -553,15 +551,12 @@ class CoordinatorServer:
         path = request.path.split("?", 1)[0]
         if path == WS_PATH:
             return None
-        if path == STATUS_PATH:
-            return _json_response(self.status())
-        if path == "/":
-            return _text_response(
-                HTTPStatus.OK,
-                f"Cleave coordinator for job {self.job_name}.\n"
-                f"Status: {STATUS_PATH}\nWorkers connect to ws://HOST:{self.port}{WS_PATH}\n",
-            )
-        return _text_response(HTTPStatus.NOT_FOUND, "not found\n")
+        return http_api.respond(
+            path,
+            status=self.status,
+            job_name=self.job_name,
+            ws_url_hint=f"ws://HOST:{self.port}{WS_PATH}",
+        )
 
     def status(self) -> dict[str, Any]:
         now = self.clock()
@@ -612,23 +607,3 @@ def _compute_and_deliver(job: TileJob) -> bool:
 def _close_reason(text: str) -> str:
     """A WebSocket close reason must fit 123 bytes of UTF-8; ours may quote the peer."""
     return text.encode("utf-8")[:123].decode("utf-8", "ignore")
-
-
-def _json_response(body: dict[str, Any]) -> Response:
-    data = json.dumps(body, indent=1).encode()
-    headers = Headers(
-        [
-            ("Content-Type", "application/json"),
-            ("Content-Length", str(len(data))),
-            ("Cache-Control", "no-store"),
-        ]
-    )
-    return Response(HTTPStatus.OK.value, HTTPStatus.OK.phrase, headers, data)
-
-
-def _text_response(status: HTTPStatus, text: str) -> Response:
-    data = text.encode()
-    headers = Headers(
-        [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))]
-    )
-    return Response(status.value, status.phrase, headers, data)
