@@ -11,21 +11,28 @@ import ssl
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from common.signing import fingerprint, load_or_create_private_key
+from coordinator.config_file import ConfigError, read_config
 from coordinator.job import Job
 from coordinator.ledger import Ledger
 from coordinator.local_workers import LocalWorkers
 from coordinator.offload import TileOffload
 from coordinator.planner import PlanConfig
+from coordinator.progress import Progress
 from coordinator.scheduler import SchedulerConfig
 from coordinator.server import WS_PATH, CoordinatorServer, ServerConfig
+from coordinator.structured_log import LOG_FORMATS, PROGRESS_LOGGER, configure
 from coordinator.trainer import PoolCounters, StepRecord, Trainer
 
 log = logging.getLogger("cleave.coordinator")
-EXIT_INTERRUPTED = 130
+progress_log = logging.getLogger(PROGRESS_LOGGER)
+# Stopped by a signal, after the checkpoint: the shell's convention, 128 + signal number.
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
 
 class RunAborted(Exception):
@@ -58,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cleave-coordinator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a job to workers and train it")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="read options from this TOML file (keys are option names: steps = 100, "
+        'state-dir = "/var/lib/cleave"); options on the command line win',
+    )
     serve.add_argument(
         "--job",
         default="coordinator.jobs.tiny_gpt:make_job",
@@ -139,17 +153,50 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a new connection has to authenticate before it is closed",
     )
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="diagnostics at or above this level (default INFO); progress is always shown",
+    )
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text (default): progress on stdout, diagnostics on stderr; json: one JSON "
+        "object per line on stdout for everything, step records with their fields",
+    )
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, over the ``--config`` file's values, over the defaults."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    serve_parser = subcommand_parser(parser, args.command)
+    try:
+        values = read_config(args.config, serve_parser)
+    except ConfigError as exc:
+        parser.exit(2, f"cleave-coordinator: --config: {exc}\n")
+    # The file's values become defaults, so the same command line parsed again wins.
+    serve_parser.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise LookupError(name)  # pragma: no cover - build_parser always has subcommands
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    args = parse_args(argv)
+    configure(args.log_format, getattr(logging, args.log_level))
     if log.getEffectiveLevel() > logging.DEBUG:
         # One line per HTTP request and connection drowns the training output.
         logging.getLogger("websockets").setLevel(logging.WARNING)
@@ -170,8 +217,9 @@ def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
     return ctx
 
 
-def _print(text: str) -> None:
-    print(text, flush=True)
+def _print(text: str, **fields: Any) -> None:
+    """Progress for the operator: a plain line on stdout, or a JSON record with ``fields``."""
+    progress_log.info(text, extra=fields)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -188,7 +236,7 @@ async def serve(args: argparse.Namespace) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     key = load_or_create_private_key(state_dir / "coordinator.key")
     ledger = Ledger(state_dir / "ledger.sqlite")
-    progress: dict[str, Any] = {"state": "starting", "step": 0, "steps": args.steps, "losses": []}
+    progress = Progress(args.steps)
     server = CoordinatorServer(
         key=key,
         job_name=job.name,
@@ -198,14 +246,22 @@ async def serve(args: argparse.Namespace) -> int:
             join_token=args.join_token,
             scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout),
         ),
-        status_extra=lambda: {**progress, "losses": progress["losses"][-50:]},
+        status_extra=lambda: {
+            **progress.status(),
+            "traffic": {
+                "bytes_down": server.counters.bytes_down,
+                "bytes_up": server.counters.bytes_up,
+            },
+        },
     )
     port = await server.start(args.host, args.port, ssl_context=ssl_context)
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     ws, http = ("wss", "https") if ssl_context is not None else ("ws", "http")
     url = f"{ws}://{connect_host}:{port}{WS_PATH}"
-    _print(f"Cleave coordinator for job {job.name!r} on {url}")
+    _print(f"Cleave coordinator for job {job.name!r} on {url}", url=url, job=job.name)
+    _print(f"  dashboard:       {http}://{connect_host}:{port}/")
     _print(f"  status:          {http}://{connect_host}:{port}/api/status")
+    _print(f"  metrics:         {http}://{connect_host}:{port}/metrics")
     _print(f"  key fingerprint: {fingerprint(key)}")
     if args.host in ("0.0.0.0", "::", ""):
         _print(f"  connect a worker: cleave-worker --coordinator {ws}://THIS-HOST:{port}{WS_PATH}")
@@ -215,13 +271,21 @@ async def serve(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     cancel = threading.Event()
-    interrupted = False
+    stop_signal: signal.Signals | None = None
+    in_trainer = False  # the training thread runs: it must finish before we checkpoint
 
-    def on_signal() -> None:
-        nonlocal interrupted
-        interrupted = True
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal stop_signal
+        if stop_signal is not None:
+            log.warning("%s again: still stopping (checkpoint first)", sig.name)
+            return
+        stop_signal = sig
+        progress.state = "stopping"
+        log.info("%s: stopping; the last completed step is checkpointed first", sig.name)
         cancel.set()
-        training.cancel() if not training.done() else None
+        # Waiting for workers is safe to cut short; a running step notices ``cancel``.
+        if not in_trainer and not training.done():
+            training.cancel()
 
     local = LocalWorkers(
         args.local_workers,
@@ -274,18 +338,21 @@ async def serve(args: argparse.Namespace) -> int:
                 f"this state directory has already trained {trainer.step} steps: raise "
                 "--steps to go on, or pass --fresh to start over"
             )
-    progress["step"] = trainer.step
+    progress.step = trainer.step
+    progress.checkpoint_step = trainer.checkpointed_step
 
-    def on_step(record: StepRecord) -> None:
-        progress["step"] = record.step + 1
-        progress["losses"].append(record.loss)
+    def on_step(record: StepRecord) -> None:  # on the training thread
+        progress.add(record, trainer.dag.get("gflop"), trainer.checkpointed_step)
         _print(
             f"step {record.step:4d}  loss {record.loss:.4f}  {record.seconds:6.2f} s  "
-            f"tiles {record.tiles:4d}  reissued {record.reissued:3d}  workers {record.workers}"
+            f"tiles {record.tiles:4d}  reissued {record.reissued:3d}  workers {record.workers}",
+            event="step",
+            **asdict(record),
         )
 
     async def train() -> None:
-        progress["state"] = "waiting for workers"
+        nonlocal in_trainer
+        progress.state = "waiting for workers"
         waited = time.monotonic()
         while server.pool.active < min_workers:
             if local.count and local.all_exited():
@@ -304,13 +371,16 @@ async def serve(args: argparse.Namespace) -> int:
             time.monotonic() - waited,
             max(0, args.steps - trainer.step),
         )
-        progress["state"] = "training"
+        progress.state = "training"
+        if cancel.is_set():
+            return
+        in_trainer = True  # no await since the check above: no signal slipped between
         # --steps is the total: after a resume, only the steps still missing are trained.
         await asyncio.to_thread(trainer.run, max(0, args.steps - trainer.step), on_step)
-        progress["state"] = "done"
+        progress.state = "done"
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
     local.start()
     training = asyncio.ensure_future(train())
     failed: str | None = None
@@ -319,11 +389,21 @@ async def serve(args: argparse.Namespace) -> int:
     except RunAborted as exc:
         failed = str(exc)
     except (asyncio.CancelledError, Exception) as exc:
-        if not interrupted:
+        if stop_signal is None:
             log.exception("training failed")
             failed = f"training failed: {type(exc).__name__}: {exc}"
     finally:
         cancel.set()
+        # By now the training thread has returned and trainer.run has checkpointed the
+        # last completed step; only then do the workers go and the server close.
+        if trainer.checkpointed_step is not None:
+            progress.checkpoint_step = trainer.checkpointed_step
+            _print(
+                f"checkpoint: step {trainer.checkpointed_step} in {state_dir / 'checkpoint.pt'}",
+                event="checkpoint",
+                step=trainer.checkpointed_step,
+            )
+        progress.state = "failed" if failed else "stopped" if stop_signal else progress.state
         await asyncio.to_thread(local.stop)
         await server.close()
         _print_contributions(ledger)
@@ -331,9 +411,9 @@ async def serve(args: argparse.Namespace) -> int:
     if failed is not None:
         _print(f"error: {failed}")
         return 1
-    if interrupted:
-        _print("interrupted")
-        return EXIT_INTERRUPTED
+    if stop_signal is not None:
+        _print(f"stopped by {stop_signal.name}", event="stopped", signal=stop_signal.name)
+        return EXIT_TERMINATED if stop_signal == signal.SIGTERM else EXIT_INTERRUPTED
     return 0
 
 

@@ -551,11 +551,14 @@ class CoordinatorServer:
         path = request.path.split("?", 1)[0]
         if path == WS_PATH:
             return None
+        # The address the browser used is the one workers can use too (behind no proxy).
+        scheme = "wss" if connection.transport.get_extra_info("ssl_object") else "ws"
+        host = request.headers.get("Host") or f"HOST:{self.port}"
         return http_api.respond(
             path,
             status=self.status,
             job_name=self.job_name,
-            ws_url_hint=f"ws://HOST:{self.port}{WS_PATH}",
+            ws_url_hint=f"{scheme}://{host}{WS_PATH}",
         )
 
     def status(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
-from coordinator.executor import DataflowExecutor, GemmOffload
+from coordinator.executor import DataflowExecutor, GemmOffload, StepCancelled
 from coordinator.job import Job
 from coordinator.tracing import StepTracer, dag_summary, gemm_dag
 
@@ -72,6 +72,10 @@ class Trainer:
         self.step = 0
         self.batches_consumed = 0
         self._checkpointed_step = -1
+        # Data position and RNG at the start of the step in progress: a step abandoned
+        # half-way has consumed a batch (and maybe random numbers), yet a checkpoint
+        # written after it must describe the last step boundary. None between steps.
+        self._step_start: tuple[int, torch.Tensor] | None = None
         self.losses: list[float] = []
         self.dag: dict[str, Any] = {}
 
@@ -93,30 +97,49 @@ class Trainer:
         log.info("resuming from step %d (checkpoint %s)", ckpt.step, self.checkpoint_path)
         return True
 
+    @property
+    def checkpointed_step(self) -> int | None:
+        """The step of the last checkpoint written or resumed from, if any."""
+        return self._checkpointed_step if self._checkpointed_step >= 0 else None
+
     def save_checkpoint(self) -> None:
+        """Checkpoint the last completed step (not a step abandoned half-way)."""
         if self.checkpoint_path is None or self._checkpointed_step == self.step:
             return
+        batches_consumed, rng_state = self._step_start or (
+            self.batches_consumed,
+            torch.get_rng_state(),
+        )
         save_checkpoint(
             self.checkpoint_path,
             model=self.job.model,
             optimizer=self.job.optimizer,
             step=self.step,
-            batches_consumed=self.batches_consumed,
-            rng_state=torch.get_rng_state(),
+            batches_consumed=batches_consumed,
+            rng_state=rng_state,
         )
         self._checkpointed_step = self.step
 
     def run(
         self, steps: int, on_step: Callable[[StepRecord], None] | None = None
     ) -> list[StepRecord]:
-        """Train ``steps`` more steps; checkpoint every ``checkpoint_every`` and at the end."""
+        """Train ``steps`` more steps; checkpoint every ``checkpoint_every`` and at the end.
+
+        When ``cancel`` is set the step in progress is abandoned, the last completed step
+        is checkpointed (a stop loses no finished work) and ``StepCancelled`` raised."""
         records = []
         for _ in range(steps):
             try:
+                if self.cancel.is_set():
+                    raise StepCancelled("cancelled between steps")
                 record = self.train_step()
             except StopIteration:
                 log.info("the job's batches ran out after %d steps", self.step)
                 break
+            except StepCancelled:
+                log.info("stopping at step %d: checkpointing the steps completed", self.step)
+                self.save_checkpoint()
+                raise
             records.append(record)
             if on_step is not None:
                 on_step(record)
@@ -124,6 +147,7 @@ class Trainer:
         return records
 
     def train_step(self) -> StepRecord:
+        self._step_start = (self.batches_consumed, torch.get_rng_state())
         inputs, targets = self.job.next_batch()
         self.batches_consumed += 1
         started = time.perf_counter()
@@ -161,6 +185,7 @@ class Trainer:
             gemms_local=stats.gemms_local,
         )
         self.step += 1
+        self._step_start = None
         self.losses.append(record.loss)
         if self.metrics_out is not None:
             with self.metrics_out.open("a") as fh:
