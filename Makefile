@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cleave-installed
 STEPS ?= 30
 
-.PHONY: setup demo test test-fast bench lint clean
+.PHONY: setup demo test test-fast bench lint clean package
 
 setup: $(STAMP)
 
@@ -36,6 +36,20 @@ bench: setup
 lint: setup
 	$(BIN)/ruff check common coordinator client_app tests bench
 	$(BIN)/mypy
+
+# `make package`: the one-folder PyInstaller bundle dist/cleave-app/ and, from it,
+# dist/cleave-app_VERSION_ARCH.deb (packaging/, docs/packaging.md). The `package`
+# extra goes into the same venv, so the bundle carries the torch `make setup` chose.
+PACKAGE_STAMP := $(VENV)/.cleave-package-installed
+
+$(PACKAGE_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[package]'
+	touch $(PACKAGE_STAMP)
+
+package: $(PACKAGE_STAMP)
+	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller \
+		packaging/pyinstaller/cleave-app.spec
+	packaging/linux/build_deb.sh dist/cleave-app dist
 
 clean:
 	rm -rf $(VENV) cleave-state .pytest_cache .mypy_cache .ruff_cache

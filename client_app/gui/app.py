@@ -1,4 +1,4 @@
-"""``cleave-app [--coordinator URL] [--join] [--minimized]``: the desktop app.
+"""``cleave-app [--coordinator URL] [--join] [--minimized] [--self-test]``: the desktop app.
 
 Settings live in the same ``settings.json`` as ``cleave-worker``'s (``config_dir()``),
 so either program picks up where the other left off.
@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
-from PySide6.QtCore import QTimer
+import PySide6
+from PySide6.QtCore import QTimer, qVersion
 from PySide6.QtWidgets import QApplication
 
 from client_app.config import ConfigError, WorkerSettings, config_dir
 from client_app.gui.main_window import MainWindow
+from client_app.self_test import run_self_test, verdict
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--join", action="store_true", help="join at once")
     parser.add_argument(
         "--minimized", action="store_true", help="start in the tray (if the desktop has one)"
+    )
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="compute a test tile, check it against torch, build the window unseen, and exit "
+        "0 if all is well (for installers and support)",
     )
     return parser
 
@@ -60,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
     )
     logging.getLogger("websockets").setLevel(logging.INFO)
+    if args.self_test:
+        return self_test()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     assert isinstance(app, QApplication)
     app.setApplicationName("Cleave")
@@ -87,3 +100,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     wakeup.timeout.connect(lambda: None)
     wakeup.start(250)
     return int(app.exec())
+
+
+def self_test() -> int:
+    """The worker path's check, then proof that Qt and the window come up; exit status."""
+    report = run_self_test()
+    for line in report.lines():
+        print(line, flush=True)
+    qt_ok = qt_self_test()
+    ok = report.ok and qt_ok
+    print(verdict(ok))
+    return 0 if ok else 1
+
+
+def qt_self_test() -> bool:
+    """Build the main window unseen and close it again; prints what it found."""
+    # Without a display Qt would abort the process before printing anything useful; a
+    # headless self-test (an installer, CI) still proves the widgets load offscreen.
+    if sys.platform.startswith("linux") and not (
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    ):
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    try:
+        app = QApplication.instance() or QApplication(sys.argv[:1])
+        assert isinstance(app, QApplication)
+        # A throwaway config directory: the check must not touch the owner's settings,
+        # pins or history.
+        with tempfile.TemporaryDirectory(prefix="cleave-self-test-") as directory:
+            window = MainWindow(WorkerSettings(), Path(directory))
+            window.quit()  # not joined: nothing to leave, and closing is then accepted
+            window.shutdown()
+            window.close()
+            window.deleteLater()
+            app.processEvents()
+    except Exception as exc:
+        print(f"qt: FAILED: {type(exc).__name__}: {exc}")
+        return False
+    print(
+        f"qt: PySide6 {PySide6.__version__} (Qt {qVersion()}), platform "
+        f"{app.platformName()}: main window built and closed"
+    )
+    return True
