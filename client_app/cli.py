@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -18,14 +19,23 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from client_app.config import MAX_WINDOW, ConfigError, PinStore, WorkerSettings, config_dir
+from client_app.config import (
+    MAX_WINDOW,
+    ConfigError,
+    PinStore,
+    WorkerSettings,
+    config_dir,
+    load_identity,
+)
 from client_app.policy import Schedule
 from client_app.policy_runner import PolicyRunner
 from client_app.worker import RunResult, WorkerCore
+from common.signing import fingerprint
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
+TOKEN_ENV = "CLEAVE_JOIN_TOKEN"  # keeps the token out of `ps` listings
 
 log = logging.getLogger("client_app.cli")
 
@@ -110,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PEM",
         help="for wss:// URLs: also trust the certificate(s) in this PEM file "
         "(e.g. a coordinator's self-signed certificate)",
+    )
+    parser.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="join token of a private pool (default: $CLEAVE_JOIN_TOKEN, or settings.json); "
+        "only a proof of it is sent, never the token",
     )
     parser.add_argument("--no-gpu", action="store_true", help="compute on the CPU even with CUDA")
     parser.add_argument("--name", metavar="NAME", help="name shown to the coordinator's operator")
@@ -212,6 +228,9 @@ def _settings_from_args(args: argparse.Namespace, saved: WorkerSettings) -> Work
         settings = replace(settings, schedule=args.schedule)
     if args.no_battery_pause:
         settings = replace(settings, pause_on_battery=False)
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    if token is not None:
+        settings = replace(settings, join_token=token)
     return settings
 
 
@@ -292,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             named.save(directory)
             settings = replace(settings, name=named.name)
         pins.load()  # a corrupt pin file should stop us now, not at the first welcome
+        identity = load_identity(directory)
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_USAGE
@@ -305,9 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             pin_check=pins.check,
             backoff_base_s=args.backoff_base,
             ca_file=args.ca_file,
+            identity=identity,
         )
     except ValueError as exc:
         parser.error(str(exc))
+    log.info("worker identity (key fingerprint): %s", fingerprint(identity))
     log.info(
         "worker %r joining %s (threads=%d, gpu=%s, window=%d; config in %s)",
         settings.name,
@@ -321,6 +343,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("policy: %s", _describe_policy(settings))
     result = asyncio.run(_run(core, policy))
     if result is RunResult.REFUSED:
-        log.error("not working for %s: its key changed (see above)", settings.coordinator_url)
+        log.error("not working for %s: %s", settings.coordinator_url, core.status.detail)
         return EXIT_REFUSED
     return EXIT_OK

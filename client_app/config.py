@@ -18,11 +18,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from client_app.policy import Schedule, Snooze
 from common.errors import KeyMismatchError
+from common.signing import load_or_create_private_key
 
 CONFIG_DIR_ENV = "CLEAVE_CONFIG_DIR"
 PINS_FILE = "known_coordinators.json"
+IDENTITY_FILE = "worker.key"  # this worker's Ed25519 key: its identity and its credit
 SETTINGS_FILE = "settings.json"
 MAX_WINDOW = 64  # what common.messages.Hello accepts
 MAX_NAME_CHARS = 64  # well inside the wire's max_string_chars
@@ -141,6 +145,21 @@ class PinStore:
         return True
 
 
+def load_identity(directory: Path) -> Ed25519PrivateKey:
+    """This worker's key, made on first start (readable by the owner only).
+
+    Credit and reputation at every coordinator follow this key, not the name; losing it
+    starts a new identity with no credit, so it lives with the settings, not in a cache.
+    """
+    try:
+        return load_or_create_private_key(directory / IDENTITY_FILE)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot use the worker key {directory / IDENTITY_FILE}: {exc}; "
+            "delete it to start a new identity (its credit stays with the old key)"
+        ) from None
+
+
 def default_threads() -> int:
     # Leave half the cores to the owner: a volunteer machine must stay usable.
     return max(1, (os.cpu_count() or 2) // 2)
@@ -177,6 +196,7 @@ class WorkerSettings:
     gpu_only_when_free: bool = True
     start_at_login: bool = False  # client_app.autostart keeps the OS entry in step
     start_minimized: bool = False  # the desktop app opens to its tray icon only
+    join_token: str = ""  # a private pool's token; only an HMAC of it is ever sent
 
     def __post_init__(self) -> None:
         if self.threads < 0:

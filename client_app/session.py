@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from common.auth import answer_challenge, check_welcome, new_nonce
 from common.errors import KeyMismatchError, LimitExceeded, ProtocolError
 from common.frames import Buffer, decode_frame
 from common.limits import DEFAULT_LIMITS, WireLimits
@@ -28,6 +29,7 @@ from common.messages import (
     Ack,
     Bye,
     Cancel,
+    Challenge,
     DeviceProfile,
     Error,
     Heartbeat,
@@ -42,12 +44,18 @@ from common.messages import (
     parse_message,
     verify_task,
 )
-from common.signing import fingerprint, public_key_from_hex
+from common.signing import fingerprint, public_key_from_hex, public_key_hex
 
 log = logging.getLogger(__name__)
 
 PinCheck = Callable[[str, str], bool]
 """(coordinator URL, key hex) -> True if pinned just now; raises KeyMismatchError."""
+
+# Errors after which reconnecting cannot help: the worker stops and says why.
+TERMINAL_ERRORS = {
+    "banned": "this coordinator has banned this worker",
+    "bad_token": "this coordinator refused the join token",
+}
 
 # Room for a result frame's header next to its tensor bytes (a few hundred bytes in
 # practice; generous so a long tile id never tips a frame over the coordinator's limit).
@@ -56,10 +64,14 @@ RESULT_HEADER_ALLOWANCE = 4096
 
 class Phase(enum.Enum):
     DISCONNECTED = "disconnected"
+    CONNECTED = "connected"  # waiting for the coordinator's Challenge
     HELLO_SENT = "hello_sent"  # waiting for Welcome
     READY = "ready"  # welcomed: tasks are accepted
     REFUSED = "refused"  # terminal: the coordinator's key changed
     CLOSED = "closed"  # terminal: the worker said Bye
+
+
+_CONNECTED = (Phase.CONNECTED, Phase.HELLO_SENT, Phase.READY)
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class Actions:
     cancel: tuple[str, ...] = ()  # tile ids dropped (queued, or results to discard)
     welcome: Welcome | None = None
     first_pin: bool = False  # the welcome's key was pinned just now
-    refusal: str = ""  # terminal: stop, do not reconnect (e.g. the key changed)
+    refusal: str = ""  # terminal: stop, do not reconnect (key changed, banned, bad token)
     close: str = ""  # close this connection and reconnect later, for this reason
 
 
@@ -119,14 +131,23 @@ class WorkerSession:
         url: str,
         *,
         name: str,
+        identity: Ed25519PrivateKey,
         profile: DeviceProfile,
         pin_check: PinCheck,
         window: int = 2,
+        token: str = "",
+        client: str = "cleave-worker",
         limits: WireLimits = DEFAULT_LIMITS,
         max_held_tiles: int | None = None,
+        nonce_source: Callable[[], str] = new_nonce,
     ) -> None:
         self.url = url
         self.name = name
+        self.identity = identity
+        self.identity_key = public_key_hex(identity)
+        self.token = token
+        self.client = client
+        self._nonce_source = nonce_source
         self.profile = profile
         self.window = window
         self.limits = limits
@@ -144,6 +165,8 @@ class WorkerSession:
         self.heartbeat_interval_s = 0.0
         self.coordinator_max_frame_bytes = limits.max_frame_bytes
         self._key: Ed25519PublicKey | None = None
+        self._challenge: Challenge | None = None
+        self._hello: Hello | None = None
         self._queue: OrderedDict[str, TileJob] = OrderedDict()
         self._computing: TileJob | None = None
         self._discard_computing = False
@@ -152,27 +175,26 @@ class WorkerSession:
 
     # ---- connection lifecycle -----------------------------------------------------
 
-    def connect(self, now: float) -> bytes:
-        """A new connection is open: forget the last one and return the Hello to send."""
+    def connect(self, now: float) -> None:
+        """A new connection is open: forget the last one and wait for its Challenge."""
         if self.phase in (Phase.REFUSED, Phase.CLOSED):
             raise RuntimeError(f"session is {self.phase.value}; it cannot connect again")
         self._forget_tiles()
-        self._key = None  # every connection's Welcome is checked against the pin anew
-        self.phase = Phase.HELLO_SENT
+        # Every connection authenticates anew, and its Welcome is checked against the pin.
+        self._key = self._challenge = self._hello = None
+        self.phase = Phase.CONNECTED
         self._next_heartbeat = math.inf
-        hello = Hello(name=self.name, profile=self.profile, window=self.window)
-        return self._out(encode_message(hello))
 
     def connection_lost(self) -> None:
         """The connection is gone: its tiles are the coordinator's to re-issue."""
         self._forget_tiles()
         self._next_heartbeat = math.inf
-        if self.phase in (Phase.HELLO_SENT, Phase.READY):
+        if self.phase in _CONNECTED:
             self.phase = Phase.DISCONNECTED
 
     def bye(self, reason: str = "") -> bytes | None:
         """Leave for good: the Bye to send (None if not connected). Tiles in flight drop."""
-        connected = self.phase in (Phase.HELLO_SENT, Phase.READY)
+        connected = self.phase in _CONNECTED
         self._forget_tiles()
         if self.phase != Phase.REFUSED:
             self.phase = Phase.CLOSED
@@ -185,7 +207,7 @@ class WorkerSession:
     def receive(self, data: Buffer | str, now: float) -> Actions:
         """Handle one received WebSocket message (text messages are protocol errors)."""
         self.stats.bytes_in += len(data)
-        if self.phase not in (Phase.HELLO_SENT, Phase.READY):
+        if self.phase not in _CONNECTED:
             return NO_ACTIONS  # leaving or refused: nothing more to say
         try:
             received = parse_message(data, self.limits)  # type: ignore[arg-type]
@@ -194,8 +216,10 @@ class WorkerSession:
         msg = received.message
         if isinstance(msg, Task):
             return self._on_task(received, msg, now)
+        if isinstance(msg, Challenge):
+            return self._on_challenge(msg)
         if isinstance(msg, Welcome):
-            return self._on_welcome(msg, now)
+            return self._on_welcome(received, msg, now)
         if isinstance(msg, Cancel):
             return self._on_cancel(msg)
         if isinstance(msg, Ack):
@@ -207,6 +231,8 @@ class WorkerSession:
             self.stats.last_error = f"{msg.code}: {msg.message}"
             tile = f" (tile {msg.tile_id})" if msg.tile_id else ""
             log.warning("coordinator reported %s: %s%s", msg.code, msg.message, tile)
+            if msg.code in TERMINAL_ERRORS:
+                return self._refuse(f"{TERMINAL_ERRORS[msg.code]}: {msg.message}")
             return NO_ACTIONS
         if isinstance(msg, Bye):
             log.info("coordinator is closing the connection: %s", msg.reason or "no reason given")
@@ -218,25 +244,51 @@ class WorkerSession:
         )
         return Actions(send=(self._error(unexpected),))
 
-    def _on_welcome(self, msg: Welcome, now: float) -> Actions:
-        if self.phase != Phase.HELLO_SENT:
-            again = ProtocolError(
-                "welcome on an already welcomed connection", code="unexpected_message"
+    def _on_challenge(self, msg: Challenge) -> Actions:
+        if self.phase != Phase.CONNECTED:
+            again = ProtocolError("challenge after the handshake", code="unexpected_message")
+            return Actions(send=(self._error(again),))
+        if msg.token_required and not self.token:
+            return self._refuse(
+                "this coordinator is a private pool: it needs a join token "
+                "(cleave-worker --token, or Settings > Join token in the app)"
             )
+        try:
+            hello = answer_challenge(
+                msg,
+                key=self.identity,
+                nonce=self._nonce_source(),
+                name=self.name,
+                profile=self.profile,
+                window=self.window,
+                client=self.client,
+                token=self.token,
+            )
+        except ProtocolError as exc:  # a nonce or key that is not what the protocol says
+            log.warning("coordinator at %s sent an unusable challenge: %s", self.url, exc.message)
+            return Actions(send=(self._error(exc),), close="coordinator sent a bad challenge")
+        self._challenge, self._hello = msg, hello
+        self.phase = Phase.HELLO_SENT
+        return Actions(send=(self._out(encode_message(hello)),))
+
+    def _on_welcome(self, received: Received, msg: Welcome, now: float) -> Actions:
+        if self.phase != Phase.HELLO_SENT or self._challenge is None or self._hello is None:
+            again = ProtocolError("welcome out of turn", code="unexpected_message")
             return Actions(send=(self._error(again),))
         try:
             key = public_key_from_hex(msg.coordinator_key)
+            check_welcome(msg, received.frame.header, self._challenge, self._hello)
         except ProtocolError as exc:
-            log.warning("coordinator at %s sent an unusable key: %s", self.url, exc.message)
-            return Actions(send=(self._error(exc),), close="coordinator sent an unusable key")
+            # Not the holder of the key it names: a man in the middle, or a broken peer.
+            log.warning("coordinator at %s failed to prove its key: %s", self.url, exc.message)
+            return Actions(
+                send=(self._error(exc),), close=f"coordinator failed to prove its key: {exc}"
+            )
         try:
             first_pin = self._pin_check(self.url, msg.coordinator_key)
         except KeyMismatchError as exc:
-            self.phase = Phase.REFUSED
-            self._forget_tiles()
             log.error("%s", exc)
-            bye = encode_message(Bye(reason="refused: coordinator key changed"))
-            return Actions(send=(self._out(bye),), refusal=str(exc))
+            return self._refuse(str(exc), bye="refused: coordinator key changed")
         self._key = key
         self.coordinator_key = msg.coordinator_key
         self.fingerprint = fingerprint(msg.coordinator_key)
@@ -421,6 +473,13 @@ class WorkerSession:
         return Actions(send=(self._out(encode_message(Resume())),))
 
     # ---- helpers --------------------------------------------------------------------
+
+    def _refuse(self, why: str, bye: str = "") -> Actions:
+        """Stop for good: reconnecting would meet the same refusal."""
+        self.phase = Phase.REFUSED
+        self._forget_tiles()
+        send = (self._out(encode_message(Bye(reason=bye))),) if bye else ()
+        return Actions(send=send, refusal=why)
 
     def _forget_tiles(self) -> None:
         self._queue.clear()

@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 from websockets.protocol import State
@@ -46,6 +47,7 @@ from client_app.session import Actions, Phase, PinCheck, TileJob, WorkerSession
 from client_app.status import StatusObserver, WorkerStatus
 from common.limits import DEFAULT_LIMITS
 from common.messages import DeviceProfile
+from common.signing import generate_private_key
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ BYE_TIMEOUT_S = 2.0
 
 class RunResult(enum.Enum):
     STOPPED = "stopped"  # asked to stop
-    REFUSED = "refused"  # the coordinator's key changed: a person must decide
+    REFUSED = "refused"  # key changed, banned or wrong token: a person must decide
 
 
 class _Refused(Exception):
@@ -88,6 +90,8 @@ class WorkerCore:
         summary_min_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         ca_file: str | None = None,
+        identity: Ed25519PrivateKey | None = None,
+        client_name: str = "cleave-worker",
     ) -> None:
         if not settings.coordinator_url.startswith(("ws://", "wss://")):
             raise ValueError(
@@ -106,6 +110,10 @@ class WorkerCore:
                 raise ValueError(f"cannot load CA file {ca_file!r}: {exc}") from None
         self.settings = settings
         self.url = settings.coordinator_url
+        # The CLI and the app pass the key kept in the config directory; without one
+        # (embedded use, tests) this worker is a new identity for this run only.
+        self.identity = identity if identity is not None else generate_private_key()
+        self._client_name = client_name
         self.computer = computer or TileComputer(settings.effective_threads, settings.use_gpu)
         self._pin_check = pin_check
         self._observers: list[StatusObserver] = [observer] if observer else []
@@ -277,7 +285,8 @@ class WorkerCore:
     # ---- running --------------------------------------------------------------------
 
     async def run(self) -> RunResult:
-        """Run until ``stop()`` (-> STOPPED) or a key mismatch (-> REFUSED).
+        """Run until ``stop()`` (-> STOPPED) or a refusal (-> REFUSED; ``status().detail``
+        says why: the coordinator's key changed, this worker is banned, a bad token).
 
         A core runs once (its session ends with a Bye); to join again, make a new one.
         """
@@ -317,9 +326,12 @@ class WorkerCore:
             self.session = WorkerSession(
                 self.url,
                 name=self.settings.name or "cleave-worker",
+                identity=self.identity,
                 profile=profile,
                 pin_check=self._pin_check,
                 window=self.settings.window,
+                token=self.settings.join_token,
+                client=self._client_name,
             )
             if self._pause_reason is not None:
                 self.session.pause(self._pause_reason)
@@ -405,7 +417,7 @@ class WorkerCore:
     async def _serve(self, ws: ClientConnection) -> None:
         session = self.session
         assert session is not None and self._stop_event is not None
-        await _send(ws, session.connect(self._clock()))
+        session.connect(self._clock())  # the coordinator speaks first: its challenge
         self._publish(line=f"Joining {self.url}")
         work = asyncio.Event()
         tasks = {

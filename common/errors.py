@@ -68,3 +68,9 @@ class KeyMismatchError(Exception):
         self.url = url
         self.pinned = pinned
         self.presented = presented
+
+
+class AuthError(ProtocolError):
+    """A handshake proof (signature, nonce, join token) is missing or does not verify."""
+
+    code = "auth_failed"

@@ -110,20 +110,57 @@ class DeviceProfile:
 
 
 @dataclass(frozen=True)
-class Hello:
-    TYPE: ClassVar[str] = "hello"
-    name: str
-    profile: DeviceProfile
-    window: int  # tiles the worker wants in flight (prefetch)
-    client: str = "cleave-worker"
+class Challenge:
+    """The coordinator's first message on every connection (see ``common.auth``)."""
+
+    TYPE: ClassVar[str] = "challenge"
+    nonce: str  # fresh per connection: the hello's signature covers it
+    coordinator_key: str  # hex of the raw Ed25519 public key
+    token_required: bool = False  # a private pool: the hello must prove the join token
 
     def to_header(self) -> dict[str, Any]:
         return {
+            "nonce": self.nonce,
+            "coordinator_key": self.coordinator_key,
+            "token_required": self.token_required,
+        }
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Challenge:
+        return cls(
+            nonce=_str(h, "nonce", "challenge", limits),
+            coordinator_key=_str(h, "coordinator_key", "challenge", limits),
+            token_required=_req(h, "token_required", bool, "challenge"),
+        )
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The worker's answer to a challenge: who it is, what it has, and proof of its key."""
+
+    TYPE: ClassVar[str] = "hello"
+    name: str  # display name only: identity, credit and reputation follow worker_key
+    profile: DeviceProfile
+    window: int  # tiles the worker wants in flight (prefetch)
+    client: str = "cleave-worker"
+    worker_key: str = ""  # hex of the worker's raw Ed25519 public key
+    nonce: str = ""  # the worker's own challenge: the welcome's signature covers it
+    token_proof: str = ""  # HMAC of the join token (private pools), never the token
+    sig: str = ""  # by worker_key, over the coordinator's nonce and key and this header
+
+    def to_header(self) -> dict[str, Any]:
+        header = {
             "name": self.name,
             "profile": self.profile.to_json(),
             "window": self.window,
             "client": self.client,
+            "worker_key": self.worker_key,
+            "nonce": self.nonce,
+            "token_proof": self.token_proof,
         }
+        if self.sig:
+            header[SIGNATURE_FIELD] = self.sig
+        return header
 
     @classmethod
     def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Hello:
@@ -132,26 +169,34 @@ class Hello:
             profile=DeviceProfile.from_json(_obj(h, "profile", "hello"), limits),
             window=_int(h, "window", "hello", lo=1, hi=64),
             client=_str(h, "client", "hello", limits),
+            worker_key=_str(h, "worker_key", "hello", limits),
+            nonce=_str(h, "nonce", "hello", limits),
+            token_proof=_str(h, "token_proof", "hello", limits),
+            sig=_str(h, SIGNATURE_FIELD, "hello", limits) if SIGNATURE_FIELD in h else "",
         )
 
 
 @dataclass(frozen=True)
 class Welcome:
     TYPE: ClassVar[str] = "welcome"
-    worker_id: str
+    worker_id: str  # this connection's id at the coordinator
     coordinator_key: str  # hex of the raw Ed25519 public key
     heartbeat_interval_s: float
     max_frame_bytes: int
     job: str
+    sig: str = ""  # by coordinator_key, over the hello's nonce and worker key
 
     def to_header(self) -> dict[str, Any]:
-        return {
+        header: dict[str, Any] = {
             "worker_id": self.worker_id,
             "coordinator_key": self.coordinator_key,
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "max_frame_bytes": self.max_frame_bytes,
             "job": self.job,
         }
+        if self.sig:
+            header[SIGNATURE_FIELD] = self.sig
+        return header
 
     @classmethod
     def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Welcome:
@@ -161,6 +206,7 @@ class Welcome:
             heartbeat_interval_s=_num(h, "heartbeat_interval_s", "welcome", lo=0.01, hi=3600),
             max_frame_bytes=_int(h, "max_frame_bytes", "welcome", lo=1),
             job=_str(h, "job", "welcome", limits),
+            sig=_str(h, SIGNATURE_FIELD, "welcome", limits) if SIGNATURE_FIELD in h else "",
         )
 
 
@@ -372,16 +418,47 @@ class Bye:
         return cls(reason=_str(h, "reason", "bye", limits) if "reason" in h else "")
 
 
-Message = Hello | Welcome | Task | Result | Heartbeat | Ack | Cancel | Error | Pause | Resume | Bye
+Message = (
+    Challenge
+    | Hello
+    | Welcome
+    | Task
+    | Result
+    | Heartbeat
+    | Ack
+    | Cancel
+    | Error
+    | Pause
+    | Resume
+    | Bye
+)
 MESSAGE_TYPES: dict[str, Any] = {
     cls.TYPE: cls
-    for cls in (Hello, Welcome, Task, Result, Heartbeat, Ack, Cancel, Error, Pause, Resume, Bye)
+    for cls in (
+        Challenge,
+        Hello,
+        Welcome,
+        Task,
+        Result,
+        Heartbeat,
+        Ack,
+        Cancel,
+        Error,
+        Pause,
+        Resume,
+        Bye,
+    )
 }
+
+
+def wire_header(msg: Message) -> dict[str, Any]:
+    """The header ``msg`` travels with (before any tensors): what handshakes sign."""
+    return {"type": msg.TYPE, "v": PROTOCOL_VERSION, **msg.to_header()}
 
 
 def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None) -> bytes:
     """Frame a message; tensors (if any) go into the payload and the header's "tensors"."""
-    header = {"type": msg.TYPE, "v": PROTOCOL_VERSION, **msg.to_header()}
+    header = wire_header(msg)
     parts: list[memoryview | bytes] = []
     if tensors:
         header["tensors"], parts = encode_tensors(tensors)

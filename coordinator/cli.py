@@ -243,6 +243,8 @@ async def serve(args: argparse.Namespace) -> int:
         ledger=ledger,
         config=ServerConfig(
             handshake_timeout_s=args.handshake_timeout,
+            # Several heartbeats per timeout, so one late beat never drops a worker.
+            heartbeat_interval_s=min(ServerConfig.heartbeat_interval_s, args.heartbeat_timeout / 4),
             join_token=args.join_token,
             scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout),
         ),
@@ -421,14 +423,16 @@ def _print_contributions(ledger: Ledger) -> None:
     rows = ledger.all()
     if not rows:
         return
-    _print("\ncontributions (verified, all time):")
+    _print("\ncontributions (verified, all time; workers are known by their key):")
     _print(
-        f"  {'worker':<20} {'tiles':>7} {'GFLOP':>9} {'MB down':>9} {'MB up':>8} {'compute s':>10}"
+        f"  {'worker':<20} {'key':<9} {'tiles':>7} {'GFLOP':>9} {'MB down':>9} {'MB up':>8} "
+        f"{'rejected':>8} {'reputation':>10}"
     )
     for c in rows:
+        standing = "BANNED" if c.banned_reason else f"{c.reputation:.2f}"
         _print(
-            f"  {c.worker:<20} {c.tiles:>7} {c.gflop:>9.2f} {c.bytes_down / 1e6:>9.1f} "
-            f"{c.bytes_up / 1e6:>8.1f} {c.compute_s:>10.2f}"
+            f"  {c.name[:20]:<20} {c.key_fingerprint[:9]:<9} {c.tiles:>7} {c.gflop:>9.2f} "
+            f"{c.bytes_down / 1e6:>9.1f} {c.bytes_up / 1e6:>8.1f} {c.rejected:>8} {standing:>10}"
         )
 
 

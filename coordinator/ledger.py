@@ -1,8 +1,9 @@
-"""SQLite ledger of every worker's verified contribution, in the state directory.
+"""SQLite ledger of every worker's verified contribution and standing, in the state directory.
 
-Rows are keyed by the worker's name (a later change keys them by the worker's own
-Ed25519 key). Every verified tile is committed as it lands, in WAL mode, so a crash
-loses nothing that was credited.
+Rows are keyed by the worker's Ed25519 public key (hex), which the worker proves it holds
+at every connection (``common.auth``): credit, reputation and bans follow the key, never
+the name a worker claims (names are for people and may repeat). Every verified tile is
+committed as it lands, in WAL mode, so a crash loses nothing that was credited.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.signing import fingerprint
+from coordinator.reputation import FULL
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS contributions (
@@ -25,30 +29,52 @@ CREATE TABLE IF NOT EXISTS contributions (
     last_seen REAL
 );
 """
+# Added after the first release of the schema; an older ledger gains them on open.
+ADDED_COLUMNS = {
+    "name": "TEXT NOT NULL DEFAULT ''",
+    "reputation": f"REAL NOT NULL DEFAULT {FULL}",
+    "banned_reason": "TEXT NOT NULL DEFAULT ''",
+    "banned_at": "REAL",
+}
+COLUMNS = "worker, name, tiles, flops, bytes_down, bytes_up, compute_s, rejected, reputation, "
+COLUMNS += "banned_reason"
 
 
 @dataclass(frozen=True)
 class Contribution:
-    worker: str
+    worker: str  # the worker's public key, hex
+    name: str = ""  # the name it last joined with
     tiles: int = 0
     flops: int = 0
     bytes_down: int = 0  # coordinator -> worker (operands)
     bytes_up: int = 0  # worker -> coordinator (results)
     compute_s: float = 0.0
     rejected: int = 0
+    reputation: float = FULL
+    banned_reason: str = ""  # non-empty: banned, and why
 
     @property
     def gflop(self) -> float:
         return self.flops / 1e9
 
+    @property
+    def key_fingerprint(self) -> str:
+        try:
+            return fingerprint(self.worker)
+        except ValueError:  # a row from before keys (keyed by name)
+            return self.worker
+
     def to_json(self) -> dict[str, object]:
         return {
+            "name": self.name,
             "tiles": self.tiles,
             "gflop": round(self.gflop, 3),
             "bytes_down": self.bytes_down,
             "bytes_up": self.bytes_up,
             "compute_s": round(self.compute_s, 3),
             "rejected": self.rejected,
+            "reputation": round(self.reputation, 4),
+            "banned": self.banned_reason,
         }
 
 
@@ -63,56 +89,92 @@ class Ledger:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(contributions)")}
+            for column, decl in ADDED_COLUMNS.items():
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE contributions ADD COLUMN {column} {decl}")
+            if "name" not in have:
+                # Rows from before keys were keyed by name: keep showing that name.
+                self._db.execute("UPDATE contributions SET name = worker")
 
     def credit(
         self,
         worker: str,
         *,
+        name: str,
         flops: int,
         bytes_down: int,
         bytes_up: int,
         compute_s: float,
+        reputation: float,
         now: float,
     ) -> None:
+        """One verified tile: credit it, with the worker's reputation after it."""
         with self._lock:
             self._db.execute(
                 """INSERT INTO contributions
-                   (worker, tiles, flops, bytes_down, bytes_up, compute_s,
+                   (worker, name, tiles, flops, bytes_down, bytes_up, compute_s, reputation,
                     first_seen, last_seen)
-                   VALUES (?, 1, ?, ?, ?, ?, ?, ?)
+                   VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(worker) DO UPDATE SET
+                       name = excluded.name,
                        tiles = tiles + 1, flops = flops + excluded.flops,
                        bytes_down = bytes_down + excluded.bytes_down,
                        bytes_up = bytes_up + excluded.bytes_up,
                        compute_s = compute_s + excluded.compute_s,
+                       reputation = excluded.reputation,
                        last_seen = excluded.last_seen""",
-                (worker, flops, bytes_down, bytes_up, compute_s, now, now),
+                (worker, name, flops, bytes_down, bytes_up, compute_s, reputation, now, now),
             )
 
-    def reject(self, worker: str, *, now: float) -> None:
+    def reject(
+        self, worker: str, *, name: str, reputation: float, banned_reason: str = "", now: float
+    ) -> None:
+        """One result that failed its check: no credit, a lower reputation, maybe a ban."""
         with self._lock:
             self._db.execute(
-                """INSERT INTO contributions (worker, rejected, first_seen, last_seen)
-                   VALUES (?, 1, ?, ?)
-                   ON CONFLICT(worker) DO UPDATE SET rejected = rejected + 1,
+                """INSERT INTO contributions
+                   (worker, name, rejected, reputation, banned_reason, banned_at,
+                    first_seen, last_seen)
+                   VALUES (?, ?, 1, ?, ?, ?, ?, ?)
+                   ON CONFLICT(worker) DO UPDATE SET
+                       name = excluded.name,
+                       rejected = rejected + 1,
+                       reputation = excluded.reputation,
+                       banned_reason = CASE WHEN banned_reason = ''
+                           THEN excluded.banned_reason ELSE banned_reason END,
+                       banned_at = COALESCE(banned_at, excluded.banned_at),
                        last_seen = excluded.last_seen""",
-                (worker, now, now),
+                (
+                    worker,
+                    name,
+                    reputation,
+                    banned_reason,
+                    now if banned_reason else None,
+                    now,
+                    now,
+                ),
             )
 
     def get(self, worker: str) -> Contribution:
         with self._lock:
             row = self._db.execute(
-                "SELECT worker, tiles, flops, bytes_down, bytes_up, compute_s, rejected "
-                "FROM contributions WHERE worker = ?",
-                (worker,),
+                f"SELECT {COLUMNS} FROM contributions WHERE worker = ?", (worker,)
             ).fetchone()
         return Contribution(*row) if row else Contribution(worker)
 
     def all(self) -> list[Contribution]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT worker, tiles, flops, bytes_down, bytes_up, compute_s, rejected "
-                "FROM contributions ORDER BY flops DESC, worker"
+                f"SELECT {COLUMNS} FROM contributions ORDER BY flops DESC, worker"
+            ).fetchall()
+        return [Contribution(*row) for row in rows]
+
+    def banned(self) -> list[Contribution]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {COLUMNS} FROM contributions WHERE banned_reason != '' "
+                "ORDER BY banned_at, worker"
             ).fetchall()
         return [Contribution(*row) for row in rows]
 

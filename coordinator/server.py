@@ -25,12 +25,14 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from common.auth import check_hello, make_welcome, new_nonce
 from common.errors import FrameError, LimitExceeded, ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
     Ack,
     Bye,
     Cancel,
+    Challenge,
     DeviceProfile,
     Error,
     Heartbeat,
@@ -40,13 +42,20 @@ from common.messages import (
     Received,
     Result,
     Resume,
-    Welcome,
     encode_message,
     parse_message,
 )
 from common.signing import fingerprint, public_key_hex
+from common.token_bucket import TokenBucket
 from coordinator import http_api
 from coordinator.ledger import Ledger
+from coordinator.reputation import (
+    ReputationPolicy,
+    after_failed,
+    after_verified,
+    ban_reason,
+    is_banned,
+)
 from coordinator.scheduler import Scheduler, SchedulerConfig, Verdict
 from coordinator.tiling import TileJob
 from coordinator.verify import freivalds_ok, new_generator
@@ -57,6 +66,7 @@ WS_PATH = "/ws"
 MIN_PLANNING_MEMORY_CAP = 16 << 20
 CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008  # RFC 6455: policy violation (malformed or forbidden messages)
+CLOSE_TRY_LATER = 1013  # RFC 6455: try again later (too many handshakes at once)
 CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
 
 
@@ -64,7 +74,15 @@ CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
 class ServerConfig:
     heartbeat_interval_s: float = 2.0
     handshake_timeout_s: float = 10.0
-    join_token: str = ""  # non-empty: a private pool; workers must present it
+    join_token: str = ""  # non-empty: a private pool; workers must prove they know it
+    # Connections still authenticating at once: beyond this, new ones are told to come
+    # back later, so a flood of idle sockets cannot tie up the coordinator.
+    max_handshakes: int = 256
+    # Messages per second from one worker, with a burst allowance. A worker sends a
+    # heartbeat every few seconds and one result per tile; hundreds a second is abuse.
+    max_messages_per_s: float = 200.0
+    message_burst: int = 400
+    reputation: ReputationPolicy = field(default_factory=ReputationPolicy)
     expire_every_s: float = 0.5
     max_message_bytes: int = 256 << 20  # largest result frame accepted from a worker
     limits: WireLimits = DEFAULT_LIMITS
@@ -73,7 +91,8 @@ class ServerConfig:
 
 @dataclass
 class WorkerConn:
-    worker_id: str
+    worker_id: str  # this connection
+    key: str  # the worker's proven public key (hex): its identity in the ledger
     name: str
     ws: ServerConnection
     profile: DeviceProfile
@@ -89,6 +108,11 @@ class WorkerConn:
     # no higher than the time it actually held the tile.
     sent_at: dict[str, float] = field(default_factory=dict)
     verifying: set[str] = field(default_factory=set)  # results being checked right now
+    messages: TokenBucket | None = None  # this connection's message-rate allowance
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.key)
 
 
 @dataclass
@@ -99,7 +123,10 @@ class Counters:
     rejected: int = 0  # results that failed verification
     refused: int = 0  # tiles a worker refused (e.g. bad signature)
     duplicates: int = 0
+    not_assigned: int = 0  # results for tiles the sender does not hold (replays, forgeries)
     computed_here: int = 0  # tiles no connected worker could take
+    banned: int = 0  # workers banned in this run
+    refused_handshakes: int = 0  # connections that failed to authenticate
     bytes_down: int = 0
     bytes_up: int = 0
 
@@ -153,6 +180,7 @@ class CoordinatorServer:
         self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
         self._check_vectors = new_generator()
         self._server: Server | None = None
+        self._handshaking = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Condition()
 
@@ -250,16 +278,25 @@ class CoordinatorServer:
     # ---- connections -----------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
+        if self._handshaking >= self.config.max_handshakes:
+            await _close(ws, CLOSE_TRY_LATER, "too many connections are joining; retry later")
+            return
+        self._handshaking += 1
         try:
             conn = await asyncio.wait_for(self._handshake(ws), self.config.handshake_timeout_s)
         except asyncio.TimeoutError:
-            await ws.close(CLOSE_POLICY, "no hello within the handshake timeout")
+            self.counters.refused_handshakes += 1
+            await _close(ws, CLOSE_POLICY, "no valid hello within the handshake timeout")
             return
         except _Drop as drop:
-            await ws.close(drop.code, _close_reason(drop.reason))
+            self.counters.refused_handshakes += 1
+            log.info("refused a connection from %s: %s", _peer(ws), drop.reason)
+            await _close(ws, drop.code, drop.reason)
             return
         except ConnectionClosed:
             return
+        finally:
+            self._handshaking -= 1
         # Registered only now, after the Welcome went out: a client that vanishes during
         # the handshake never becomes a ghost that tiles are queued for.
         self._register(conn)
@@ -271,8 +308,11 @@ class CoordinatorServer:
                 await self._on_frame(conn, data)
         except _Drop as drop:
             if drop.code != CLOSE_NORMAL:
-                log.warning("closing %s (%s): %s", conn.worker_id, conn.name, drop.reason)
-            await ws.close(drop.code, _close_reason(drop.reason))
+                log.warning("closing %s (%s): %s", conn.worker_id, _who(conn), drop.reason)
+            # Its tiles move on now: the close handshake can take a while behind a
+            # flooded receive buffer.
+            await self._forget(conn)
+            await _close(ws, drop.code, drop.reason)
         except ConnectionClosed:
             pass
         finally:
@@ -280,35 +320,61 @@ class CoordinatorServer:
             await self._forget(conn)
 
     async def _handshake(self, ws: ServerConnection) -> WorkerConn:
-        """Hello in, Welcome out. Registers nothing: see ``_register``."""
+        """Challenge out, signed Hello in, signed Welcome out (``common.auth``).
+
+        Registers nothing: see ``_register``.
+        """
         if ws.request is not None and ws.request.path != WS_PATH:
             raise _Drop(CLOSE_POLICY, f"workers connect to {WS_PATH}")
+        challenge = Challenge(
+            nonce=new_nonce(),
+            coordinator_key=public_key_hex(self.key),
+            token_required=bool(self.config.join_token),
+        )
+        await ws.send(encode_message(challenge))
         data = await ws.recv()
         if isinstance(data, str):
             raise _Drop(CLOSE_POLICY, "text frames are not part of the protocol")
         try:
             received = parse_message(data, self.config.limits)
+            hello = received.message
+            if not isinstance(hello, Hello):
+                raise ProtocolError(
+                    f"expected a hello, got a {received.frame.type!r} message",
+                    code="unexpected_message",
+                )
+            check_hello(hello, received.frame.header, challenge, self.config.join_token)
         except ProtocolError as exc:
             await ws.send(encode_message(Error(exc.code, exc.message)))
             raise _Drop(CLOSE_POLICY, f"bad hello: {exc.message}") from None
-        hello = received.message
-        if not isinstance(hello, Hello):
-            raise _Drop(CLOSE_POLICY, f"expected hello, got {received.frame.type}")
+        standing = self.ledger.get(hello.worker_key)
+        if standing.banned_reason:
+            message = f"worker {fingerprint(hello.worker_key)} is banned: {standing.banned_reason}"
+            await ws.send(encode_message(Error("banned", message)))
+            raise _Drop(CLOSE_POLICY, message)
         worker_id = f"w{next(self._ids)}"
-        await ws.send(
-            encode_message(
-                Welcome(
-                    worker_id=worker_id,
-                    coordinator_key=public_key_hex(self.key),
-                    heartbeat_interval_s=self.config.heartbeat_interval_s,
-                    max_frame_bytes=self.config.max_message_bytes,
-                    job=self.job_name,
-                )
-            )
+        welcome = make_welcome(
+            self.key,
+            hello,
+            worker_id=worker_id,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            max_frame_bytes=self.config.max_message_bytes,
+            job=self.job_name,
         )
+        await ws.send(encode_message(welcome))
         now = self.clock()
         return WorkerConn(
-            worker_id, hello.name, ws, hello.profile, hello.window, now, last_seen=now
+            worker_id,
+            hello.worker_key,
+            hello.name,
+            ws,
+            hello.profile,
+            hello.window,
+            now,
+            last_seen=now,
+            messages=TokenBucket(
+                self.config.max_messages_per_s, self.config.message_burst, clock=self.clock
+            ),
         )
 
     def _register(self, conn: WorkerConn) -> None:
@@ -322,7 +388,7 @@ class CoordinatorServer:
         self._refresh_pool()
         log.info(
             "worker %s joined as %s: %s, %d threads, %.0f GFLOP/s",
-            conn.name,
+            _who(conn),
             conn.worker_id,
             conn.profile.device_name or conn.profile.device,
             conn.profile.threads,
@@ -360,7 +426,7 @@ class CoordinatorServer:
                 conn = self.conns.get(worker_id)
                 if conn is not None:
                     log.warning("worker %s missed its heartbeats: dropping it", conn.name)
-                    self._spawn(conn.ws.close(CLOSE_TIMEOUT, "heartbeat timeout"))
+                    self._spawn(_close(conn.ws, CLOSE_TIMEOUT, "heartbeat timeout"))
                     await self._forget(conn)
             if expiry.requeued:
                 self._dispatch()
@@ -378,6 +444,14 @@ class CoordinatorServer:
         self.scheduler.heartbeat(conn.worker_id, conn.last_seen)
         if isinstance(data, str):
             raise _Drop(CLOSE_POLICY, "text frames are not part of the protocol")
+        if conn.messages is not None and conn.messages.reserve(1) > 0.0:
+            limit = self.config.max_messages_per_s
+            await conn.ws.send(
+                encode_message(
+                    Error("rate_limited", f"more than max_messages_per_s={limit:g} messages")
+                )
+            )
+            raise _Drop(CLOSE_POLICY, f"message rate over max_messages_per_s={limit:g}")
         try:
             received = parse_message(data, self.config.limits)
         except (FrameError, LimitExceeded) as exc:
@@ -402,7 +476,7 @@ class CoordinatorServer:
         elif isinstance(msg, Heartbeat):
             self.scheduler.heartbeat(conn.worker_id, now)
             conn.state, conn.reason = msg.state, msg.reason
-            credit = self.ledger.get(conn.name)
+            credit = self.ledger.get(conn.key)
             await conn.ws.send(encode_message(Ack(msg.seq, credit.tiles, round(credit.gflop, 6))))
         elif isinstance(msg, Error):
             self._on_worker_error(conn, msg)
@@ -463,6 +537,7 @@ class CoordinatorServer:
             self.counters.duplicates += 1
             return
         if msg.tile_id not in self.scheduler.in_flight(conn.worker_id):
+            self.counters.not_assigned += 1
             await conn.ws.send(
                 encode_message(
                     Error("not_assigned", "result for a tile not assigned to you", msg.tile_id)
@@ -472,21 +547,18 @@ class CoordinatorServer:
         try:
             c = received.tensors(self.config.limits).get("c")
         except ProtocolError as exc:
+            # Counted as a wrong result (it is one), and the sender is told why.
             c = None
-            log.warning("worker %s sent an undecodable result: %s", conn.name, exc.message)
+            log.warning("worker %s sent an undecodable result: %s", _who(conn), exc.message)
+            with contextlib.suppress(ConnectionClosed):
+                await conn.ws.send(encode_message(Error(exc.code, exc.message, msg.tile_id)))
         loop = asyncio.get_running_loop()
         ok = c is not None and await loop.run_in_executor(
             self._verify_pool, freivalds_ok, job.a, job.b, c, self._check_vectors
         )
         now = self.clock()
         if not ok:
-            self.counters.rejected += 1
-            self.ledger.reject(conn.name, now=self.wall_clock())
-            log.warning("tile %s from %s failed verification: re-issuing", msg.tile_id, conn.name)
-            conn.sent_at.pop(msg.tile_id, None)
-            self.scheduler.reject(conn.worker_id, msg.tile_id, now, reason="failed verification")
-            self._dispatch()
-            self._rescue_stranded()
+            self._failed_check(conn, msg.tile_id, now)
             return
         assert c is not None
         completion = self.scheduler.complete(conn.worker_id, msg.tile_id, now)
@@ -498,8 +570,11 @@ class CoordinatorServer:
         conn.tiles_session += 1
         self.counters.tiles_verified += 1
         self.counters.bytes_up += len(received.frame.payload)
+        policy = self.config.reputation
         self.ledger.credit(
-            conn.name,
+            conn.key,
+            name=conn.name,
+            reputation=after_verified(self.ledger.get(conn.key).reputation, policy),
             flops=job.flops,
             bytes_down=len(job.bundle),
             bytes_up=len(received.frame.payload),
@@ -512,6 +587,52 @@ class CoordinatorServer:
         finished = await loop.run_in_executor(self._verify_pool, job.gemm.deliver, job.region, c)
         if finished:
             self._gemm_finished(job)
+
+    def _failed_check(self, conn: WorkerConn, tile_id: str, now: float) -> None:
+        """A wrong result: discard it, re-issue the tile, cut the worker's reputation, and
+        ban its key (closing all its connections) once the reputation falls too low."""
+        self.counters.rejected += 1
+        policy = self.config.reputation
+        before = self.ledger.get(conn.key)
+        reputation = after_failed(before.reputation, policy)
+        banned = ""
+        if not before.banned_reason and is_banned(reputation, policy):
+            banned = ban_reason(before.rejected + 1, reputation)
+        self.ledger.reject(
+            conn.key,
+            name=conn.name,
+            reputation=reputation,
+            banned_reason=banned,
+            now=self.wall_clock(),
+        )
+        log.warning(
+            "tile %s from %s failed verification (reputation %.2f): re-issuing",
+            tile_id,
+            _who(conn),
+            reputation,
+        )
+        conn.sent_at.pop(tile_id, None)
+        self.scheduler.reject(conn.worker_id, tile_id, now, reason="failed verification")
+        # Tell the worker: an honest volunteer with faulty hardware should learn of it.
+        verdict = Error(
+            "failed_check",
+            f"the result failed verification and was discarded; reputation now {reputation:.2f}",
+            tile_id,
+        )
+        conn.outbox.put_nowait(encode_message(verdict))
+        if banned:
+            self.counters.banned += 1
+            log.warning("banning worker %s: %s", _who(conn), banned)
+            for other in [c for c in self.conns.values() if c.key == conn.key]:
+                self._spawn(self._ban(other, banned))
+        self._dispatch()
+        self._rescue_stranded()
+
+    async def _ban(self, conn: WorkerConn, reason: str) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await conn.ws.send(encode_message(Error("banned", f"banned: {reason}")))
+        await self._forget(conn)  # its tiles move on now, not when the socket closes
+        await _close(conn.ws, CLOSE_POLICY, f"banned: {reason}")
 
     def _gemm_finished(self, job: TileJob) -> None:
         # Keeps the scheduler's record of done tiles bounded by the GEMMs in flight.
@@ -565,9 +686,11 @@ class CoordinatorServer:
         now = self.clock()
         workers = []
         for conn in self.conns.values():
+            standing = self.ledger.get(conn.key)
             workers.append(
                 {
                     "id": conn.worker_id,
+                    "key": conn.fingerprint,
                     "name": conn.name,
                     "state": conn.state,
                     "reason": conn.reason,
@@ -579,7 +702,8 @@ class CoordinatorServer:
                     "in_flight": len(self.scheduler.in_flight(conn.worker_id)),
                     "tiles_session": conn.tiles_session,
                     "refused": conn.refused,
-                    "contribution": self.ledger.get(conn.name).to_json(),
+                    "reputation": round(standing.reputation, 4),
+                    "contribution": standing.to_json(),
                 }
             )
         return {
@@ -587,7 +711,11 @@ class CoordinatorServer:
             "job": self.job_name,
             "coordinator_key": fingerprint(self.key),
             "workers": workers,
-            "ledger": {c.worker: c.to_json() for c in self.ledger.all()},
+            "ledger": {c.key_fingerprint: c.to_json() for c in self.ledger.all()},
+            "banned": [
+                {"key": c.key_fingerprint, "name": c.name, "reason": c.banned_reason}
+                for c in self.ledger.banned()
+            ],
             "tiles": {
                 "sent": self.counters.tiles_sent,
                 "verified": self.counters.tiles_verified,
@@ -595,9 +723,16 @@ class CoordinatorServer:
                 "rejected": self.counters.rejected,
                 "refused": self.counters.refused,
                 "duplicates": self.counters.duplicates,
+                "not_assigned": self.counters.not_assigned,
                 "computed_here": self.counters.computed_here,
                 "queued": self.scheduler.queued_count(),
                 "pending": self.scheduler.pending(),
+            },
+            "bytes": {"down": self.counters.bytes_down, "up": self.counters.bytes_up},
+            "connections": {
+                "banned_this_run": self.counters.banned,
+                "refused_handshakes": self.counters.refused_handshakes,
+                "authenticating": self._handshaking,
             },
         }
 
@@ -605,6 +740,39 @@ class CoordinatorServer:
 def _compute_and_deliver(job: TileJob) -> bool:
     product = torch.bmm(job.a, job.b) if job.gemm.op == "bmm" else torch.mm(job.a, job.b)
     return job.gemm.deliver(job.region, product)
+
+
+def _who(conn: WorkerConn) -> str:
+    """A worker in logs: its chosen name and the key that makes it who it is."""
+    return f"{conn.name} [{conn.fingerprint[:9]}]"
+
+
+def _peer(ws: ServerConnection) -> str:
+    try:
+        host, port = ws.remote_address[:2]
+    except (TypeError, ValueError):
+        return "an unknown peer"
+    return f"{host}:{port}"
+
+
+async def _close(ws: ServerConnection, code: int, reason: str) -> None:
+    """Close with a reason, reading (and dropping) whatever the peer still sends.
+
+    The peer's closing frame may sit behind a full receive buffer (a flood, or results
+    in flight); without the drain the close would wait out its whole timeout.
+    """
+
+    async def drain() -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for _ in ws:
+                pass
+
+    draining = asyncio.create_task(drain())
+    try:
+        await ws.close(code, _close_reason(reason))
+    finally:
+        draining.cancel()
+        await asyncio.gather(draining, return_exceptions=True)
 
 
 def _close_reason(text: str) -> str:

@@ -33,6 +33,19 @@ def new_generator() -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63))
 
 
+def check_vector(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """A secret [n, 1] vector with entries of random sign and magnitude in [1, 2).
+
+    Bounded away from zero, so an error in any single entry of c moves ``c r`` by at
+    least its own size: a wrong entry larger than the rounding tolerance is caught on
+    every check, not just with high probability (a Gaussian r would sometimes put a
+    near-zero weight on exactly the entry that is wrong).
+    """
+    magnitude = 1.0 + torch.rand(n, 1, dtype=dtype, generator=generator)
+    sign = torch.randint(0, 2, (n, 1), generator=generator).to(dtype) * 2.0 - 1.0
+    return magnitude * sign
+
+
 def freivalds_ok(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, generator: torch.Generator
 ) -> bool:
@@ -54,7 +67,7 @@ def freivalds_ok(
         # Only a step that has already blown up (inf/NaN operands) has honest
         # non-finite products; such a tile cannot be checked, and it does not matter.
         return bool(not torch.isfinite(a_w).all() or not torch.isfinite(b_w).all())
-    r = torch.randn(b.shape[-1], 1, dtype=work, generator=generator)
+    r = check_vector(b.shape[-1], work, generator)
     lhs = c_w @ r
     rhs = a_w @ (b_w @ r)
     r_abs = r.abs()

@@ -102,13 +102,24 @@ class Coordinator:
 
 
 class Worker:
-    def __init__(self, tmp: Path, url: str, name: str, *args: str) -> None:
+    """``cleave-worker`` (or ``program``, a script taking the same arguments) in its own
+    config directory, so its key and pins survive a restart under the same ``name``."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        url: str,
+        name: str,
+        *args: str,
+        program: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log = tmp / f"{name}.log"
-        self._logfh = self.log.open("wb")
+        self._logfh = self.log.open("ab")  # a restarted worker appends to its log
+        entry = ["-m", "client_app"] if program is None else [str(program)]
         cmd = [
             sys.executable,
-            "-m",
-            "client_app",
+            *entry,
             "--coordinator",
             url,
             "--name",
@@ -118,11 +129,21 @@ class Worker:
             *args,
         ]
         self.proc = subprocess.Popen(
-            cmd, env=env_for(tmp / f"{name}-config"), stdout=self._logfh, stderr=subprocess.STDOUT
+            cmd,
+            env={**env_for(tmp / f"{name}-config"), **(env or {})},
+            stdout=self._logfh,
+            stderr=subprocess.STDOUT,
         )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: no Bye, no clean close; the coordinator finds out by itself."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._logfh.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from client_app.bandwidth import BYTES_PER_KB, MIN_BURST_BYTES, TokenBucket, bytes_per_s
+from client_app.bandwidth import BYTES_PER_KB, TokenBucket, bytes_per_s
 from client_app.config import PinStore, WorkerSettings
 from client_app.worker import WorkerCore
 from common.messages import Result
+from common.token_bucket import MIN_BURST as MIN_BURST_BYTES
 from tests.test_worker_loopback import PROFILE, FakeCoordinator, stop
 
 

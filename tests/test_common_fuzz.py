@@ -11,25 +11,31 @@ import math
 import struct
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.auth import check_hello, check_welcome
 from common.errors import ProtocolError
 from common.frames import decode_frame, encode_frame
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
     MESSAGE_TYPES,
+    Challenge,
+    DeviceProfile,
     Error,
+    Hello,
     Received,
     Task,
+    Welcome,
     check_operands,
     encode_message,
     encode_task,
     parse_message,
     verify_task,
 )
-from common.signing import generate_private_key, verify_bundle
+from common.signing import generate_private_key, public_key_hex, verify_bundle
 from common.tensors import DTYPES, decode_tensors
 
 FUZZ = settings(
@@ -108,6 +114,10 @@ FIELD_NAMES = sorted(
         "credit_gflop",
         "code",
         "message",
+        "nonce",
+        "token_required",
+        "worker_key",
+        "token_proof",
     }
 )
 PROFILE_FIELDS = ["device", "device_name", "threads", "ram_bytes", "mem_cap_bytes", "gflops"]
@@ -471,3 +481,47 @@ def test_verify_bundle_random_headers(header: dict[str, Any], payload: bytes, si
     except ProtocolError:
         return
     raise AssertionError("a random header verified")
+
+
+# ---- the handshake's proofs -------------------------------------------------------------
+
+AUTH_KEY_HEX = public_key_hex(KEY)
+hexish = st.sampled_from(["", "00" * 32, "zz" * 32, AUTH_KEY_HEX, "ab" * 64, "a" * 63]) | st.text(
+    max_size=80
+)
+
+
+@FUZZ
+@given(headers(), hexish, hexish, st.text(max_size=20))
+def test_checking_random_hellos_raises_protocol_errors_only(
+    header: dict[str, Any], nonce: str, coordinator_key: str, token: str
+) -> None:
+    header["type"] = "hello"
+    try:
+        received = parse_message(encode_frame(header))
+    except ProtocolError:
+        return
+    hello = received.message
+    if not isinstance(hello, Hello):
+        return
+    with pytest.raises(ProtocolError):
+        # Nothing random carries a valid signature for this challenge.
+        check_hello(hello, received.frame.header, Challenge(nonce, coordinator_key), token)
+
+
+@FUZZ
+@given(headers(), hexish)
+def test_checking_random_welcomes_raises_protocol_errors_only(
+    header: dict[str, Any], nonce: str
+) -> None:
+    header["type"] = "welcome"
+    try:
+        received = parse_message(encode_frame(header))
+    except ProtocolError:
+        return
+    welcome = received.message
+    if not isinstance(welcome, Welcome):
+        return
+    hello = Hello("w", DeviceProfile(), 1, worker_key=AUTH_KEY_HEX, nonce=nonce)
+    with pytest.raises(ProtocolError):
+        check_welcome(welcome, received.frame.header, Challenge("00" * 32, AUTH_KEY_HEX), hello)

@@ -19,6 +19,7 @@ from common.messages import (
     Ack,
     Bye,
     Cancel,
+    Challenge,
     DeviceProfile,
     Error,
     Heartbeat,
@@ -63,6 +64,7 @@ MESSAGES: list[Message] = [
         heartbeat_interval_s=2.5,
         max_frame_bytes=64 << 20,
         job="gpt-tiny",
+        sig="34" * 64,
     ),
     Welcome(
         worker_id="w-1", coordinator_key="ab", heartbeat_interval_s=1, max_frame_bytes=1, job=""
@@ -82,6 +84,17 @@ MESSAGES: list[Message] = [
     Resume(),
     Bye(),
     Bye(reason="shutting down"),
+    Challenge(nonce="ab" * 32, coordinator_key=public_key_hex(KEY), token_required=True),
+    Challenge(nonce="", coordinator_key=""),
+    Hello(
+        name="bob",
+        profile=PROFILE,
+        window=2,
+        worker_key=public_key_hex(KEY),
+        nonce="cd" * 32,
+        token_proof="ef" * 32,
+        sig="12" * 64,
+    ),
 ]
 
 
@@ -111,6 +124,7 @@ def _expect(
 def test_every_message_type_is_covered() -> None:
     assert {type(m) for m in MESSAGES} == set(MESSAGE_TYPES.values())
     assert set(MESSAGE_TYPES) == {
+        "challenge",
         "hello",
         "welcome",
         "task",

@@ -12,9 +12,17 @@ import pytest
 from coordinator.ledger import Contribution, Ledger
 
 
+def reject(ledger: Ledger, worker: str, now: float, reputation: float = 0.5, ban: str = "") -> None:
+    ledger.reject(
+        worker, name=f"{worker}-laptop", reputation=reputation, banned_reason=ban, now=now
+    )
+
+
 def credit(ledger: Ledger, worker: str, flops: int, now: float = 1.0, **kw: float) -> None:
     ledger.credit(
         worker,
+        name=f"{worker}-laptop",
+        reputation=float(kw.get("reputation", 1.0)),
         flops=flops,
         bytes_down=int(kw.get("down", 100)),
         bytes_up=int(kw.get("up", 10)),
@@ -38,21 +46,26 @@ def test_unknown_worker_has_an_empty_contribution(ledger: Ledger) -> None:
 def test_credits_and_rejections_accumulate(ledger: Ledger) -> None:
     credit(ledger, "alice", 1_000_000_000, down=300, up=30, s=0.25)
     credit(ledger, "alice", 500_000_000, down=200, up=20, s=0.5)
-    ledger.reject("alice", now=2.0)
-    ledger.reject("mallory", now=3.0)
-    ledger.reject("mallory", now=4.0)
+    reject(ledger, "alice", now=2.0)
+    reject(ledger, "mallory", now=3.0)
+    reject(ledger, "mallory", now=4.0, reputation=0.25)
     alice = ledger.get("alice")
-    assert alice == Contribution("alice", 2, 1_500_000_000, 500, 50, 0.75, 1)
+    assert alice == Contribution("alice", "alice-laptop", 2, 1_500_000_000, 500, 50, 0.75, 1, 0.5)
     assert alice.gflop == pytest.approx(1.5)
     assert alice.to_json() == {
+        "name": "alice-laptop",
         "tiles": 2,
         "gflop": 1.5,
         "bytes_down": 500,
         "bytes_up": 50,
         "compute_s": 0.75,
         "rejected": 1,
+        "reputation": 0.5,
+        "banned": "",
     }
-    assert ledger.get("mallory") == Contribution("mallory", rejected=2)
+    assert ledger.get("mallory") == Contribution(
+        "mallory", "mallory-laptop", rejected=2, reputation=0.25
+    )
 
 
 def test_first_and_last_seen(tmp_path: Path) -> None:
@@ -60,8 +73,8 @@ def test_first_and_last_seen(tmp_path: Path) -> None:
     led = Ledger(path)
     credit(led, "alice", 1, now=10.0)
     credit(led, "alice", 1, now=20.0)
-    led.reject("alice", now=30.0)
-    led.reject("bob", now=5.0)
+    reject(led, "alice", now=30.0)
+    reject(led, "bob", now=5.0)
     led.close()
     with sqlite3.connect(path) as db:
         rows = dict(
@@ -75,11 +88,11 @@ def test_contributions_survive_reopening_the_same_file(tmp_path: Path) -> None:
     path = tmp_path / "state" / "nested" / "ledger.sqlite"  # parents are created
     first = Ledger(path)
     credit(first, "alice", 7, down=1, up=2, s=3.0)
-    first.reject("bob", now=1.0)
+    reject(first, "bob", now=1.0)
     first.close()
     second = Ledger(path)
     try:
-        assert second.get("alice") == Contribution("alice", 1, 7, 1, 2, 3.0, 0)
+        assert second.get("alice") == Contribution("alice", "alice-laptop", 1, 7, 1, 2, 3.0, 0)
         credit(second, "alice", 3)
         assert second.get("alice").tiles == 2 and second.get("alice").flops == 10
         assert second.get("bob").rejected == 1
@@ -111,7 +124,7 @@ def test_all_is_ordered_by_flops_then_name(ledger: Ledger) -> None:
     credit(ledger, "alice", 50)
     credit(ledger, "dave", 10)
     credit(ledger, "dave", 45)  # 55 in all
-    ledger.reject("eve", now=1.0)  # no flops at all
+    reject(ledger, "eve", now=1.0)  # no flops at all
     assert [c.worker for c in ledger.all()] == ["bob", "dave", "alice", "carol", "eve"]
     assert [c.flops for c in ledger.all()] == [100, 55, 50, 50, 0]
 
@@ -120,7 +133,7 @@ def test_concurrent_credits_from_many_threads_all_count(ledger: Ledger) -> None:
     def work(name: str) -> None:
         for _ in range(50):
             credit(ledger, name, 2)
-            ledger.reject(name, now=1.0)
+            reject(ledger, name, now=1.0)
 
     threads = [threading.Thread(target=work, args=(f"w{i % 2}",)) for i in range(4)]
     for t in threads:
@@ -129,3 +142,44 @@ def test_concurrent_credits_from_many_threads_all_count(ledger: Ledger) -> None:
         t.join(10)
     totals = {c.worker: (c.tiles, c.flops, c.rejected) for c in ledger.all()}
     assert totals == {"w0": (100, 200, 100), "w1": (100, 200, 100)}
+
+
+def test_a_ban_is_kept_with_its_first_reason_and_time(ledger: Ledger) -> None:
+    reject(ledger, "mallory", now=1.0, reputation=0.5)
+    assert ledger.banned() == []
+    reject(ledger, "mallory", now=2.0, reputation=0.1, ban="3 results failed verification")
+    reject(ledger, "mallory", now=3.0, reputation=0.05, ban="a later reason")
+    credit(ledger, "alice", 5)
+    (banned,) = ledger.banned()
+    assert (banned.worker, banned.name) == ("mallory", "mallory-laptop")
+    assert banned.banned_reason == "3 results failed verification"
+    assert banned.reputation == 0.05 and banned.rejected == 3
+    assert banned.to_json()["banned"] == "3 results failed verification"
+
+
+def test_a_ledger_from_before_keys_gains_the_new_columns(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute(
+            """CREATE TABLE contributions (worker TEXT PRIMARY KEY,
+               tiles INTEGER NOT NULL DEFAULT 0, flops INTEGER NOT NULL DEFAULT 0,
+               bytes_down INTEGER NOT NULL DEFAULT 0, bytes_up INTEGER NOT NULL DEFAULT 0,
+               compute_s REAL NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0,
+               first_seen REAL, last_seen REAL)"""
+        )
+        db.execute("INSERT INTO contributions (worker, tiles, flops) VALUES ('old-name', 3, 9)")
+    led = Ledger(path)
+    try:
+        old = led.get("old-name")
+        assert (old.name, old.tiles, old.flops, old.reputation, old.banned_reason) == (
+            "old-name",
+            3,
+            9,
+            1.0,
+            "",
+        )
+        assert old.key_fingerprint == "old-name"  # not a key: shown as it was
+        credit(led, "ab" * 32, 1)
+        assert led.get("ab" * 32).name == "ab" * 32 + "-laptop"
+    finally:
+        led.close()

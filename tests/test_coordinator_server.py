@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from torch import nn
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -34,15 +35,16 @@ import coordinator.server as server_module
 from client_app.config import PinStore, WorkerSettings
 from client_app.worker import RunResult, WorkerCore
 from common import PROTOCOL_VERSION
+from common.auth import answer_challenge, new_nonce
 from common.frames import encode_frame
 from common.messages import (
     Ack,
     Bye,
     Cancel,
+    Challenge,
     DeviceProfile,
     Error,
     Heartbeat,
-    Hello,
     Message,
     Pause,
     Received,
@@ -53,10 +55,10 @@ from common.messages import (
     parse_message,
     verify_task,
 )
-from common.signing import fingerprint, generate_private_key
+from common.signing import fingerprint, generate_private_key, public_key_hex
 from coordinator.executor import DataflowExecutor
 from coordinator.job import Job
-from coordinator.ledger import Ledger
+from coordinator.ledger import Contribution, Ledger
 from coordinator.offload import TileOffload
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.scheduler import SchedulerConfig
@@ -211,19 +213,47 @@ class Raw:
         ws = await connect(url, compression=None, max_size=1 << 26, open_timeout=10)
         return cls(ws)
 
+    async def hello(
+        self,
+        name: str,
+        *,
+        window: int = 1,
+        profile: DeviceProfile = PROFILE,
+        key: Ed25519PrivateKey | None = None,
+        token: str = "",
+    ) -> None:
+        """Answer the coordinator's challenge with a properly signed hello."""
+        challenge = (await self.expect(Challenge)).message
+        assert isinstance(challenge, Challenge)
+        hello = answer_challenge(
+            challenge,
+            key=key or generate_private_key(),
+            nonce=new_nonce(),
+            name=name,
+            profile=profile,
+            window=window,
+            client="raw-test-client",
+            token=token,
+        )
+        await self.send(hello)
+
     @classmethod
-    async def join_with(cls, coord: Coordinator, hello: Hello) -> Raw:
+    async def join(
+        cls,
+        coord: Coordinator,
+        name: str,
+        window: int = 1,
+        profile: DeviceProfile = PROFILE,
+        key: Ed25519PrivateKey | None = None,
+        token: str = "",
+    ) -> Raw:
         raw = await cls.connect(coord.url)
-        await raw.send(hello)
+        await raw.hello(name, window=window, profile=profile, key=key, token=token)
         welcome = (await raw.expect(Welcome)).message
         assert isinstance(welcome, Welcome)
         raw.welcome = welcome
-        await until(lambda: hello.name in coord.conn_ids(), f"{hello.name} to join")
+        await until(lambda: name in coord.conn_ids(), f"{name} to join")
         return raw
-
-    @classmethod
-    async def join(cls, coord: Coordinator, name: str, window: int = 1) -> Raw:
-        return await cls.join_with(coord, Hello(name=name, profile=PROFILE, window=window))
 
     async def send(
         self, msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None
@@ -273,6 +303,13 @@ def answer(received: Received, coord: Coordinator, tamper: bool = False) -> tupl
     return Result(tile_id=task.tile_id, compute_s=0.001), [("c", c)]
 
 
+def ledger_row(coord: Coordinator, name: str) -> Contribution:
+    """The ledger row of the worker that joined as ``name`` (tests give unique names)."""
+    rows = [c for c in coord.ledger.all() if c.name == name]
+    assert len(rows) <= 1, rows
+    return rows[0] if rows else Contribution("", name)
+
+
 def http_get(url: str) -> tuple[int, str, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -300,7 +337,7 @@ def test_two_workers_compute_every_tile_get_credit_and_show_in_status(tmp_path: 
             assert server.jobs == {} and server.scheduler.pending() == 0
             assert counters.bytes_down == sum(len(j.bundle) for j in mm.jobs + bmm.jobs)
 
-            rows = {c.worker: c for c in coord.ledger.all()}
+            rows = {c.name: c for c in coord.ledger.all()}
             assert set(rows) == {"alice", "bob"}
             assert rows["alice"].tiles > 0 and rows["bob"].tiles > 0
             assert rows["alice"].tiles + rows["bob"].tiles == tiles
@@ -322,7 +359,7 @@ def test_two_workers_compute_every_tile_get_credit_and_show_in_status(tmp_path: 
             assert doc["tiles"]["verified"] == doc["tiles"]["sent"] == tiles
             assert doc["tiles"]["queued"] == doc["tiles"]["pending"] == 0
             assert doc["tiles"]["rejected"] == doc["tiles"]["reissued"] == 0
-            assert set(doc["ledger"]) == {"alice", "bob"}
+            assert {row["name"] for row in doc["ledger"].values()} == {"alice", "bob"}
 
             status, _, _ = await asyncio.to_thread(http_get, coord.http + "/no/such/page")
             assert status == 404
@@ -342,7 +379,7 @@ def test_worker_cores_see_their_credit_in_heartbeat_acks(tmp_path: Path) -> None
                 await until(lambda: "carol" in coord.conn_ids(), "carol to join")
                 gemm = Gemm(coord.server, "g", (64, 32, 48))
                 await gemm.check()
-                want = coord.ledger.get("carol")
+                want = ledger_row(coord, "carol")
                 assert want.tiles == len(gemm.jobs)
                 await until(
                     lambda: worker.core.status.credit_tiles == want.tiles,
@@ -408,8 +445,8 @@ def test_a_hostile_connection_is_closed_and_the_honest_worker_finishes(
             await gemm.check()
             assert coord.conn_ids() == {"honest": honest_id}  # never dropped or reconnected
             assert coord.server.scheduler.stats.reissued >= len(held)
-            assert coord.ledger.get("mallory").tiles == 0
-            assert coord.ledger.get("honest").tiles == len(gemm.jobs)
+            assert ledger_row(coord, "mallory").tiles == 0
+            assert ledger_row(coord, "honest").tiles == len(gemm.jobs)
 
     asyncio.run(scenario())
 
@@ -447,7 +484,7 @@ def test_a_client_that_never_says_hello_is_closed_after_the_handshake_timeout(
             finally:
                 await raw.close()
             elapsed = time.monotonic() - started
-            assert close_code == 1008 and messages == []
+            assert close_code == 1008 and [type(m) for m in messages] == [Challenge]
             assert 0.2 <= elapsed < 4
             assert coord.server.conns == {}
 
@@ -517,7 +554,7 @@ def test_a_result_for_a_tile_not_assigned_to_the_sender_is_refused(tmp_path: Pat
                     result, tensors = answer(received, coord)
                     await raw.send(result, tensors)
                 await gemm.check()
-                assert coord.ledger.get("eager").tiles == len(gemm.jobs)
+                assert ledger_row(coord, "eager").tiles == len(gemm.jobs)
                 assert coord.server.counters.rejected == 0
             finally:
                 await raw.close()
@@ -525,10 +562,14 @@ def test_a_result_for_a_tile_not_assigned_to_the_sender_is_refused(tmp_path: Pat
     asyncio.run(scenario())
 
 
-def test_wrong_results_are_rejected_and_the_tiles_reissued(tmp_path: Path) -> None:
+def test_wrong_results_are_rejected_reissued_and_the_cheat_is_banned_by_key(
+    tmp_path: Path,
+) -> None:
+    cheat_key = generate_private_key()
+
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "honest"):
-            raw = await Raw.join(coord, "cheat", window=2)
+            raw = await Raw.join(coord, "cheat", window=2, key=cheat_key)
             sent: list[str] = []
 
             async def cheat() -> None:
@@ -544,19 +585,36 @@ def test_wrong_results_are_rejected_and_the_tiles_reissued(tmp_path: Path) -> No
             try:
                 gemm = Gemm(coord.server, "g", (96, 64, 80), seed=4)
                 await gemm.check()
-                await until(lambda: coord.server.counters.rejected == len(sent), "verdicts")
+                close_code, _ = await raw.until_closed()
             finally:
                 cheating.cancel()
                 await asyncio.gather(cheating, return_exceptions=True)
                 await raw.close()
             server = coord.server
-            assert len(sent) >= 2 and len(set(sent)) == len(sent)  # never the same tile twice
-            assert server.counters.rejected == len(sent)
-            assert server.scheduler.stats.reissued >= len(sent)
+            # Three quick failures ban (ReputationPolicy); a result still on its way when
+            # the ban fell is never checked or credited.
+            assert close_code == 1008 and len(set(sent)) == len(sent) >= 3
+            assert server.counters.rejected == 3 and server.counters.banned == 1
+            assert server.scheduler.stats.reissued >= 3
             assert server.counters.tiles_verified == len(gemm.jobs)
-            cheat_row = coord.ledger.get("cheat")
-            assert (cheat_row.tiles, cheat_row.rejected) == (0, len(sent))
-            assert coord.ledger.get("honest").tiles == len(gemm.jobs)
+            cheat_row = ledger_row(coord, "cheat")
+            assert (cheat_row.tiles, cheat_row.rejected) == (0, 3)
+            assert cheat_row.reputation < 0.2 and "3 results failed" in cheat_row.banned_reason
+            assert ledger_row(coord, "honest").tiles == len(gemm.jobs)
+            assert ledger_row(coord, "honest").reputation == 1.0
+            doc = server.status()
+            assert doc["banned"] == [
+                {"key": fingerprint(cheat_key), "name": "cheat", "reason": cheat_row.banned_reason}
+            ]
+            # The ban follows the key: a new connection, under any name, is turned away.
+            again = await Raw.connect(coord.url)
+            try:
+                await again.hello("a-new-name", key=cheat_key)
+                code, messages = await again.until_closed()
+            finally:
+                await again.close()
+            assert code == 1008 and isinstance(messages[-1], Error)
+            assert messages[-1].code == "banned" and "a-new-name" not in coord.conn_ids()
 
     asyncio.run(scenario())
 
@@ -604,8 +662,8 @@ def test_tiles_of_a_worker_that_leaves_or_refuses_go_to_the_other_worker(
                 await raw.close()
             await gemm.check()
             assert coord.server.scheduler.stats.reissued >= 2
-            assert coord.ledger.get("leaves").tiles == 0
-            assert coord.ledger.get("stays").tiles == len(gemm.jobs)
+            assert ledger_row(coord, "leaves").tiles == 0
+            assert ledger_row(coord, "stays").tiles == len(gemm.jobs)
             await until(lambda: set(coord.conn_ids()) == {"stays"}, "leaves to be forgotten")
 
     asyncio.run(scenario())
@@ -631,7 +689,7 @@ def test_a_worker_that_stops_heartbeating_is_dropped_and_its_tiles_reissued(
             assert close_code == 4000
             await gemm.check()
             assert set(coord.conn_ids()) == {"alive"}
-            assert coord.ledger.get("alive").tiles == len(gemm.jobs)
+            assert ledger_row(coord, "alive").tiles == len(gemm.jobs)
 
     asyncio.run(scenario())
 
@@ -713,7 +771,7 @@ def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Pa
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"output {i}")
             assert server.counters.tiles_verified > stats.gemms_offloaded  # several per GEMM
-            assert {c.worker for c in coord.ledger.all()} == {"w1", "w2"}
+            assert {c.name for c in coord.ledger.all()} == {"w1", "w2"}
             assert len(submitted) == server.counters.tiles_verified
             assert all(t.startswith("s3:") for t in submitted)  # the step is in the tile ids
 
@@ -785,7 +843,7 @@ def test_a_straggler_past_its_deadline_is_cancelled_and_its_late_result_ignored(
             await raw.send(Heartbeat(seq=seq + 1, state="idle", in_flight=0))
             assert isinstance((await raw.expect(Ack)).message, Ack)  # and no Error first
             assert coord.server.counters.duplicates == duplicates + 1
-            assert coord.ledger.get("slow").tiles == 0
+            assert ledger_row(coord, "slow").tiles == 0
             assert coord.server.scheduler.stats.reissued >= 2
             await raw.close()
 
@@ -853,9 +911,7 @@ def test_tiles_over_the_only_workers_memory_cap_are_computed_at_the_coordinator(
 ) -> None:
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord:
-            raw = await Raw.join_with(
-                coord, Hello("tiny", replace(PROFILE, mem_cap_bytes=1), window=1)
-            )
+            raw = await Raw.join(coord, "tiny", profile=replace(PROFILE, mem_cap_bytes=1))
             try:
                 server = coord.server
                 offload = TileOffload(
@@ -915,7 +971,7 @@ def test_a_tile_the_only_worker_refuses_is_computed_at_the_coordinator(tmp_path:
                 answering.cancel()
                 await asyncio.gather(answering, return_exceptions=True)
             assert coord.server.counters.computed_here == 1
-            assert coord.ledger.get("picky").tiles == len(gemm.jobs) - 1
+            assert ledger_row(coord, "picky").tiles == len(gemm.jobs) - 1
             await raw.close()
 
     asyncio.run(scenario())
@@ -926,12 +982,155 @@ def test_a_client_that_leaves_during_the_handshake_leaves_no_ghost(tmp_path: Pat
         async with coordinator(tmp_path) as coord:
             for i in range(5):
                 raw = await Raw.connect(coord.url)
-                await raw.send(Hello(f"ghost-{i}", PROFILE, window=2))
+                await raw.hello(f"ghost-{i}", window=2)
                 await raw.close()
             honest = await Raw.join(coord, "real", window=1)
             await until(lambda: coord.server.pool.workers == 1, "only the real worker to remain")
             assert set(coord.conn_ids()) == {"real"}
             assert coord.server.scheduler.workers() == [coord.conn_ids()["real"]]
             await honest.close()
+
+    asyncio.run(scenario())
+
+
+# ---- identity, join tokens and hostile handshakes -------------------------------------------
+
+
+def test_private_pool_admits_only_workers_that_prove_the_token(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path, join_token="pool-secret") as coord:
+            for token in ("", "wrong-secret"):
+                raw = await Raw.connect(coord.url)
+                try:
+                    await raw.hello(f"outsider{token}", token=token)
+                    code, messages = await raw.until_closed()
+                finally:
+                    await raw.close()
+                assert code == 1008 and isinstance(messages[-1], Error)
+                assert messages[-1].code == "bad_token"
+            member = await Raw.join(coord, "member", token="pool-secret")
+            assert set(coord.conn_ids()) == {"member"}
+            assert coord.server.counters.refused_handshakes == 2
+            await member.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_honest_worker_core_joins_a_private_pool_with_its_token(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path, join_token="pool-secret") as coord:
+            settings = WorkerSettings(
+                coordinator_url=coord.url,
+                name="with-token",
+                threads=1,
+                use_gpu=False,
+                join_token="pool-secret",
+            )
+            pins = PinStore.in_dir(tmp_path / "pins")
+            core = WorkerCore(settings, pin_check=pins.check, profile=PROFILE)
+            task = asyncio.create_task(core.run())
+            await until(lambda: "with-token" in coord.conn_ids(), "the member to join")
+            gemm = Gemm(coord.server, "g", (64, 48, 40), seed=3)
+            await gemm.check()
+            # Credit follows the worker's key, which the ledger names it by.
+            row = coord.ledger.get(public_key_hex(core.identity))
+            assert row.name == "with-token" and row.tiles == len(gemm.jobs)
+            core.stop()
+            assert await within(task) is RunResult.STOPPED
+
+            # Without the token the same worker stops for good instead of retrying.
+            settings = replace(settings, name="no-token", join_token="")
+            outsider = WorkerCore(settings, pin_check=pins.check, profile=PROFILE)
+            assert await within(outsider.run()) is RunResult.REFUSED
+            assert "join token" in outsider.status.detail
+
+    asyncio.run(scenario())
+
+
+def test_forged_and_replayed_hellos_are_refused(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            victim = generate_private_key()
+            # 1. Claims the victim's key but signs with its own.
+            raw = await Raw.connect(coord.url)
+            challenge = (await raw.expect(Challenge)).message
+            assert isinstance(challenge, Challenge)
+            mine = answer_challenge(
+                challenge,
+                key=generate_private_key(),
+                nonce=new_nonce(),
+                name="impostor",
+                profile=PROFILE,
+                window=1,
+                client="x",
+            )
+            await raw.send(replace(mine, worker_key=public_key_hex(victim)))
+            code, messages = await raw.until_closed()
+            await raw.close()
+            assert code == 1008 and isinstance(messages[-1], Error)
+            assert messages[-1].code == "auth_failed"
+
+            # 2. Replays a hello the victim made for another connection's challenge.
+            first = await Raw.connect(coord.url)
+            challenge = (await first.expect(Challenge)).message
+            assert isinstance(challenge, Challenge)
+            recorded = answer_challenge(
+                challenge,
+                key=victim,
+                nonce=new_nonce(),
+                name="victim",
+                profile=PROFILE,
+                window=1,
+                client="x",
+            )
+            await first.close()
+            replay = await Raw.connect(coord.url)
+            await replay.expect(Challenge)  # a fresh nonce the recording cannot answer
+            await replay.send(recorded)
+            code, messages = await replay.until_closed()
+            await replay.close()
+            assert code == 1008 and isinstance(messages[-1], Error)
+            assert messages[-1].code == "auth_failed"
+            assert coord.server.conns == {} and coord.server.counters.refused_handshakes == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_message_flood_closes_only_that_connection(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        limits = dict(max_messages_per_s=50.0, message_burst=20)
+        async with coordinator(tmp_path, **limits) as coord:
+            calm = await Raw.join(coord, "calm")
+            noisy = await Raw.join(coord, "noisy")
+            with contextlib.suppress(ConnectionClosed):
+                for seq in range(200):
+                    await noisy.send(Heartbeat(seq=seq, state="idle", in_flight=0))
+            code, messages = await noisy.until_closed()
+            await noisy.close()
+            assert code == 1008
+            assert any(isinstance(m, Error) and m.code == "rate_limited" for m in messages)
+            await until(lambda: set(coord.conn_ids()) == {"calm"}, "the flooder to be dropped")
+            await calm.send(Heartbeat(seq=1, state="idle", in_flight=0))
+            assert isinstance((await calm.expect(Ack)).message, Ack)
+            await calm.close()
+
+    asyncio.run(scenario())
+
+
+def test_too_many_simultaneous_handshakes_are_told_to_come_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path, max_handshakes=3) as coord:
+            silent = [await Raw.connect(coord.url) for _ in range(3)]
+            for raw in silent:
+                await raw.expect(Challenge)  # each holds a handshake slot, saying nothing
+            extra = await Raw.connect(coord.url)
+            code, _ = await extra.until_closed()
+            await extra.close()
+            assert code == 1013
+            for raw in silent:
+                await raw.close()
+            await until(lambda: coord.server._handshaking == 0, "the slots to free up")
+            late = await Raw.join(coord, "late")
+            await late.close()
 
     asyncio.run(scenario())

@@ -250,3 +250,21 @@ def test_check_leaves_the_global_rng_alone() -> None:
     state = torch.random.get_rng_state()
     assert freivalds_ok(a, b, c, new_generator())
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_single_wrong_entry_is_caught_on_every_check() -> None:
+    """The check vector has no near-zero weights, so one entry off by a few percent of the
+    tile's scale is caught every time, not just usually (what a subtle cheat would try)."""
+    g = torch.Generator().manual_seed(7)
+    checks = new_generator()
+    missed = 0
+    for trial in range(200):
+        m, k, n = (int(x) for x in torch.randint(8, 257, (3,), generator=g))
+        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        c = a @ b
+        assert freivalds_ok(a, b, c, checks)
+        i, j = trial % m, (7 * trial) % n
+        wrong = c.clone()
+        wrong[i, j] += 0.05 * float(c.abs().max()) * (1 if trial % 2 else -1)
+        missed += freivalds_ok(a, b, wrong, checks)
+    assert missed == 0

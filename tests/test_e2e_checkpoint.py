@@ -134,6 +134,6 @@ def test_a_killed_coordinator_resumes_from_its_checkpoint(tmp_path: Path) -> Non
     assert_losses_match(got, train_locally(make_job(), 8))
     with sqlite3.connect(state / "ledger.sqlite") as db:
         (credited,) = db.execute(
-            "SELECT tiles FROM contributions WHERE worker = 'steadfast'"
+            "SELECT tiles FROM contributions WHERE name = 'steadfast'"
         ).fetchone()
     assert credited >= sum(r["tiles"] for r in kept.values()) > 0

@@ -43,7 +43,7 @@ def test_worker_reconnects_to_a_restarted_coordinator(tmp_path: Path) -> None:
     tiles = sum(r["tiles"] for r in first.steps()) + sum(r["tiles"] for r in second.steps())
     with sqlite3.connect(state / "ledger.sqlite") as db:
         (credited,) = db.execute(
-            "SELECT tiles FROM contributions WHERE worker = 'steadfast'"
+            "SELECT tiles FROM contributions WHERE name = 'steadfast'"
         ).fetchone()
     assert credited == tiles > 0
     assert "changed" not in worker.output()  # same key both times: the pin held

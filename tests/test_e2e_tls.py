@@ -60,7 +60,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
 
 def _ledger(state: Path) -> dict[str, int]:
     with sqlite3.connect(state / "ledger.sqlite") as db:
-        return dict(db.execute("SELECT worker, tiles FROM contributions").fetchall())
+        return dict(db.execute("SELECT name, tiles FROM contributions").fetchall())
 
 
 def test_local_worker_over_wss_matches_local_torch(tmp_path: Path) -> None:

@@ -77,7 +77,7 @@ def make_shared_attention_job() -> Job:
 
 def _ledger(state: Path) -> dict[str, int]:
     with sqlite3.connect(state / "ledger.sqlite") as db:
-        return dict(db.execute("SELECT worker, tiles FROM contributions").fetchall())
+        return dict(db.execute("SELECT name, tiles FROM contributions").fetchall())
 
 
 def test_builtin_job_two_local_workers_matches_local_torch(tmp_path: Path) -> None:

@@ -29,10 +29,12 @@ from websockets.exceptions import ConnectionClosed
 from client_app.config import PinStore, WorkerSettings
 from client_app.status import WorkerStatus
 from client_app.worker import RunResult, WorkerCore
+from common.auth import check_hello, make_welcome, new_nonce
 from common.messages import (
     Ack,
     Bye,
     Cancel,
+    Challenge,
     DeviceProfile,
     Error,
     Heartbeat,
@@ -41,7 +43,6 @@ from common.messages import (
     Received,
     Result,
     Resume,
-    Welcome,
     encode_message,
     encode_task,
     parse_message,
@@ -127,19 +128,21 @@ class FakeCoordinator:
         if self.connections <= self.reject_first:
             await ws.close()
             return
-        hello = parse_message(await within(ws.recv())).message
+        challenge = Challenge(new_nonce(), public_key_hex(self.key))
+        await ws.send(encode_message(challenge))
+        received = parse_message(await within(ws.recv()))
+        hello = received.message
         assert isinstance(hello, Hello), hello
-        await ws.send(
-            encode_message(
-                Welcome(
-                    worker_id=f"w{self.connections}",
-                    coordinator_key=public_key_hex(self.key),
-                    heartbeat_interval_s=self.heartbeat_interval_s,
-                    max_frame_bytes=self.announced_max_frame_bytes,
-                    job="loopback",
-                )
-            )
+        check_hello(hello, received.frame.header, challenge)  # a worker proves its key
+        welcome = make_welcome(
+            self.key,
+            hello,
+            worker_id=f"w{self.connections}",
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            max_frame_bytes=self.announced_max_frame_bytes,
+            job="loopback",
         )
+        await ws.send(encode_message(welcome))
         link = Link(ws, hello)
         self.links.put_nowait(link)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,20 +13,23 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from client_app.config import PinStore
 from client_app.session import Actions, Phase, WorkerSession
 from common import PROTOCOL_VERSION
+from common.auth import check_hello, make_welcome
+from common.errors import ProtocolError
 from common.frames import decode_frame, encode_frame
 from common.messages import (
     Ack,
     Bye,
     Cancel,
+    Challenge,
     DeviceProfile,
     Error,
     Heartbeat,
     Hello,
     Message,
     Pause,
+    Received,
     Result,
     Resume,
-    Welcome,
     encode_message,
     encode_task,
     parse_message,
@@ -54,20 +58,60 @@ def pins(tmp_path: Path) -> PinStore:
     return PinStore.in_dir(tmp_path)
 
 
+WORKER_KEY = generate_private_key()
+NONCES = iter(f"{i:064x}" for i in range(1 << 30))
+
+
 def new_session(pins: PinStore, **kwargs: object) -> WorkerSession:
-    return WorkerSession(URL, name="w", profile=PROFILE, pin_check=pins.check, **kwargs)  # type: ignore[arg-type]
+    options: dict[str, object] = dict(
+        name="w", identity=WORKER_KEY, profile=PROFILE, pin_check=pins.check
+    )
+    options.update(kwargs)
+    return WorkerSession(URL, nonce_source=lambda: next(NONCES), **options)  # type: ignore[arg-type]
 
 
-def welcome_frame(key: Ed25519PrivateKey, max_frame_bytes: int = 1 << 26) -> bytes:
+def challenge_frame(key: Ed25519PrivateKey, token_required: bool = False) -> bytes:
+    return encode_message(Challenge(next(NONCES), public_key_hex(key), token_required))
+
+
+def say_hello(session: WorkerSession, key: Ed25519PrivateKey, now: float) -> Received:
+    """Connect and answer the coordinator's challenge: the hello as the coordinator reads it."""
+    session.connect(now)
+    challenge = challenge_frame(key)
+    actions = session.receive(challenge, now)
+    assert session.phase is Phase.HELLO_SENT and len(actions.send) == 1
+    received = parse_message(actions.send[0])
+    hello = received.message
+    assert isinstance(hello, Hello)
+    check = parse_message(challenge).message
+    assert isinstance(check, Challenge)
+    check_hello(hello, received.frame.header, check)  # the proof verifies
+    return received
+
+
+def welcome_frame(key: Ed25519PrivateKey, hello: Received, max_frame_bytes: int = 1 << 26) -> bytes:
+    assert isinstance(hello.message, Hello)
     return encode_message(
-        Welcome(
+        make_welcome(
+            key,
+            hello.message,
             worker_id="w-7",
-            coordinator_key=public_key_hex(key),
             heartbeat_interval_s=HEARTBEAT_S,
             max_frame_bytes=max_frame_bytes,
             job="test",
         )
     )
+
+
+def join(
+    session: WorkerSession,
+    key: Ed25519PrivateKey,
+    now: float = 0.0,
+    max_frame_bytes: int = 1 << 26,
+) -> Actions:
+    """Connect, answer the challenge and take the welcome; the welcome's actions."""
+    hello = say_hello(session, key, now)
+    return session.receive(welcome_frame(key, hello, max_frame_bytes), now)
 
 
 def decode(frame: bytes) -> Message:
@@ -76,8 +120,7 @@ def decode(frame: bytes) -> Message:
 
 def welcomed(pins: PinStore, key: Ed25519PrivateKey, now: float = 0.0) -> WorkerSession:
     session = new_session(pins)
-    session.connect(now)
-    actions = session.receive(welcome_frame(key), now)
+    actions = join(session, key, now)
     assert actions.welcome is not None and not actions.refusal
     return session
 
@@ -105,26 +148,94 @@ def only_error(frames: tuple[bytes, ...]) -> Error:
 # ---- joining --------------------------------------------------------------------------
 
 
-def test_connect_sends_hello_with_profile_and_window(pins: PinStore) -> None:
+def test_challenge_is_answered_with_a_signed_hello(pins: PinStore, key: Ed25519PrivateKey) -> None:
     session = new_session(pins, window=3)
-    hello = decode(session.connect(0.0))
-    assert hello == Hello(name="w", profile=PROFILE, window=3)
-    assert session.phase is Phase.HELLO_SENT
+    assert session.connect(0.0) is None  # the coordinator speaks first
+    assert session.phase is Phase.CONNECTED
+    hello = say_hello(new_session(pins, window=3), key, 0.0).message
+    assert isinstance(hello, Hello)
+    assert (hello.name, hello.profile, hello.window) == ("w", PROFILE, 3)
+    assert hello.worker_key == public_key_hex(WORKER_KEY) and hello.token_proof == ""
+
+
+def test_private_pool_without_a_token_is_refused_for_good(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = new_session(pins)
+    session.connect(0.0)
+    actions = session.receive(challenge_frame(key, token_required=True), 0.0)
+    assert "join token" in actions.refusal and actions.send == ()
+    assert session.phase is Phase.REFUSED
+
+
+def test_token_is_proven_not_sent(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = new_session(pins, token="s3cret-pool")
+    session.connect(0.0)
+    challenge = challenge_frame(key, token_required=True)
+    frame = session.receive(challenge, 0.0).send[0]
+    assert b"s3cret-pool" not in frame
+    received = parse_message(frame)
+    hello, asked = received.message, parse_message(challenge).message
+    assert isinstance(hello, Hello) and isinstance(asked, Challenge)
+    check_hello(hello, received.frame.header, asked, join_token="s3cret-pool")
+    with pytest.raises(ProtocolError) as wrong:
+        check_hello(hello, received.frame.header, asked, join_token="another-token")
+    assert wrong.value.code == "bad_token"
+
+
+@pytest.mark.parametrize("code", ["banned", "bad_token"])
+def test_ban_or_bad_token_stops_the_worker(
+    pins: PinStore, key: Ed25519PrivateKey, code: str
+) -> None:
+    session = new_session(pins)
+    say_hello(session, key, 0.0)
+    actions = session.receive(encode_message(Error(code, "you are out")), 0.0)
+    assert "you are out" in actions.refusal and session.phase is Phase.REFUSED
+
+
+def test_welcome_signed_by_another_key_closes_the_connection(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = new_session(pins)
+    hello = say_hello(session, key, 0.0)
+    impostor = generate_private_key()
+    assert isinstance(hello.message, Hello)
+    forged = make_welcome(
+        impostor,
+        hello.message,
+        worker_id="w",
+        heartbeat_interval_s=1.0,
+        max_frame_bytes=1 << 20,
+        job="j",
+    )
+    # It claims the challenger's key but can only sign with its own.
+    forged = replace(forged, coordinator_key=public_key_hex(key))
+    actions = session.receive(encode_message(forged), 0.0)
+    assert actions.close and not actions.refusal and actions.welcome is None
+    assert only_error(actions.send).code == "auth_failed"
+    assert pins.get(URL) is None and session.phase is Phase.HELLO_SENT
+
+
+def test_welcome_for_another_hello_is_refused(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = new_session(pins)
+    old_hello = say_hello(session, key, 0.0)
+    session.connection_lost()
+    say_hello(session, key, 1.0)  # a new connection: a new nonce
+    replayed = session.receive(welcome_frame(key, old_hello), 1.0)
+    assert replayed.close and replayed.welcome is None
 
 
 def test_first_welcome_pins_the_key_and_the_next_one_matches(
     pins: PinStore, key: Ed25519PrivateKey
 ) -> None:
     session = new_session(pins)
-    session.connect(0.0)
-    first = session.receive(welcome_frame(key), 0.0)
+    first = join(session, key, 0.0)
     assert first.welcome is not None and first.first_pin and first.send == ()
     assert pins.get(URL) == public_key_hex(key)
     assert session.phase is Phase.READY and session.worker_id == "w-7"
     assert session.fingerprint == fingerprint(key)
     session.connection_lost()
-    session.connect(1.0)
-    again = session.receive(welcome_frame(key), 1.0)
+    again = join(session, key, 1.0)
     assert again.welcome is not None and not again.first_pin and not again.refusal
 
 
@@ -133,8 +244,7 @@ def test_changed_key_is_refused_for_good(
 ) -> None:
     pins.check(URL, public_key_hex(generate_private_key()))  # pinned at an earlier join
     session = new_session(pins)
-    session.connect(0.0)
-    actions = session.receive(welcome_frame(key), 0.0)
+    actions = join(session, key, 0.0)
     assert "coordinator key changed" in actions.refusal
     assert f"cleave-worker --forget {URL}" in actions.refusal
     assert actions.welcome is None
@@ -153,7 +263,7 @@ def test_changed_key_is_refused_for_good(
 def test_unusable_key_closes_the_connection(pins: PinStore) -> None:
     session = new_session(pins)
     session.connect(0.0)
-    bad = encode_message(Welcome("w", "zz" * 32, HEARTBEAT_S, 1 << 20, "j"))
+    bad = encode_message(Challenge(next(NONCES), "zz" * 32))
     actions = session.receive(bad, 0.0)
     assert actions.close and not actions.refusal
     assert only_error(actions.send).code == "bad_signature"
@@ -263,7 +373,7 @@ def test_task_with_an_op_off_the_whitelist_is_refused(
 
 def test_task_before_welcome_is_refused(pins: PinStore, key: Ed25519PrivateKey) -> None:
     session = new_session(pins)
-    session.connect(0.0)
+    say_hello(session, key, 0.0)
     actions = session.receive(task(key, "t-0")[0], 0.0)
     error = only_error(actions.send)
     assert (error.code, error.tile_id) == ("unexpected_message", "t-0")
@@ -282,16 +392,14 @@ def test_result_that_would_not_fit_the_coordinators_frames_is_refused(
     pins: PinStore, key: Ed25519PrivateKey
 ) -> None:
     session = new_session(pins)
-    session.connect(0.0)
-    session.receive(welcome_frame(key, max_frame_bytes=8192), 0.0)
+    join(session, key, 0.0, max_frame_bytes=8192)
     error = only_error(session.receive(task(key, "t-9", shape=(64, 8, 64))[0], 1.0).send)
     assert error.code == "limit_exceeded" and "max_frame_bytes=8192" in error.message
 
 
 def test_duplicate_and_excess_tiles_are_refused(pins: PinStore, key: Ed25519PrivateKey) -> None:
     session = new_session(pins, max_held_tiles=2)
-    session.connect(0.0)
-    session.receive(welcome_frame(key), 0.0)
+    join(session, key, 0.0)
     assert session.receive(task(key, "t-1")[0], 1.0).compute == ("t-1",)
     assert only_error(session.receive(task(key, "t-1")[0], 1.0).send).code == "duplicate_tile"
     assert session.receive(task(key, "t-2")[0], 1.0).compute == ("t-2",)
@@ -339,8 +447,7 @@ def test_lost_connection_forgets_its_tiles(pins: PinStore, key: Ed25519PrivateKe
     assert computing is not None
     session.connection_lost()
     assert session.in_flight == 0 and session.phase is Phase.DISCONNECTED
-    session.connect(2.0)
-    session.receive(welcome_frame(key), 2.0)
+    join(session, key, 2.0)
     # The old connection's result has nowhere to go: the coordinator re-issues the tile.
     assert session.tile_finished(computing, computing.a @ computing.b, 0.1) is None
     assert session.next_tile() is None
@@ -430,9 +537,9 @@ def test_heartbeats_are_due_every_interval_and_carry_state(
     pins: PinStore, key: Ed25519PrivateKey
 ) -> None:
     session = new_session(pins)
-    session.connect(0.0)
+    hello = say_hello(session, key, 0.0)
     assert session.heartbeat(100.0) is None  # not welcomed yet
-    session.receive(welcome_frame(key), 10.0)
+    session.receive(welcome_frame(key, hello), 10.0)
     assert session.next_heartbeat_at == 10.0 + HEARTBEAT_S
     assert session.heartbeat(14.9) is None
     first = session.heartbeat(15.0)
@@ -481,8 +588,10 @@ def test_bye_leaves_for_good(pins: PinStore, key: Ed25519PrivateKey) -> None:
 
 def test_bytes_in_and_out_are_counted(pins: PinStore, key: Ed25519PrivateKey) -> None:
     session = new_session(pins)
-    hello = session.connect(0.0)
-    welcome = welcome_frame(key)
+    session.connect(0.0)
+    challenge = challenge_frame(key)
+    hello = session.receive(challenge, 0.0).send[0]
+    welcome = welcome_frame(key, parse_message(hello))
     session.receive(welcome, 0.0)
     frame, _, _ = task(key)
     session.receive(frame, 1.0)
@@ -490,7 +599,7 @@ def test_bytes_in_and_out_are_counted(pins: PinStore, key: Ed25519PrivateKey) ->
     assert job is not None
     result = session.tile_finished(job, job.a @ job.b, 0.1)
     assert result is not None
-    assert session.stats.bytes_in == len(welcome) + len(frame)
+    assert session.stats.bytes_in == len(challenge) + len(welcome) + len(frame)
     assert session.stats.bytes_out == len(hello) + len(result)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import shiboken6
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from client_app.config import PinStore, WorkerSettings
+from client_app.config import ConfigError, PinStore, WorkerSettings, load_identity
 from client_app.gui.status_text import MANUAL_PAUSE_REASON, NOT_JOINED
 from client_app.policy import Readings
 from client_app.policy_runner import DEFAULT_INTERVAL_S, PolicyRunner
@@ -130,12 +130,19 @@ class WorkerBridge(QObject):
     # ---- controls (GUI thread) ----------------------------------------------------------
 
     def join(self, settings: WorkerSettings) -> None:
-        """Start computing for ``settings.coordinator_url``. ValueError for a bad URL."""
+        """Start computing for ``settings.coordinator_url``. ValueError for a bad URL or an
+        unusable worker key."""
         if self._thread is not None:
             raise RuntimeError("already joined; leave first")
+        try:
+            identity = load_identity(self._directory)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         core = WorkerCore(
             settings,
             pin_check=PinStore.in_dir(self._directory).check,
+            identity=identity,
+            client_name="cleave-app",
             **self._core_options,
         )
         gate = PauseGate(core)
