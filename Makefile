@@ -31,6 +31,7 @@ test-fast: setup
 bench: setup
 	$(BIN)/python bench/bench_tile.py
 	$(BIN)/python bench/bench_wire.py
+	$(BIN)/python bench/bench_verify.py
 	$(BIN)/python bench/bench_step.py
 
 lint: setup

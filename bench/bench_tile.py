@@ -24,10 +24,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
 from client_app.compute import TileComputer  # noqa: E402
 from client_app.session import WorkerSession  # noqa: E402
-from common.messages import DeviceProfile, Welcome, encode_message, encode_task  # noqa: E402
+from common.auth import make_welcome, new_nonce  # noqa: E402
+from common.messages import (  # noqa: E402
+    Challenge,
+    DeviceProfile,
+    Hello,
+    encode_message,
+    encode_task,
+    parse_message,
+)
 from common.signing import generate_private_key, public_key_hex  # noqa: E402
 
 SHAPES = [  # (m, k, n, dtype)
@@ -40,16 +49,23 @@ SHAPES = [  # (m, k, n, dtype)
 ]
 
 
-def _session(key_hex: str) -> WorkerSession:
+def _session(key: Ed25519PrivateKey) -> WorkerSession:
+    """A session past its handshake with ``key``'s coordinator, as a joined worker's is."""
     session = WorkerSession(
         "ws://bench/ws",
         name="bench",
+        identity=generate_private_key(),
         profile=DeviceProfile(),
         pin_check=lambda url, key: False,
         window=64,
     )
     session.connect(0.0)
-    welcome = Welcome("w1", key_hex, 3600.0, 1 << 30, "bench")
+    challenge = encode_message(Challenge(new_nonce(), public_key_hex(key)))
+    hello = parse_message(session.receive(challenge, 0.0).send[0]).message
+    assert isinstance(hello, Hello)
+    welcome = make_welcome(
+        key, hello, worker_id="w1", heartbeat_interval_s=3600.0, max_frame_bytes=1 << 30, job="b"
+    )
     session.receive(encode_message(welcome), 0.0)
     return session
 
@@ -79,7 +95,7 @@ def bench_shape(
             torch.matmul(a, b)
 
     def sequential(c: int) -> None:
-        session = _session(public_key_hex(key))
+        session = _session(key)
         for i in range(c):
             session.receive(frames[i % len(frames)], 0.0)
             job = session.next_tile()
@@ -88,7 +104,7 @@ def bench_shape(
             session.tile_finished(job, out, 0.0)
 
     def pipelined(c: int) -> None:
-        session = _session(public_key_hex(key))
+        session = _session(key)
         # The real worker touches its session only on the event loop thread; this lock
         # stands in for that, and the GEMM itself runs outside it, as in the worker.
         session_lock = threading.Lock()

@@ -72,8 +72,12 @@ class WinregRunKey:
             pass  # already gone: disabling is idempotent
 
 
-def app_command() -> list[str]:
-    """How to start the desktop app: the installed launcher if any, else this Python."""
+def app_command(frozen: bool | None = None) -> list[str]:
+    """How to start the desktop app: the bundle's own executable (PyInstaller sets
+    ``sys.frozen``; its ``sys.executable`` is the app, which knows no ``-m``), else the
+    installed launcher, else this Python."""
+    if getattr(sys, "frozen", False) if frozen is None else frozen:
+        return [sys.executable]
     launcher = shutil.which("cleave-app")
     if launcher:
         return [launcher]

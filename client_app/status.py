@@ -8,6 +8,15 @@ from dataclasses import dataclass
 STATES = ("connecting", "waiting", "computing", "paused", "reconnecting", "refused", "stopped")
 
 
+def refusal_line(detail: str) -> str:
+    """Why the worker stopped for good, in a few words (``detail`` has the whole story)."""
+    if "banned" in detail:
+        return "Refused: this computer is banned by the coordinator"
+    if "join token" in detail:
+        return "Refused: the coordinator needs the right join token"
+    return "Refused: coordinator key changed"
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
     """One snapshot; observers get a new one whenever anything in it changes."""

@@ -44,7 +44,7 @@ from client_app.config import WorkerSettings
 from client_app.duty import DutyCycle, fraction_from_percent
 from client_app.profile import build_profile
 from client_app.session import Actions, Phase, PinCheck, TileJob, WorkerSession
-from client_app.status import StatusObserver, WorkerStatus
+from client_app.status import StatusObserver, WorkerStatus, refusal_line
 from common.limits import DEFAULT_LIMITS
 from common.messages import DeviceProfile
 from common.signing import generate_private_key
@@ -667,7 +667,7 @@ class WorkerCore:
     def _state_and_line(self) -> tuple[str, str]:
         session = self.session
         if self._link == "refused":
-            return "refused", "Refused: coordinator key changed"
+            return "refused", refusal_line(self._detail)
         if self._link == "stopped":
             return "stopped", "Stopped"
         if session is not None and session.phase is Phase.READY:

@@ -248,13 +248,7 @@ async def serve(args: argparse.Namespace) -> int:
             join_token=args.join_token,
             scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout),
         ),
-        status_extra=lambda: {
-            **progress.status(),
-            "traffic": {
-                "bytes_down": server.counters.bytes_down,
-                "bytes_up": server.counters.bytes_up,
-            },
-        },
+        status_extra=progress.status,
     )
     port = await server.start(args.host, args.port, ssl_context=ssl_context)
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host

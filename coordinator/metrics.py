@@ -24,6 +24,11 @@ TILE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("refused", "cleave_tiles_refused_total", "Tiles a worker refused (e.g. bad signature)."),
     ("duplicates", "cleave_tiles_duplicate_total", "Results for tiles already done."),
     (
+        "not_assigned",
+        "cleave_tiles_not_assigned_total",
+        "Results for tiles the sender did not hold (replays, forgeries).",
+    ),
+    (
         "computed_here",
         "cleave_tiles_computed_here_total",
         "Tiles no connected worker could take, computed at the coordinator.",
@@ -105,6 +110,19 @@ def render_metrics(status: Mapping[str, Any]) -> str:
         "counter",
         "Verified result bytes received from workers.",
         traffic.get("bytes_up"),
+    )
+    connections = status.get("connections") or {}
+    out.add(
+        "cleave_handshakes_refused_total",
+        "counter",
+        "Connections closed before they authenticated (bad hello, token, ban, timeout).",
+        connections.get("refused_handshakes"),
+    )
+    out.add(
+        "cleave_workers_banned_run_total",
+        "counter",
+        "Worker keys banned by this coordinator process.",
+        connections.get("banned_this_run"),
     )
     _training(out, status)
     _workers(out, status.get("workers") or [])

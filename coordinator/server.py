@@ -557,6 +557,11 @@ class CoordinatorServer:
             self._verify_pool, freivalds_ok, job.a, job.b, c, self._check_vectors
         )
         now = self.clock()
+        if conn.worker_id not in self.conns:
+            # It left (or was banned) while the check ran: its tiles are already
+            # re-issued, and a verdict on it would count twice.
+            self.counters.duplicates += 1
+            return
         if not ok:
             self._failed_check(conn, msg.tile_id, now)
             return
@@ -728,7 +733,10 @@ class CoordinatorServer:
                 "queued": self.scheduler.queued_count(),
                 "pending": self.scheduler.pending(),
             },
-            "bytes": {"down": self.counters.bytes_down, "up": self.counters.bytes_up},
+            "traffic": {
+                "bytes_down": self.counters.bytes_down,
+                "bytes_up": self.counters.bytes_up,
+            },
             "connections": {
                 "banned_this_run": self.counters.banned,
                 "refused_handshakes": self.counters.refused_handshakes,

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from procs import reap_all
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -15,3 +16,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 def _isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("CLEAVE_CONFIG_DIR", str(tmp_path / "cleave-config"))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test() -> Iterator[None]:
+    yield
+    reap_all()

@@ -17,6 +17,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
+# Every process a test starts, so that one failing half-way never leaves a coordinator
+# or worker running into the next test (conftest reaps them after each test).
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def reap_all() -> None:
+    """Kill whatever a test started and left running."""
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def env_for(config_dir: Path | None = None) -> dict[str, str]:
@@ -58,6 +70,7 @@ class Coordinator:
             stdout=self._logfh,
             stderr=subprocess.STDOUT,
         )
+        _STARTED.append(self.proc)
         self.url = self._wait_for(r"on (wss?://127\.0\.0\.1:\d+/ws)", 60)
         self.http = re.sub(r"^ws", "http", self.url).removesuffix("/ws")
 
@@ -134,6 +147,7 @@ class Worker:
             stdout=self._logfh,
             stderr=subprocess.STDOUT,
         )
+        _STARTED.append(self.proc)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

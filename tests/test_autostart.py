@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import plistlib
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,8 @@ def test_empty_command_is_refused(tmp_path: Path) -> None:
 def test_app_command_is_a_runnable_command() -> None:
     command = autostart.app_command()
     assert command and all(isinstance(part, str) and part for part in command)
+
+
+def test_a_bundled_app_starts_itself_at_login() -> None:
+    # In a PyInstaller bundle sys.executable is the app: "-m client_app.gui" would break.
+    assert autostart.app_command(frozen=True) == [sys.executable]

@@ -1043,6 +1043,7 @@ def test_an_honest_worker_core_joins_a_private_pool_with_its_token(tmp_path: Pat
             outsider = WorkerCore(settings, pin_check=pins.check, profile=PROFILE)
             assert await within(outsider.run()) is RunResult.REFUSED
             assert "join token" in outsider.status.detail
+            assert outsider.status.line == "Refused: the coordinator needs the right join token"
 
     asyncio.run(scenario())
 

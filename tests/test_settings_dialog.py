@@ -59,6 +59,7 @@ def test_every_control_changes_the_emitted_settings(qtbot: QtBot) -> None:
     new = emitted(qtbot, d, lambda: d.schedule.setText("22:00-07:00"))
     assert new.schedule == "22:00-07:00"
     assert emitted(qtbot, d, lambda: d.start_minimized.setChecked(True)).start_minimized is True
+    assert emitted(qtbot, d, lambda: d.join_token.setText(" pool-7 ")).join_token == "pool-7"
 
     # Snooze: 1 hour, until tomorrow (midnight), cancel.
     assert emitted(qtbot, d, d.snooze_hour.click).snooze_until == "2024-05-03T15:30:00"

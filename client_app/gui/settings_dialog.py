@@ -68,6 +68,7 @@ class SettingsDialog(QDialog):
         layout.addWidget(self._build_gpu_box(device_name))
         layout.addWidget(self._build_when_box())
         layout.addWidget(self._build_limits_box())
+        layout.addWidget(self._build_pool_box())
         layout.addWidget(self._build_startup_box())
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.reject)
@@ -255,6 +256,20 @@ class SettingsDialog(QDialog):
         )
         self.bandwidth_kbps.valueChanged.connect(lambda v: self._change(bandwidth_kbps=v))
         form.addRow("Bandwidth limit:", self.bandwidth_kbps)
+        return box
+
+    def _build_pool_box(self) -> QGroupBox:
+        box = QGroupBox("Private pool")
+        form = QFormLayout(box)
+        self.join_token = QLineEdit(self._settings.join_token)
+        self.join_token.setEchoMode(QLineEdit.EchoMode.Password)
+        self.join_token.setPlaceholderText("Only if the coordinator's operator gave you one")
+        self.join_token.setToolTip(
+            "The join token of a private pool. It never leaves this computer: the app "
+            "only proves that it knows it. Applies from the next join."
+        )
+        self.join_token.textChanged.connect(lambda t: self._change(join_token=t.strip()))
+        form.addRow("Join token:", self.join_token)
         return box
 
     def _build_startup_box(self) -> QGroupBox:

@@ -38,7 +38,7 @@ def status_line(status: WorkerStatus) -> str:
             return "Snoozed until " + reason.removeprefix("snoozed until ")
         return f"Paused: {reason}"
     if state == "refused":
-        return "Refused: coordinator key changed"
+        return status.line  # the core says why, in a few words
     if state == "stopped":
         return "Not joined" if status.line in ("Not joined", "Not started") else "Left"
     return status.line  # connecting / reconnecting: the core's line says it all
