@@ -15,6 +15,12 @@ other holders get a cancel. Lost tiles go back to the *front* of the queue: the 
 waits on them is already late.
 
 Call `expire(now)` before `assign(now)` so that dead workers are not handed tiles.
+
+Speculative copies (opt-in, `SchedulerConfig.speculate_after`): `speculate(now, ...)`
+hands a copy of a tile whose holder is predicted to be late to an idle worker that would
+finish it much sooner. The caller's cost model supplies the predictions; the scheduler
+only decides which tile goes where, and the usual first-result-wins rule cancels the
+loser.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -81,16 +87,26 @@ class SchedulerStats:
     reissued: int = 0
     rejected: int = 0
     duplicates: int = 0
+    speculated: int = 0  # copies handed out by speculate() (also counted in reissued)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     heartbeat_timeout_s: float = 10.0
     tile_timeout_s: float = 120.0  # then the tile is queued again; the holder may still win
+    # Speculative copies, off by default. A tile is late when its holders' predicted
+    # finish lies more than `speculate_after` times an idle worker's run time in the
+    # future: then a copy is worth its bytes. Ratios near 1 burn bandwidth on ties.
+    speculate_after: float | None = None
+    max_holders: int = 2  # a tile is never held by more workers than this at once
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 0 or self.tile_timeout_s <= 0:
             raise ValueError("SchedulerConfig timeouts must be > 0")
+        if self.speculate_after is not None and self.speculate_after < 1.0:
+            raise ValueError("SchedulerConfig.speculate_after must be >= 1 or None")
+        if self.max_holders < 1:
+            raise ValueError("SchedulerConfig.max_holders must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -289,6 +305,61 @@ class Scheduler:
             self._bump("duplicates")
             return Completion(Verdict.DUPLICATE)
         return Completion(Verdict.NOT_ASSIGNED)
+
+    def speculate(
+        self,
+        now: float,
+        finish_at: Callable[[str, str], float],
+        run_time: Callable[[str, TileTicket], float],
+    ) -> list[Assignment]:
+        """Copy late tiles to idle workers; returns the copies to send. Off (always [])
+        unless `SchedulerConfig.speculate_after` is set.
+
+        `finish_at(worker_id, tile_id)` predicts when a holder returns its tile (its queue
+        and measured speed included); `run_time(worker_id, ticket)` predicts how long an
+        idle worker needs from assignment to result. Both come from the caller's cost
+        model. Only workers holding nothing count as idle, so a copy never waits behind
+        other work. Latest tiles are rescued first, each by the idle worker that would
+        return it soonest; a tile gets a copy when every holder's predicted finish is more
+        than `speculate_after` times that worker's run time away. Queued tiles are left
+        to assign(), which serves them anyway.
+        """
+        ratio = self._config.speculate_after
+        if ratio is None:
+            return []
+        idle = [
+            self._workers[worker_id]
+            for worker_id in self._ready
+            if not self._workers[worker_id].in_flight
+        ]
+        if not idle:
+            return []
+        late: list[tuple[float, str]] = []
+        for tile_id, tile in self._tiles.items():
+            if tile.queue_token is None and 0 < len(tile.holders) < self._config.max_holders:
+                finish = min(finish_at(holder, tile_id) for holder in tile.holders)
+                late.append((finish, tile_id))
+        late.sort(key=lambda entry: (-entry[0], entry[1]))
+        copies: list[Assignment] = []
+        for finish, tile_id in late:
+            if not idle:
+                break
+            tile = self._tiles[tile_id]
+            takers = [
+                (run_time(w.worker_id, tile.ticket), i)
+                for i, w in enumerate(idle)
+                if w.worker_id not in tile.refused_by and w.can_hold(tile.ticket)
+            ]
+            if not takers:
+                continue
+            best_time, best = min(takers)
+            if finish - now <= ratio * best_time:
+                continue
+            worker = idle.pop(best)
+            copies.append(self._hand_out(tile, worker, now))
+            self._refresh_ready(worker)
+            self._bump("speculated")
+        return copies
 
     def stranded(self) -> list[str]:
         """Queued tiles that no connected, unpaused worker may ever take: every one of
@@ -579,7 +650,7 @@ class Scheduler:
             yield "window total is wrong"
 
 
-_STAT_NAMES = ("submitted", "completed", "reissued", "rejected", "duplicates")
+_STAT_NAMES = ("submitted", "completed", "reissued", "rejected", "duplicates", "speculated")
 
 
 def _largest_cap(workers: Iterable[_Worker]) -> int | None:
