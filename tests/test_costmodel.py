@@ -1,0 +1,163 @@
+"""Cost model: exact tables for tile times, online updates and list-scheduled plans.
+
+Sizes are tiny and speeds powers of two so every makespan below is exact in floats and
+was computed by hand (the walk-throughs are in the comments).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.messages import DeviceProfile
+from coordinator.costmodel import (
+    UNMEASURED_FLOPS_PER_S,
+    DeviceEstimate,
+    TileObservation,
+    candidate_plans,
+    from_profile,
+    lower_bound,
+    observe,
+    overdue_finish,
+    place_tiles,
+    plan_for_pool,
+)
+from coordinator.planner import GemmShape, PlanConfig, plan_gemm
+
+# C[4, 4] = A[4, 2] @ B[2, 4], one byte per element: 64 FLOPs.
+SHAPE = GemmShape("mm", 1, 4, 4, 2, 1)
+TINY = PlanConfig(min_offload_flops=1, min_tile_flops=1)
+# fast: compute 8 FLOP/s; slow 4. Both: downlink 8 B/s, uplink 4 B/s (2x asymmetry).
+FAST = DeviceEstimate("fast", 8.0, 8.0, 4.0)
+SLOW = DeviceEstimate("slow", 4.0, 8.0, 4.0)
+
+
+def four_tiles() -> list:  # type: ignore[type-arg]
+    plan = plan_gemm(SHAPE, PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4))
+    assert plan is not None and plan.grid == (1, 2, 2, 1)
+    return list(plan.tiles)  # each 2x2x2: 16 FLOPs, operands 4 + 4 bytes, result 4 bytes
+
+
+def test_tile_seconds_adds_the_three_phases() -> None:
+    # 1 MB down at 1 MB/s + 8 GFLOP at 4 GFLOP/s + 0.5 MB up at 1 MB/s
+    device = DeviceEstimate("d", 4e9, 1e6, 1e6)
+    assert device.tile_seconds(8_000_000_000, 1_000_000, 500_000) == 3.5
+
+
+def test_from_profile() -> None:
+    measured = DeviceProfile(gflops=100.0, mem_cap_bytes=1 << 20)
+    est = from_profile("w", measured, down_bps=1e7, up_bps=2e6, now=5.0)
+    assert est == DeviceEstimate("w", 1e11, 1e7, 2e6, 1 << 20, 5.0)
+    unmeasured = from_profile("u", DeviceProfile(), down_bps=1.0, up_bps=1.0, now=0.0)
+    assert (unmeasured.flops_per_s, unmeasured.mem_cap_bytes) == (UNMEASURED_FLOPS_PER_S, None)
+
+
+@pytest.mark.parametrize(
+    ("now", "expected_flops"),
+    [
+        (0.0, 150.0),  # back to back: weight alpha = 0.5
+        (60.0, 175.0),  # one half-life stale: weight 1 - 0.5 * 0.5 = 0.75
+    ],
+)
+def test_observe_ewma(now: float, expected_flops: float) -> None:
+    est = DeviceEstimate("d", 100.0, 10.0, 10.0)
+    # 200 FLOPs in 1 s; 40 bytes down in 2 s; upload not measured.
+    obs = TileObservation(200, 40, 8, down_s=2.0, compute_s=1.0, up_s=None)
+    new = observe(est, obs, now, alpha=0.5, half_life_s=60.0)
+    assert new.flops_per_s == expected_flops
+    assert new.down_bps == 10.0 + (20.0 - 10.0) * (expected_flops - 100.0) / 100.0
+    assert new.up_bps == 10.0  # no measurement, no change
+    assert new.updated_at == now
+
+
+def test_observe_learns_a_straggler() -> None:
+    est = DeviceEstimate("d", 1000.0, 1.0, 1.0)
+    obs = TileObservation(100, 0, 0, down_s=None, compute_s=1.0, up_s=None)  # 100 FLOP/s
+    for _ in range(10):
+        est = observe(est, obs, 0.0, alpha=0.5)
+    assert 100.0 < est.flops_per_s < 101.0  # 100 + 900 / 2**10
+
+
+@pytest.mark.parametrize(("now", "finish"), [(5.0, 14.0), (14.0, 14.0), (20.0, 30.0)])
+def test_overdue_finish(now: float, finish: float) -> None:
+    # Started at 10 and expected to take 4 s; at 20 it has run 10 s: assume 10 more.
+    assert overdue_finish(10.0, 4.0, now) == finish
+
+
+def test_lower_bound() -> None:
+    assert lower_bound(64, [FAST, SLOW]) == 64 / 12
+    with pytest.raises(ValueError):
+        lower_bound(64, [])
+
+
+def test_place_tiles_two_devices_reuse_operand_blocks() -> None:
+    # fast fresh tile: 8/8 + 16/8 + 4/4 = 4 s; with one operand held 3.5 s.
+    # slow fresh tile: 8/8 + 16/4 + 4/4 = 6 s; with one held 5.5 s.
+    # t00 -> fast [0, 4]; t01: fast (holds A0) 7.5 vs slow 6 -> slow [0, 6];
+    # t10: fast (holds B0) 7.5 vs slow 12 -> fast [4, 7.5];
+    # t11: fast (holds A1) 11 vs slow (holds B1) 11.5 -> fast [7.5, 11].
+    placed = place_tiles(SHAPE, four_tiles(), [FAST, SLOW])
+    assert placed is not None
+    table = [(p.tile.index[1:3], p.worker_id, p.start, p.finish, p.down_bytes) for p in placed]
+    assert table == [
+        ((0, 0), "fast", 0.0, 4.0, 8),
+        ((0, 1), "slow", 0.0, 6.0, 8),
+        ((1, 0), "fast", 4.0, 7.5, 4),
+        ((1, 1), "fast", 7.5, 11.0, 4),
+    ]
+
+
+def test_place_tiles_respects_memory_caps() -> None:
+    # Each tile needs 12 bytes: fast (cap 10) can take none, so slow takes all four:
+    # 6 + 5.5 (holds A0) + 5.5 (holds B0) + 5 (holds A1 and B1) = 22.
+    capped = DeviceEstimate("fast", 8.0, 8.0, 4.0, mem_cap_bytes=10)
+    placed = place_tiles(SHAPE, four_tiles(), [capped, SLOW])
+    assert placed is not None
+    assert [(p.worker_id, p.finish) for p in placed] == [
+        ("slow", 6.0),
+        ("slow", 11.5),
+        ("slow", 17.0),
+        ("slow", 22.0),
+    ]
+    assert place_tiles(SHAPE, four_tiles(), [capped]) is None
+
+
+def test_place_tiles_starts_from_ready_times() -> None:
+    placed = place_tiles(SHAPE, four_tiles()[:1], [FAST, SLOW], ready_at={"fast": 3.0})
+    assert placed is not None
+    assert [(p.worker_id, p.start, p.finish) for p in placed] == [("slow", 0.0, 6.0)]
+
+
+def test_candidate_grids() -> None:
+    grids = [plan.grid for plan in candidate_plans(SHAPE, [FAST, SLOW], TINY)]
+    assert grids == [(1, 1, 1, 1), (1, 2, 1, 1), (1, 2, 2, 1), (1, 4, 2, 1)]
+
+
+def test_plan_for_pool_one_device_tie_keeps_fewest_tiles() -> None:
+    # 1 tile: 16/8 + 64/8 + 16/4 = 14. 2 tiles: 7.5 + 6.5 (B held) = 14.
+    # 4 tiles: 4 + 3.5 + 3.5 + 3 = 14. All tie: the single tile moves the fewest bytes.
+    pool = plan_for_pool(SHAPE, [FAST], local_flops_per_s=1.0, base=TINY)
+    assert pool.plan is not None and pool.plan.grid == (1, 1, 1, 1)
+    assert (pool.makespan, pool.lower_bound, pool.local_seconds) == (14.0, 8.0, 64.0)
+
+
+def test_plan_for_pool_two_devices_picks_eight_tiles() -> None:
+    # Makespans by grid: 1 tile 14 (fast), 2 tiles 11.5, 4 tiles 11 (table above),
+    # 8 tiles (1x2x2 each: fast 2.25 fresh, slow 3.25 fresh) 9.5:
+    #   fast [0,2.25] t00, slow [0,3.25] t01, fast [2.25,4] t10, fast [4,6] t11 (tie
+    #   with slow at 6 goes to the first device), slow [3.25,6.5] t20, fast [6,7.75] t21,
+    #   slow [6.5,9.25] t30, fast [7.75,9.5] t31.
+    pool = plan_for_pool(SHAPE, [FAST, SLOW], local_flops_per_s=4.0, base=TINY)
+    assert pool.plan is not None and pool.plan.grid == (1, 4, 2, 1)
+    assert pool.makespan == 9.5
+    assert [p.finish for p in pool.placements] == [2.25, 3.25, 4.0, 6.0, 6.5, 7.75, 9.25, 9.5]
+    assert pool.down_bytes == 30
+    assert pool.makespan / pool.lower_bound == 9.5 / (64 / 12)
+
+
+def test_plan_for_pool_runs_locally_when_that_is_faster() -> None:
+    pool = plan_for_pool(SHAPE, [FAST, SLOW], local_flops_per_s=8.0, base=TINY)  # 8 s < 9.5
+    assert (pool.plan, pool.placements, pool.makespan) == (None, (), 8.0)
+    empty = plan_for_pool(SHAPE, [], local_flops_per_s=8.0, base=TINY)
+    assert empty.plan is None
+    small = plan_for_pool(SHAPE, [FAST], local_flops_per_s=1.0)  # below min_offload_flops
+    assert small.plan is None and small.makespan == 64.0
