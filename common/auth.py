@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.errors import AuthError
 from common.frames import canonical_json
@@ -54,100 +54,58 @@ def _nonce_bytes(nonce: str, whose: str) -> bytes:
         raise AuthError(f"{whose} nonce is not hex") from None
 
 
-def _key_bytes(key_hex: str, whose: str) -> bytes:
+def _key_bytes(key_hex: str) -> bytes:
     public_key_from_hex(key_hex)  # raises SignatureError (a ProtocolError) if unusable
     return bytes.fromhex(key_hex)
 
 
-def _signed_bytes(domain: bytes, nonce: bytes, key: bytes, header: dict[str, Any]) -> bytes:
+def _proof_message(
+    domain: bytes, header: dict[str, Any], nonce: str, whose_nonce: str, bound_key_hex: str
+) -> bytes:
+    """What a handshake signature covers: the domain, the peer's nonce, the key the proof
+    is bound to, and the message's own header (without its signature)."""
     unsigned = {k: v for k, v in header.items() if k != SIGNATURE_FIELD}
-    return domain + nonce + key + canonical_json(unsigned)
+    try:
+        body = canonical_json(unsigned)
+    except (ValueError, RecursionError):
+        raise AuthError(f"{header.get('type')} header cannot be canonicalised") from None
+    return domain + _nonce_bytes(nonce, whose_nonce) + _key_bytes(bound_key_hex) + body
 
 
-def _sign(key: Ed25519PrivateKey, message: bytes) -> str:
-    return key.sign(message).hex()
+def _sign_proof(
+    key: Ed25519PrivateKey,
+    domain: bytes,
+    header: dict[str, Any],
+    nonce: str,
+    whose_nonce: str,
+    bound_key_hex: str,
+) -> str:
+    return key.sign(_proof_message(domain, header, nonce, whose_nonce, bound_key_hex)).hex()
 
 
-def _verify(key: Ed25519PublicKey, sig: object, message: bytes, what: str) -> None:
+def _check_proof(
+    signer_key_hex: str,
+    domain: bytes,
+    header: dict[str, Any],
+    nonce: str,
+    whose_nonce: str,
+    bound_key_hex: str,
+) -> None:
+    """Raise AuthError unless ``header["sig"]`` is ``signer_key_hex``'s proof."""
+    what = str(header.get("type"))
+    message = _proof_message(domain, header, nonce, whose_nonce, bound_key_hex)
+    sig = header.get(SIGNATURE_FIELD)
     if not isinstance(sig, str) or len(sig) != SIGNATURE_HEX_LEN:
         raise AuthError(f"{what} has no well-formed signature")
     try:
-        key.verify(bytes.fromhex(sig), message)
+        public_key_from_hex(signer_key_hex).verify(bytes.fromhex(sig), message)
     except (ValueError, InvalidSignature):
         raise AuthError(f"{what} signature does not verify") from None
 
 
-def sign_hello(
-    worker_key: Ed25519PrivateKey,
-    header: dict[str, Any],
-    challenge_nonce: str,
-    coordinator_key_hex: str,
-) -> str:
-    """The hello's signature: over the coordinator's nonce, its key and the hello itself."""
-    message = _signed_bytes(
-        HELLO_DOMAIN,
-        _nonce_bytes(challenge_nonce, "challenge"),
-        _key_bytes(coordinator_key_hex, "coordinator"),
-        header,
-    )
-    return _sign(worker_key, message)
-
-
-def verify_hello(
-    header: dict[str, Any], worker_key_hex: str, challenge_nonce: str, coordinator_key_hex: str
-) -> None:
-    """Raise AuthError unless the hello was signed by ``worker_key_hex`` for this challenge."""
-    try:
-        message = _signed_bytes(
-            HELLO_DOMAIN,
-            _nonce_bytes(challenge_nonce, "challenge"),
-            _key_bytes(coordinator_key_hex, "coordinator"),
-            header,
-        )
-    except (ValueError, RecursionError):
-        raise AuthError("hello header cannot be canonicalised for verification") from None
-    _verify(public_key_from_hex(worker_key_hex), header.get(SIGNATURE_FIELD), message, "hello")
-
-
-def sign_welcome(
-    coordinator_key: Ed25519PrivateKey,
-    header: dict[str, Any],
-    client_nonce: str,
-    worker_key_hex: str,
-) -> str:
-    message = _signed_bytes(
-        WELCOME_DOMAIN,
-        _nonce_bytes(client_nonce, "worker"),
-        _key_bytes(worker_key_hex, "worker"),
-        header,
-    )
-    return _sign(coordinator_key, message)
-
-
-def verify_welcome(
-    header: dict[str, Any], coordinator_key_hex: str, client_nonce: str, worker_key_hex: str
-) -> None:
-    """Raise AuthError unless the welcome answers this worker's nonce with that key."""
-    try:
-        message = _signed_bytes(
-            WELCOME_DOMAIN,
-            _nonce_bytes(client_nonce, "worker"),
-            _key_bytes(worker_key_hex, "worker"),
-            header,
-        )
-    except (ValueError, RecursionError):
-        raise AuthError("welcome header cannot be canonicalised for verification") from None
-    _verify(
-        public_key_from_hex(coordinator_key_hex),
-        header.get(SIGNATURE_FIELD),
-        message,
-        "welcome",
-    )
-
-
 def token_proof(token: str, challenge_nonce: str, worker_key_hex: str) -> str:
     """What a worker sends instead of the join token: the token never travels."""
-    message = _nonce_bytes(challenge_nonce, "challenge") + _key_bytes(worker_key_hex, "worker")
+    message = _nonce_bytes(challenge_nonce, "challenge") + _key_bytes(worker_key_hex)
     return hmac.new(token.encode("utf-8"), message, hashlib.sha256).hexdigest()
 
 
@@ -182,7 +140,14 @@ def answer_challenge(
         nonce=nonce,
         token_proof=proof,
     )
-    sig = sign_hello(key, wire_header(hello), challenge.nonce, challenge.coordinator_key)
+    sig = _sign_proof(
+        key,
+        HELLO_DOMAIN,
+        wire_header(hello),
+        challenge.nonce,
+        "challenge",
+        challenge.coordinator_key,
+    )
     return replace(hello, sig=sig)
 
 
@@ -203,7 +168,14 @@ def check_hello(
     ``header`` is the hello's header as received: the signature covers it byte for byte.
     """
     _nonce_bytes(hello.nonce, "worker")
-    verify_hello(header, hello.worker_key, challenge.nonce, challenge.coordinator_key)
+    _check_proof(
+        hello.worker_key,
+        HELLO_DOMAIN,
+        header,
+        challenge.nonce,
+        "challenge",
+        challenge.coordinator_key,
+    )
     if join_token and not token_proof_ok(
         hello.token_proof, join_token, challenge.nonce, hello.worker_key
     ):
@@ -229,7 +201,9 @@ def make_welcome(
         max_frame_bytes=max_frame_bytes,
         job=job,
     )
-    sig = sign_welcome(key, wire_header(welcome), hello.nonce, hello.worker_key)
+    sig = _sign_proof(
+        key, WELCOME_DOMAIN, wire_header(welcome), hello.nonce, "worker", hello.worker_key
+    )
     return replace(welcome, sig=sig)
 
 
@@ -240,4 +214,6 @@ def check_welcome(
     answers this hello's nonce."""
     if welcome.coordinator_key != challenge.coordinator_key:
         raise AuthError("welcome names another coordinator key than the challenge did")
-    verify_welcome(header, welcome.coordinator_key, hello.nonce, hello.worker_key)
+    _check_proof(
+        welcome.coordinator_key, WELCOME_DOMAIN, header, hello.nonce, "worker", hello.worker_key
+    )
