@@ -86,6 +86,9 @@ def test_join_computes_credits_and_leave_loses_nothing(qtbot: QtBot, tmp_path: P
         assert any(s.state in ("computing", "waiting") for s in seen)
         assert window.fingerprint_label.text() == coord.status()["coordinator_key"]
         qtbot.waitUntil(counted_by_coordinator, timeout=30_000)
+        # The coordinator knows this computer by the key the window shows.
+        keys = {w["key"] for w in coord.status()["workers"] if w["name"] == "gui-w"}
+        assert keys == {window.identity_label.text()}
         # The coordinator's verified figure arrives with a heartbeat's Ack.
         qtbot.waitUntil(lambda: window.bridge.status.credit_tiles > 0, timeout=30_000)
         credit = window.bridge.status.credit_tiles

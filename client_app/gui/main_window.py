@@ -31,13 +31,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from client_app.config import ConfigError, WorkerSettings
+from client_app.config import ConfigError, WorkerSettings, load_identity
 from client_app.gui.bridge import WorkerBridge
 from client_app.gui.status_text import NOT_JOINED, shown_state, status_line
 from client_app.gui.tray import Tray, state_icon
 from client_app.policy import Snooze
 from client_app.policy_runner import local_now
 from client_app.status import WorkerStatus
+from common.signing import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,12 @@ class MainWindow(QMainWindow):
 
     # ---- layout ---------------------------------------------------------------------------
 
+    def _identity_text(self) -> str:
+        try:
+            return fingerprint(load_identity(self.config_directory))
+        except ConfigError as exc:
+            return f"unusable: {exc}"
+
     def _build(self) -> None:
         central = QWidget(self)
         layout = QVBoxLayout(central)
@@ -126,6 +133,11 @@ class MainWindow(QMainWindow):
         self.fingerprint_label = QLabel()
         self.fingerprint_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         form.addRow("Coordinator key", self.fingerprint_label)
+        # This computer's identity: credit and reputation follow it, and operators see
+        # it next to the name on their dashboard.
+        self.identity_label = QLabel(self._identity_text())
+        self.identity_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        form.addRow("Your key", self.identity_label)
         layout.addLayout(form)
 
         self.join_button = QPushButton("Join")
