@@ -1,0 +1,796 @@
+"""One coordinator, N real WebSocket workers on loopback: handshakes, heartbeats, tiles.
+
+Three kinds of process, so that the load never shares the coordinator's event loop:
+
+- the coordinator: a real ``CoordinatorServer`` (ledger, scheduler, Freivalds checks on
+  its verify thread) plus a feeder that keeps a backlog of small GEMMs submitted (cut
+  with ``TiledGemm.iter_jobs`` on a worker thread, as the training thread does) and
+  checks every assembled GEMM against ``torch.matmul``;
+- one or more load processes, each a single asyncio loop holding its share of the N
+  connections. Every simulated worker has its own Ed25519 key and speaks the real
+  protocol: challenge -> signed hello -> signed welcome (checked), heartbeats at the
+  coordinator's interval (ack latency measured here), and every task signature-checked,
+  multiplied with ``torch.matmul`` and returned as a ``Result``;
+- this process, which drives the phases (connect, steady, drain, leave) over pipes and
+  samples the coordinator's RSS and CPU with psutil.
+
+Run: ``python bench/bench_load.py [--workers 1000] [--seconds 20] [--tile 64] [--json F]``.
+The pieces are importable: ``tests/test_load_smoke.py`` runs ``run_load`` with 30 workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import random
+import resource
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: E402
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
+from websockets.exceptions import ConnectionClosed, InvalidHandshake  # noqa: E402
+
+from common.auth import answer_challenge, check_welcome, new_nonce  # noqa: E402
+from common.errors import ProtocolError  # noqa: E402
+from common.messages import (  # noqa: E402
+    Ack,
+    Bye,
+    Cancel,
+    Challenge,
+    DeviceProfile,
+    Error,
+    Heartbeat,
+    Result,
+    Task,
+    Welcome,
+    encode_message,
+    parse_message,
+    verify_task,
+)
+from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
+from coordinator.ledger import Ledger  # noqa: E402
+from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm  # noqa: E402
+from coordinator.server import CoordinatorServer, ServerConfig  # noqa: E402
+from coordinator.tiling import TiledGemm, TileJob  # noqa: E402
+
+PROFILE = DeviceProfile("cpu", "bench-load simulated worker", 1, 1 << 30, 1 << 28, 10.0)
+MAX_FRAME = 64 << 20  # far above a 64^3 tile; the coordinator never sends more than a tile
+CONNECT_ATTEMPTS = 30  # per worker; a refused handshake (1013, "retry later") is retried
+PIPE_TIMEOUT_S = 180.0  # no phase of a default run takes this long: something hung
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    workers: int = 1000
+    seconds: float = 20.0  # steady phase: everyone connected and fed
+    tile: int = 64  # tiles are tile x tile x tile fp32
+    grid: int = 8  # each GEMM is (grid*tile) x tile @ tile x (grid*tile): grid^2 tiles
+    window: int = 2  # tiles in flight per worker (the real worker's default)
+    procs: int = 1  # load processes sharing the N connections
+    heartbeat_s: float = 2.0  # ServerConfig's default interval
+    connect_concurrency: int = 64  # handshakes in progress at once, per load process
+    warmup_s: float = 2.0  # between first GEMM and the steady phase's clock
+    drain_timeout_s: float = 60.0
+
+
+# ---- coordinator process ---------------------------------------------------------------
+
+
+def tile_plan(tile: int, grid: int) -> GemmPlan:
+    """The plan that cuts a (grid*tile) x tile x (grid*tile) GEMM into tile^3 tiles."""
+    side = tile * grid
+    flops = 2 * tile**3
+    config = PlanConfig(
+        min_offload_flops=1,
+        max_tile_flops=flops,
+        min_tile_flops=flops,
+        min_tile_side=tile,
+        target_tiles=1,
+    )
+    plan = plan_gemm(GemmShape("mm", 1, side, side, tile, 4), config)
+    assert plan is not None and len(plan.tiles) == grid * grid
+    assert all(region.dims == (1, tile, tile, tile) for region in plan.tiles), plan.grid
+    return plan
+
+
+@dataclass
+class GemmStreamReport:
+    gemms_submitted: int = 0
+    gemms_done: int = 0
+    gemms_correct: int = 0
+    gemms_wrong: list[str] = field(default_factory=list)
+    tiles_submitted: int = 0
+    tiles_lost: int = 0  # submitted, never verified nor computed here, after the drain
+    drained: bool = False
+
+
+class GemmStream:
+    """Keeps ``backlog`` tiles outstanding, so every worker's window stays full, and
+    checks each assembled GEMM against ``torch.matmul`` as it completes."""
+
+    def __init__(self, server: CoordinatorServer, cfg: LoadConfig) -> None:
+        self.server = server
+        self.plan = tile_plan(cfg.tile, cfg.grid)
+        tiles_per_gemm = len(self.plan.tiles)
+        # Every window full plus two GEMMs queued: the queue never runs dry while the
+        # next GEMM is being cut and signed.
+        self.backlog = cfg.workers * cfg.window + 2 * tiles_per_gemm
+        self.report = GemmStreamReport()
+        self._outstanding: dict[str, int] = {}  # gemm id -> its tile count
+        self._outstanding_tiles = 0
+        self._changed = asyncio.Event()
+        self._feeder: asyncio.Task[None] | None = None
+        self._checks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._feeder = asyncio.create_task(self._feed())
+
+    async def _feed(self) -> None:
+        loop = asyncio.get_running_loop()
+        for seq in range(1 << 62):
+            while self._outstanding_tiles >= self.backlog:
+                self._changed.clear()
+                await self._changed.wait()
+            gemm_id = f"load{seq}"
+            # Cutting and signing is the training thread's job in production: keep it
+            # off the event loop here too.
+            jobs = await asyncio.to_thread(self._cut, gemm_id, seq, loop)
+            self._outstanding[gemm_id] = len(jobs)
+            self._outstanding_tiles += len(jobs)
+            self.report.gemms_submitted += 1
+            self.report.tiles_submitted += len(jobs)
+            self.server.submit(jobs)
+
+    def _cut(self, gemm_id: str, seq: int, loop: asyncio.AbstractEventLoop) -> list[TileJob]:
+        g = torch.Generator().manual_seed(seq)
+        m, n, k = self.plan.shape.m, self.plan.shape.n, self.plan.shape.k
+        a = torch.randn(m, k, generator=g)
+        b = torch.randn(k, n, generator=g)
+
+        def on_done(out: torch.Tensor) -> None:  # on the server's verify thread
+            loop.call_soon_threadsafe(self._finished, gemm_id, a, b, out)
+
+        tiled = TiledGemm(gemm_id, self.plan, a, b, on_done)
+        return list(tiled.iter_jobs(self.server.key))
+
+    def _finished(self, gemm_id: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        self._outstanding_tiles -= self._outstanding.pop(gemm_id)
+        self.report.gemms_done += 1
+        self._changed.set()
+        task = asyncio.create_task(self._check(gemm_id, a, b, out))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check(
+        self, gemm_id: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        if await asyncio.to_thread(_matches, a, b, out):
+            self.report.gemms_correct += 1
+        else:
+            self.report.gemms_wrong.append(gemm_id)
+
+    async def drain(self, timeout_s: float) -> GemmStreamReport:
+        """Stop submitting, wait for every submitted GEMM, then count what is missing."""
+        await self.stop_feeding()
+        deadline = time.monotonic() + timeout_s
+        while self._outstanding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._checks:
+            await asyncio.gather(*self._checks)
+        self.report.drained = not self._outstanding
+        # Tiles still in the server's job map were never verified (nor computed here).
+        self.report.tiles_lost = len(self.server.jobs)
+        return self.report
+
+    async def stop_feeding(self) -> None:
+        if self._feeder is not None:
+            self._feeder.cancel()
+            await asyncio.gather(self._feeder, return_exceptions=True)
+            self._feeder = None
+
+
+def _matches(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    want = torch.matmul(a, b)
+    try:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    except AssertionError:
+        return False
+    return True
+
+
+class LoopLag:
+    """How late a 50 ms sleep wakes up: the time any ready callback (an ack to send, a
+    frame to read) waits for this process's event loop. Tells which side is saturated."""
+
+    PERIOD_S = 0.05
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (woke at, lateness s)
+        self._task = asyncio.create_task(self._probe())
+
+    async def _probe(self) -> None:
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(self.PERIOD_S)
+            now = time.monotonic()
+            self.samples.append((now, now - start - self.PERIOD_S))
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def _raise_fd_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + 256  # sockets plus what Python, torch and SQLite hold
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard < 0 else min(want, hard), hard))
+
+
+def coordinator_process(pipe: Connection, cfg: LoadConfig) -> None:
+    """Entry point of the coordinator process: serve, then obey the driver's commands."""
+    _raise_fd_limit(cfg.workers)
+    asyncio.run(_coordinator(pipe, cfg))
+
+
+async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
+    with tempfile.TemporaryDirectory(prefix="cleave-load-") as tmp:
+        ledger = Ledger(Path(tmp) / "ledger.sqlite")
+        key = generate_private_key()
+        server = CoordinatorServer(
+            key=key,
+            job_name="load-test",
+            ledger=ledger,
+            config=ServerConfig(heartbeat_interval_s=cfg.heartbeat_s),
+        )
+        port = await server.start("127.0.0.1", 0)
+        stream = GemmStream(server, cfg)
+        lag = LoopLag()
+        pipe.send({"port": port, "key": public_key_hex(key)})
+        try:
+            while True:
+                try:
+                    command = await asyncio.to_thread(pipe.recv)
+                except EOFError:  # the driver is gone
+                    break
+                if command == "snapshot":
+                    pipe.send(_snapshot(server))
+                elif command == "feed":
+                    stream.start()
+                    pipe.send("ok")
+                elif command == "drain":
+                    report = await stream.drain(cfg.drain_timeout_s)
+                    pipe.send({"stream": asdict(report), "lag": lag.samples, **_snapshot(server)})
+                elif command == "quit":
+                    break
+        finally:
+            lag.stop()
+            await stream.stop_feeding()
+            await server.close()
+            ledger.close()
+
+
+def _snapshot(server: CoordinatorServer) -> dict[str, Any]:
+    return {
+        "t": time.monotonic(),
+        "conns": len(server.conns),
+        "authenticating": server.status()["connections"]["authenticating"],
+        "queued": server.scheduler.queued_count(),
+        "pending": server.scheduler.pending(),
+        "counters": asdict(server.counters),
+    }
+
+
+# ---- load process: N simulated workers on one event loop --------------------------------
+
+
+@dataclass
+class WorkerStats:
+    welcomed: bool = False
+    handshake_s: float = math.nan  # TCP connect to checked Welcome, last attempt
+    retries: int = 0  # attempts refused or failed before the one that joined
+    failure: str = ""  # why it never joined
+    dropped: str = ""  # why the coordinator closed it before the run ended
+    tiles: int = 0
+    cancels: int = 0
+    errors: list[str] = field(default_factory=list)
+    beats: int = 0
+    acks: list[tuple[float, float]] = field(default_factory=list)  # (sent at, latency s)
+    unacked: list[float] = field(default_factory=list)  # when each unanswered beat was sent
+
+
+class SimWorker:
+    """The protocol of ``client_app.worker`` without its threads and owner limits: a
+    64^3 matmul takes microseconds, so computing on the event loop is cheaper than a hop."""
+
+    def __init__(
+        self,
+        name: str,
+        key: Ed25519PrivateKey,
+        coordinator_key: str,
+        window: int,
+        rng: random.Random,
+    ) -> None:
+        self.name = name
+        self.key = key
+        self.coordinator_key = coordinator_key
+        self.coordinator_public: Ed25519PublicKey = public_key_from_hex(coordinator_key)
+        self.window = window
+        self.rng = rng
+        self.stats = WorkerStats()
+        self.interval = 2.0  # replaced by the Welcome's heartbeat interval
+        self.joined: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._beat_sent: dict[int, float] = {}
+
+    async def run(self, url: str, gate: asyncio.Semaphore, stop: asyncio.Event) -> None:
+        ws = None
+        try:
+            ws = await self._join(url, gate)
+        finally:
+            # Also on an unexpected exception, so that the ramp-up never waits forever.
+            self.joined.set_result(ws is not None)
+        if ws is None:
+            return
+        beating = asyncio.create_task(self._heartbeats(ws))
+        leaving = asyncio.create_task(self._leave_when(stop, ws))
+        try:
+            await self._serve(ws)
+        finally:
+            beating.cancel()
+            leaving.cancel()
+            await asyncio.gather(beating, leaving, return_exceptions=True)
+            self.stats.unacked = list(self._beat_sent.values())
+        if not stop.is_set():
+            self.stats.dropped = f"{ws.close_code}: {ws.close_reason}"
+
+    async def _join(self, url: str, gate: asyncio.Semaphore) -> ClientConnection | None:
+        for attempt in range(CONNECT_ATTEMPTS):
+            async with gate:
+                start = time.perf_counter()
+                ws: ClientConnection | None = None
+                try:
+                    ws = await connect(url, compression=None, max_size=MAX_FRAME, open_timeout=30)
+                    welcome = await asyncio.wait_for(self._handshake(ws), 30)
+                except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as exc:
+                    # A coordinator busy with other handshakes says "retry later" (1013).
+                    self.stats.retries += 1
+                    self.stats.failure = f"{type(exc).__name__}: {exc}"
+                    if ws is not None:
+                        with contextlib.suppress(Exception):
+                            await ws.close()
+                except ProtocolError as exc:  # a bad signature or an Error: never retried
+                    self.stats.failure = f"{type(exc).__name__}: {exc}"
+                    if ws is not None:
+                        await ws.close()
+                    return None
+                else:
+                    self.stats.handshake_s = time.perf_counter() - start
+                    self.stats.welcomed = True
+                    self.stats.failure = ""
+                    self.interval = welcome.heartbeat_interval_s
+                    return ws
+            # Capped exponential backoff with jitter, as the real worker does.
+            await asyncio.sleep(self.rng.uniform(0.5, 1.0) * min(2.0, 0.05 * 2**attempt))
+        return None
+
+    async def _handshake(self, ws: ClientConnection) -> Welcome:
+        received = parse_message(await ws.recv())
+        challenge = received.message
+        if not isinstance(challenge, Challenge):
+            raise ProtocolError(f"expected a challenge, got {challenge.TYPE}")
+        if challenge.coordinator_key != self.coordinator_key:
+            raise ProtocolError("the coordinator's key is not the pinned one")
+        hello = answer_challenge(
+            challenge,
+            key=self.key,
+            nonce=new_nonce(),
+            name=self.name,
+            profile=PROFILE,
+            window=self.window,
+            client="bench-load",
+        )
+        await ws.send(encode_message(hello))
+        received = parse_message(await ws.recv())
+        welcome = received.message
+        if isinstance(welcome, Error):
+            raise ProtocolError(f"refused: {welcome.code}: {welcome.message}")
+        if not isinstance(welcome, Welcome):
+            raise ProtocolError(f"expected a welcome, got {welcome.TYPE}")
+        check_welcome(welcome, received.frame.header, challenge, hello)
+        return welcome
+
+    async def _heartbeats(self, ws: ClientConnection) -> None:
+        # Real workers join at different moments; a random phase spreads the beats the
+        # same way instead of N of them landing in the same millisecond.
+        await asyncio.sleep(self.rng.uniform(0.0, self.interval))
+        with contextlib.suppress(ConnectionClosed):
+            for seq in range(1, 1 << 62):
+                self._beat_sent[seq] = time.monotonic()
+                await ws.send(encode_message(Heartbeat(seq, "working", 0)))
+                self.stats.beats += 1
+                await asyncio.sleep(self.interval)
+
+    async def _serve(self, ws: ClientConnection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for data in ws:
+                assert isinstance(data, bytes), "the coordinator sends binary frames only"
+                received = parse_message(data)
+                msg = received.message
+                if isinstance(msg, Task):
+                    try:
+                        a, b = verify_task(received, self.coordinator_public)
+                    except ProtocolError as exc:  # never expected: counted, and the run fails
+                        self.stats.errors.append(f"bad task: {exc.code}")
+                        continue
+                    start = time.perf_counter()
+                    c = torch.matmul(a, b)
+                    result = Result(msg.tile_id, compute_s=time.perf_counter() - start)
+                    await ws.send(encode_message(result, [("c", c)]))
+                    self.stats.tiles += 1
+                elif isinstance(msg, Ack):
+                    sent = self._beat_sent.pop(msg.seq, None)
+                    if sent is not None:
+                        self.stats.acks.append((sent, time.monotonic() - sent))
+                elif isinstance(msg, Cancel):
+                    self.stats.cancels += 1
+                elif isinstance(msg, Error):
+                    self.stats.errors.append(msg.code)
+
+    async def _leave_when(self, stop: asyncio.Event, ws: ClientConnection) -> None:
+        await stop.wait()
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(encode_message(Bye("load test over")))
+        # The coordinator closes after a bye; close ourselves if it does not.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ws.wait_closed(), 10)
+        await ws.close()
+
+
+def load_process(
+    pipe: Connection, cfg: LoadConfig, url: str, coordinator_key: str, first: int, count: int
+) -> None:
+    """Entry point of a load process: ``count`` workers named ``load-<first+i>``."""
+    _raise_fd_limit(count)
+    torch.set_num_threads(1)  # tiny matmuls: a thread pool only adds hand-offs
+    asyncio.run(_load(pipe, cfg, url, coordinator_key, first, count))
+
+
+async def _load(
+    pipe: Connection, cfg: LoadConfig, url: str, coordinator_key: str, first: int, count: int
+) -> None:
+    rng = random.Random(first)
+    workers = [
+        SimWorker(f"load-{first + i}", generate_private_key(), coordinator_key, cfg.window, rng)
+        for i in range(count)
+    ]
+    pipe.send("ready")
+    if await asyncio.to_thread(pipe.recv) != "connect":
+        return
+    lag = LoopLag()
+    stop = asyncio.Event()
+    gate = asyncio.Semaphore(cfg.connect_concurrency)
+    start = time.perf_counter()
+    runs = [asyncio.create_task(w.run(url, gate, stop)) for w in workers]
+    await asyncio.gather(*(w.joined for w in workers))
+    pipe.send({"ramp_s": time.perf_counter() - start})
+    with contextlib.suppress(EOFError):
+        await asyncio.to_thread(pipe.recv)  # "stop" (or the driver went away)
+    stop.set()
+    _, late = await asyncio.wait(runs, timeout=30)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*runs, return_exceptions=True)
+    lag.stop()
+    pipe.send({"workers": [asdict(w.stats) for w in workers], "lag": lag.samples})
+
+
+# ---- the driver ---------------------------------------------------------------------------
+
+
+def _recv(pipe: Connection, what: str, timeout_s: float = PIPE_TIMEOUT_S) -> Any:
+    if not pipe.poll(timeout_s):
+        raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+    return pipe.recv()
+
+
+def _ask(pipe: Connection, command: str, what: str) -> Any:
+    pipe.send(command)
+    return _recv(pipe, what)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def run_load(cfg: LoadConfig) -> dict[str, Any]:
+    """Run the whole load test and return its measurements (see ``format_table``)."""
+    ctx = mp.get_context("spawn")
+    procs: list[mp.process.BaseProcess] = []
+    try:
+        coord_pipe, child = ctx.Pipe()
+        coord = ctx.Process(target=coordinator_process, args=(child, cfg), name="coordinator")
+        coord.start()
+        procs.append(coord)
+        hello = _recv(coord_pipe, "coordinator start")
+        url = f"ws://127.0.0.1:{hello['port']}/ws"
+        coord_ps = psutil.Process(coord.pid)
+
+        load_pipes: list[Connection] = []
+        shares = [
+            cfg.workers // cfg.procs + (i < cfg.workers % cfg.procs) for i in range(cfg.procs)
+        ]
+        first = 0
+        for i, share in enumerate(shares):
+            pipe, child = ctx.Pipe()
+            args = (child, cfg, url, hello["key"], first, share)
+            proc = ctx.Process(target=load_process, args=args, name=f"load-{i}")
+            proc.start()
+            procs.append(proc)
+            load_pipes.append(pipe)
+            first += share
+        for pipe in load_pipes:
+            _recv(pipe, "load process start")
+
+        time.sleep(0.5)  # the idle coordinator settles (imports done, server listening)
+        rss_before = coord_ps.memory_info().rss
+        ramp_start = time.perf_counter()
+        for pipe in load_pipes:
+            pipe.send("connect")
+        for pipe in load_pipes:
+            _recv(pipe, "connections")
+        ramp_s = time.perf_counter() - ramp_start
+
+        # RSS with everyone connected and beating, before any tile exists: connections only.
+        time.sleep(cfg.heartbeat_s)
+        connected = _ask(coord_pipe, "snapshot", "snapshot")
+        rss_connected = coord_ps.memory_info().rss
+
+        _ask(coord_pipe, "feed", "feed")
+        time.sleep(cfg.warmup_s)
+        # psutil: the first call of cpu_percent only starts the interval.
+        load_ps = [psutil.Process(proc.pid) for proc in procs[1:]]
+        for ps in [coord_ps, *load_ps]:
+            ps.cpu_percent()
+        psutil.cpu_percent()
+        steady_a = _ask(coord_pipe, "snapshot", "snapshot")
+        rss_peak = rss_connected
+        deadline = time.monotonic() + cfg.seconds
+        while time.monotonic() < deadline:
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            rss_peak = max(rss_peak, coord_ps.memory_info().rss)
+        cpu_percent = coord_ps.cpu_percent()
+        load_cpu_percent = [ps.cpu_percent() for ps in load_ps]
+        machine_cpu_percent = psutil.cpu_percent() * psutil.cpu_count()
+        steady_b = _ask(coord_pipe, "snapshot", "snapshot")
+
+        final = _ask(coord_pipe, "drain", "drain")
+        stats: list[dict[str, Any]] = []
+        load_lag: list[tuple[float, float]] = []
+        for pipe in load_pipes:
+            pipe.send("stop")
+        for pipe in load_pipes:
+            report = _recv(pipe, "worker stats")
+            stats.extend(report["workers"])
+            load_lag.extend(report["lag"])
+        coord_pipe.send("quit")
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():  # pragma: no cover - only when a phase hung
+                proc.kill()
+                proc.join()
+    return _measurements(
+        cfg,
+        stats,
+        ramp_s=ramp_s,
+        rss_before=rss_before,
+        rss_connected=rss_connected,
+        rss_peak=rss_peak,
+        cpu_percent=cpu_percent,
+        load_cpu_percent=load_cpu_percent,
+        machine_cpu_percent=machine_cpu_percent,
+        load_lag=load_lag,
+        connected=connected,
+        steady_a=steady_a,
+        steady_b=steady_b,
+        final=final,
+    )
+
+
+def _measurements(
+    cfg: LoadConfig,
+    stats: list[dict[str, Any]],
+    *,
+    ramp_s: float,
+    rss_before: int,
+    rss_connected: int,
+    rss_peak: int,
+    cpu_percent: float,
+    load_cpu_percent: list[float],
+    machine_cpu_percent: float,
+    load_lag: list[tuple[float, float]],
+    connected: dict[str, Any],
+    steady_a: dict[str, Any],
+    steady_b: dict[str, Any],
+    final: dict[str, Any],
+) -> dict[str, Any]:
+    welcomed = [s for s in stats if s["welcomed"]]
+    handshakes = [s["handshake_s"] for s in welcomed]
+    t_a, t_b = steady_a["t"], steady_b["t"]
+    all_acks = [ack for s in stats for ack in s["acks"]]
+    steady_acks = [latency for sent, latency in all_acks if t_a <= sent <= t_b]
+    # Beats sent in the steady phase that never got an ack (the last beat of each
+    # worker, sent as the run ended, is not counted: its ack may have crossed the bye).
+    steady_unacked = sum(1 for s in stats for sent in s["unacked"] if t_a <= sent <= t_b)
+    coord_lag = [lag for t, lag in final["lag"] if t_a <= t <= t_b]
+    steady_load_lag = [lag for t, lag in load_lag if t_a <= t <= t_b]
+    steady_s = t_b - t_a
+    a, b, end = steady_a["counters"], steady_b["counters"], final["counters"]
+    stream = final["stream"]
+    errors = Counter(code for s in stats for code in s["errors"])
+    return {
+        "config": asdict(cfg),
+        "workers_welcomed": len(welcomed),
+        "workers_failed": [s["failure"] for s in stats if not s["welcomed"]],
+        "workers_dropped": [s["dropped"] for s in stats if s["dropped"]],
+        "handshake_retries": sum(s["retries"] for s in stats),
+        "coordinator_conns_seen": connected["conns"],
+        "ramp_s": ramp_s,
+        "handshake_p50_ms": 1e3 * percentile(handshakes, 50),
+        "handshake_p99_ms": 1e3 * percentile(handshakes, 99),
+        "heartbeats_sent": sum(s["beats"] for s in stats),
+        "heartbeats_acked": len(all_acks),
+        "workers_with_acks": sum(1 for s in stats if s["acks"]),
+        "ack_p50_ms": 1e3 * percentile(steady_acks, 50),
+        "ack_p99_ms": 1e3 * percentile(steady_acks, 99),
+        "ack_max_ms": 1e3 * max(steady_acks, default=math.nan),
+        "heartbeats_unacked_steady": steady_unacked,
+        "coordinator_loop_lag_p50_ms": 1e3 * percentile(coord_lag, 50),
+        "coordinator_loop_lag_p99_ms": 1e3 * percentile(coord_lag, 99),
+        "load_loop_lag_p50_ms": 1e3 * percentile(steady_load_lag, 50),
+        "load_loop_lag_p99_ms": 1e3 * percentile(steady_load_lag, 99),
+        "rss_before_mb": rss_before / 2**20,
+        "rss_connected_mb": rss_connected / 2**20,
+        "rss_per_conn_kb": (rss_connected - rss_before) / max(1, len(welcomed)) / 1024,
+        "rss_peak_steady_mb": rss_peak / 2**20,
+        "cpu_percent_steady": cpu_percent,
+        "load_cpu_percent_steady": load_cpu_percent,
+        "machine_cpu_percent_steady": machine_cpu_percent,
+        "machine_cores": psutil.cpu_count(),
+        "steady_s": steady_s,
+        "tiles_sent_per_s": (b["tiles_sent"] - a["tiles_sent"]) / steady_s,
+        "tiles_verified_per_s": (b["tiles_verified"] - a["tiles_verified"]) / steady_s,
+        "workers_with_tiles": sum(1 for s in stats if s["tiles"]),
+        "tiles_computed_by_workers": sum(s["tiles"] for s in stats),
+        "tiles_submitted": stream["tiles_submitted"],
+        "tiles_verified": end["tiles_verified"],
+        "tiles_reissued": end["reissued"],
+        "tiles_rejected": end["rejected"],
+        "tiles_computed_here": end["computed_here"],
+        "tiles_lost": stream["tiles_lost"],
+        "gemms_submitted": stream["gemms_submitted"],
+        "gemms_correct": stream["gemms_correct"],
+        "gemms_wrong": stream["gemms_wrong"],
+        "drained": stream["drained"],
+        "worker_errors": dict(errors),
+    }
+
+
+def format_table(m: dict[str, Any]) -> str:
+    cfg = m["config"]
+    rows = [
+        ("connections welcomed", f"{m['workers_welcomed']} / {cfg['workers']}"),
+        ("ramp-up, all connections", f"{m['ramp_s']:.2f} s ({cfg['connect_concurrency']} at once)"),
+        ("handshake p50 / p99", f"{m['handshake_p50_ms']:.0f} / {m['handshake_p99_ms']:.0f} ms"),
+        ("handshake retries (1013 busy)", f"{m['handshake_retries']}"),
+        ("heartbeat -> ack p50 / p99", f"{m['ack_p50_ms']:.1f} / {m['ack_p99_ms']:.1f} ms"),
+        ("heartbeat -> ack max", f"{m['ack_max_ms']:.1f} ms"),
+        ("heartbeats unacked, steady", f"{m['heartbeats_unacked_steady']}"),
+        (
+            "event-loop lag p50 / p99, coordinator",
+            f"{m['coordinator_loop_lag_p50_ms']:.1f} / {m['coordinator_loop_lag_p99_ms']:.1f} ms",
+        ),
+        (
+            "event-loop lag p50 / p99, load",
+            f"{m['load_loop_lag_p50_ms']:.1f} / {m['load_loop_lag_p99_ms']:.1f} ms",
+        ),
+        (
+            "heartbeats acked",
+            f"{m['heartbeats_acked']} / {m['heartbeats_sent']} "
+            f"(every {cfg['heartbeat_s']:g} s, {m['workers_with_acks']} workers)",
+        ),
+        ("coordinator RSS idle", f"{m['rss_before_mb']:.0f} MiB"),
+        ("coordinator RSS connected", f"{m['rss_connected_mb']:.0f} MiB"),
+        ("coordinator RSS per connection", f"{m['rss_per_conn_kb']:.0f} KiB"),
+        ("coordinator RSS peak, steady", f"{m['rss_peak_steady_mb']:.0f} MiB"),
+        ("coordinator CPU, steady", f"{m['cpu_percent_steady']:.0f} % (of one core)"),
+        (
+            "load process CPU, steady",
+            " + ".join(f"{p:.0f} %" for p in m["load_cpu_percent_steady"]),
+        ),
+        (
+            "machine CPU, steady (all processes)",
+            f"{m['machine_cpu_percent_steady']:.0f} % of {m['machine_cores']}00 %",
+        ),
+        ("tiles dispatched / s", f"{m['tiles_sent_per_s']:.0f}"),
+        ("tiles verified / s", f"{m['tiles_verified_per_s']:.0f}"),
+        ("workers that computed tiles", f"{m['workers_with_tiles']} / {cfg['workers']}"),
+        ("tiles submitted / verified", f"{m['tiles_submitted']} / {m['tiles_verified']}"),
+        ("tiles re-issued", f"{m['tiles_reissued']}"),
+        ("tiles lost", f"{m['tiles_lost']}"),
+        (
+            "GEMMs correct (vs torch.matmul)",
+            f"{m['gemms_correct']} / {m['gemms_submitted']}",
+        ),
+        ("connections dropped", f"{len(m['workers_dropped'])}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    title = (
+        f"{cfg['workers']} workers, {cfg['procs']} load process(es), "
+        f"{cfg['tile']}^3 fp32 tiles, window {cfg['window']}, steady {m['steady_s']:.1f} s"
+    )
+    lines = [title, f"| {'what'.ljust(width)} | value |", f"| {'-' * width} | --- |"]
+    lines += [f"| {name.ljust(width)} | {value} |" for name, value in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    defaults = LoadConfig()
+    parser.add_argument("--workers", type=int, default=defaults.workers)
+    parser.add_argument("--seconds", type=float, default=defaults.seconds)
+    parser.add_argument("--tile", type=int, default=defaults.tile)
+    parser.add_argument("--grid", type=int, default=defaults.grid, help="tiles per GEMM side")
+    parser.add_argument("--window", type=int, default=defaults.window)
+    parser.add_argument("--procs", type=int, default=defaults.procs, help="load processes")
+    parser.add_argument("--heartbeat", type=float, default=defaults.heartbeat_s)
+    parser.add_argument("--json", type=Path, help="also write the measurements here")
+    args = parser.parse_args()
+    cfg = LoadConfig(
+        workers=args.workers,
+        seconds=args.seconds,
+        tile=args.tile,
+        grid=args.grid,
+        window=args.window,
+        procs=args.procs,
+        heartbeat_s=args.heartbeat,
+    )
+    measured = run_load(cfg)
+    print(format_table(measured))
+    if args.json:
+        args.json.write_text(json.dumps(measured, indent=2) + "\n")
+    ok = (
+        measured["workers_welcomed"] == cfg.workers
+        and measured["tiles_lost"] == 0
+        and not measured["gemms_wrong"]
+        and measured["drained"]
+    )
+    if not ok:
+        print("FAILED: a connection was refused, a tile lost or a GEMM wrong", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

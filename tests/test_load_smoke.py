@@ -1,0 +1,44 @@
+"""The load test's code path (bench/bench_load.py) at small scale: 30 real connections.
+
+A coordinator process and a load process, as in the benchmark; the assertions are the
+benchmark's pass conditions, not its timings (those are measured, never asserted).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from bench_load import LoadConfig, format_table, run_load  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+
+WORKERS = 30
+
+
+def test_thirty_workers_are_welcomed_beat_and_compute_every_gemm_correctly() -> None:
+    cfg = LoadConfig(
+        workers=WORKERS,
+        seconds=2.0,
+        warmup_s=0.5,
+        heartbeat_s=0.25,  # several beats per worker within the short steady phase
+        drain_timeout_s=20.0,
+    )
+    m = run_load(cfg)
+    table = format_table(m)  # shown by pytest when an assertion fails
+
+    assert m["workers_welcomed"] == m["coordinator_conns_seen"] == WORKERS, table
+    assert m["workers_failed"] == [] and m["workers_dropped"] == [], table
+    assert m["workers_with_acks"] == WORKERS and m["heartbeats_unacked_steady"] == 0, table
+    assert m["worker_errors"] == {}, table
+
+    assert m["drained"] and m["gemms_submitted"] > 0, table
+    assert m["gemms_correct"] == m["gemms_submitted"] and m["gemms_wrong"] == [], table
+    assert m["tiles_lost"] == 0 and m["tiles_rejected"] == 0, table
+    assert m["tiles_computed_here"] == 0, table
+    assert m["tiles_verified"] == m["tiles_submitted"] == 64 * m["gemms_submitted"], table
+    assert m["workers_with_tiles"] == WORKERS, table
