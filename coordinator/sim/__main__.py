@@ -1,0 +1,67 @@
+"""`python -m coordinator.sim run ...` simulates a pool; `... report` writes the docs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from coordinator.sim.engine import PLANNERS, SimConfig, simulate
+from coordinator.sim.models import MODELS
+from coordinator.sim.population import PoolSpec
+from coordinator.sim.report import INTRO, pool_for_cli, write_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coordinator.sim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="simulate training steps on one pool; print a summary")
+    run.add_argument("--model", choices=sorted(MODELS), default="opt-125m")
+    run.add_argument("--batch", type=int, default=4)
+    run.add_argument("--seq", type=int, default=512)
+    run.add_argument("--steps", type=int, default=1)
+    run.add_argument("--devices", type=int, default=16)
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--planner", choices=PLANNERS, default="plan_gemm")
+    run.add_argument("--median-gflops", type=float, default=200.0)
+    run.add_argument("--median-down-mbit", type=float, default=100.0)
+    run.add_argument("--stragglers", type=int, default=0, help="devices 10x slower than claimed")
+    run.add_argument("--speculate-after", type=float, default=None)
+    run.add_argument("--fail-rate-per-h", type=float, default=0.0)
+    run.add_argument("--leave-rate-per-h", type=float, default=0.0)
+    run.add_argument("--join-rate-per-h", type=float, default=0.0)
+    run.add_argument("--json", type=Path, help="write the full result here")
+    report = sub.add_parser("report", help="write docs/simulation.md and docs/sim/*.svg")
+    report.add_argument("--docs", type=Path, default=Path("docs"))
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        elapsed = write_report(args.docs, INTRO)
+        print(f"wrote {args.docs / 'simulation.md'} in {elapsed:.0f} s")
+        return 0
+    spec = PoolSpec(
+        median_gflops=args.median_gflops,
+        median_down_mbit=args.median_down_mbit,
+        fail_rate_per_h=args.fail_rate_per_h,
+        leave_rate_per_h=args.leave_rate_per_h,
+        join_rate_per_h=args.join_rate_per_h,
+    )
+    config = SimConfig(
+        model=args.model,
+        batch=args.batch,
+        seq=args.seq,
+        steps=args.steps,
+        planner=args.planner,
+        speculate_after=args.speculate_after,
+    )
+    result = simulate(config, pool_for_cli(args.devices, args.seed, spec, args.stragglers))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    summary = {k: v for k, v in result.items() if k not in ("devices", "config")}
+    json.dump(summary, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

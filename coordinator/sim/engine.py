@@ -1,0 +1,512 @@
+"""The event loop: a simulated clock, simulated devices, and the real Scheduler.
+
+Each device runs the tiles it holds through three resources in order: its downlink (and
+the coordinator's shared egress), its compute, its uplink. A prefetch window of 2 lets
+the next tile's download overlap the current tile's compute, as real workers do. When a
+tile is assigned its whole timeline is known, so one event (the result arriving) stands
+for it; a cancel or a death takes the tile off and re-plans the tiles behind it.
+
+The coordinator side is the live server's loop in miniature: submit a stage's tiles,
+`assign`, `complete`, `expire` on each heartbeat tick, `stranded`/`take_over`, and
+optionally `speculate` with cost-model predictions. Results are always correct here;
+verification costs nothing (Freivalds is ~2% of a tile).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from coordinator.costmodel import (
+    DeviceEstimate,
+    TileObservation,
+    observe,
+    overdue_finish,
+    plan_for_pool,
+)
+from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm
+from coordinator.scheduler import Scheduler, SchedulerConfig, TileTicket, Verdict
+from coordinator.sim.models import MODELS, Stage, step_flops, step_stages
+from coordinator.sim.population import Device
+
+PLANNERS = ("plan_gemm", "costmodel")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = "opt-125m"
+    batch: int = 4
+    seq: int = 512
+    itemsize: int = 4
+    steps: int = 1
+    planner: str = "plan_gemm"
+    window: int = 2
+    coordinator_gflops: float = 500.0  # the coordinator's own GEMMs (small ones, stranded)
+    coordinator_egress_bps: float = 1.25e9  # 10 Gbit/s, shared by every download
+    min_offload_flops: int = 1_000_000
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    tile_timeout_s: float = 120.0
+    speculate_after: float | None = None
+    # The links the cost model assumes before it has measured a worker.
+    assumed_down_bps: float = 12.5e6
+    assumed_up_bps: float = 2.5e6
+    max_sim_s: float = 1e7  # give up (and say so) rather than loop forever
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; one of {sorted(MODELS)}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"unknown planner {self.planner!r}; one of {PLANNERS}")
+
+
+@dataclass(eq=False)
+class _Run:
+    """One tile on one device: its timeline, re-planned when a tile ahead of it goes."""
+
+    ticket: TileTicket
+    assigned: float
+    down_start: float
+    down_end: float
+    comp_start: float = 0.0
+    comp_end: float = 0.0
+    up_start: float = 0.0
+    up_end: float = 0.0
+    token: int = 0
+
+
+@dataclass(eq=False)
+class _DeviceState:
+    device: Device
+    estimate: DeviceEstimate
+    registered: bool = False
+    alive: bool = True
+    runs: dict[str, _Run] = field(default_factory=dict)  # tile_id -> run, FIFO order
+    down_free: float = 0.0
+    comp_free: float = 0.0
+    up_free: float = 0.0
+    down_bytes: int = 0
+    up_bytes: int = 0
+    useful_flops: int = 0
+    wasted_flops: int = 0  # computed, then cancelled or lost
+
+
+@dataclass
+class _Step:
+    index: int
+    start: float
+    stage: int = 0
+    waiting_tiles: set[str] = field(default_factory=set)
+    waiting_local: int = 0
+    gemm_ids: list[str] = field(default_factory=list)
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, devices: list[Device]) -> None:
+        self.config = config
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                heartbeat_timeout_s=config.heartbeat_timeout_s,
+                tile_timeout_s=config.tile_timeout_s,
+                speculate_after=config.speculate_after,
+            )
+        )
+        self.stages = step_stages(MODELS[config.model], config.batch, config.seq, config.itemsize)
+        self.devices = {
+            d.device_id: _DeviceState(
+                d,
+                DeviceEstimate(
+                    d.device_id,
+                    d.claimed_flops,
+                    config.assumed_down_bps,
+                    config.assumed_up_bps,
+                    d.mem_cap_bytes,
+                ),
+            )
+            for d in devices
+        }
+        self.now = 0.0
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self._coord_link_free = 0.0
+        self._coord_comp_free = 0.0
+        self._tickets: dict[str, TileTicket] = {}
+        # What the coordinator knows: when it sent each tile a worker holds, in order.
+        self._sent: dict[str, dict[str, float]] = {}
+        self._step: _Step | None = None
+        self.step_times: list[float] = []
+        self.step_bounds: list[tuple[float, float]] = []
+        self.local_flops = 0
+        self.taken_over = 0
+        self.lost_tiles: set[str] = set()  # tiles that went back to the queue at least once
+        self.failures: list[tuple[str, float, str]] = []
+        self.gave_up = False
+
+    # --- events -------------------------------------------------------------------------
+
+    def _push(self, at: float, kind: str, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, self._seq, kind, payload))
+
+    def run(self) -> dict[str, Any]:
+        for state in self.devices.values():
+            d = state.device
+            self._push(d.join_at, "join", d.device_id)
+            if d.leave_at < math.inf:
+                self._push(d.leave_at, "leave", d.device_id)
+            if d.fail_at < math.inf:
+                self._push(d.fail_at, "fail", d.device_id)
+        self._push(0.0, "step", 0)
+        self._push(self.config.heartbeat_interval_s, "tick", None)
+        while self._events and len(self.step_times) < self.config.steps:
+            at, _, kind, payload = heapq.heappop(self._events)
+            if at > self.config.max_sim_s:
+                self.gave_up = True
+                break
+            self.now = at
+            getattr(self, "_on_" + kind)(payload)
+            self._dispatch()
+        return self.result()
+
+    def _on_join(self, device_id: str) -> None:
+        state = self.devices[device_id]
+        if not state.alive or state.device.leave_at <= self.now:
+            return
+        state.registered = True
+        state.down_free = state.comp_free = state.up_free = self.now
+        self.scheduler.add_worker(
+            device_id,
+            window=self.config.window,
+            now=self.now,
+            mem_cap_bytes=state.device.mem_cap_bytes,
+        )
+
+    def _on_leave(self, device_id: str) -> None:
+        state = self.devices[device_id]
+        if not state.alive:
+            return
+        self.failures.append((device_id, self.now, "leave"))
+        self._kill(state)
+        self.lost_tiles.update(self.scheduler.remove_worker(device_id, self.now))
+        state.registered = False
+
+    def _on_fail(self, device_id: str) -> None:
+        state = self.devices[device_id]
+        if state.alive:
+            self.failures.append((device_id, self.now, "fail"))
+            self._kill(state)  # stays registered until its heartbeats are missed
+
+    def _kill(self, state: _DeviceState) -> None:
+        state.alive = False
+        for run in state.runs.values():
+            state.wasted_flops += self._computed_part(run)
+        state.runs.clear()
+
+    def _on_tick(self, _: None) -> None:
+        for device_id, state in self.devices.items():
+            if state.alive and state.registered:
+                self.scheduler.heartbeat(device_id, self.now)
+        expiry = self.scheduler.expire(self.now)
+        self.lost_tiles.update(expiry.requeued)
+        for device_id in expiry.dead_workers:
+            self.devices[device_id].registered = False
+        for tile_id in self.scheduler.stranded():
+            self._cancel_all(self.scheduler.take_over(tile_id), tile_id)
+            self.taken_over += 1
+            self._run_locally(self._tickets[tile_id].flops, tile_id)
+        if self.config.speculate_after is not None:
+            for a in self.scheduler.speculate(self.now, self._finish_at, self._run_time):
+                self._start_run(self.devices[a.worker_id], a.tile_id)
+        self._push(self.now + self.config.heartbeat_interval_s, "tick", None)
+
+    def _on_result(self, key: tuple[str, str, int]) -> None:
+        device_id, tile_id, token = key
+        state = self.devices[device_id]
+        run = state.runs.get(tile_id)
+        if run is None or run.token != token or not state.alive:
+            return
+        del state.runs[tile_id]
+        state.up_bytes += run.ticket.up_bytes
+        completion = self.scheduler.complete(device_id, tile_id, self.now)
+        if completion.verdict is Verdict.ACCEPTED:
+            state.useful_flops += run.ticket.flops
+            state.estimate = observe(
+                state.estimate,
+                TileObservation(
+                    run.ticket.flops,
+                    run.ticket.down_bytes,
+                    run.ticket.up_bytes,
+                    down_s=run.down_end - run.down_start,
+                    compute_s=run.comp_end - run.comp_start,
+                    up_s=run.up_end - run.up_start,
+                ),
+                self.now,
+            )
+            self._cancel_all(completion.cancel, tile_id)
+            self._tile_done(tile_id)
+        else:
+            state.wasted_flops += run.ticket.flops
+
+    def _on_local(self, tile_id: str | None) -> None:
+        step = self._step
+        if step is None:
+            return
+        if tile_id is None:
+            step.waiting_local -= 1
+        else:
+            self._tile_done(tile_id)
+        self._maybe_next_stage()
+
+    def _on_step(self, index: int) -> None:
+        self._step = _Step(index, self.now)
+        self._submit_stage()
+
+    # --- coordinator side ---------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        for a in self.scheduler.assign(self.now):
+            self._start_run(self.devices[a.worker_id], a.tile_id)
+
+    def _tile_done(self, tile_id: str) -> None:
+        step = self._step
+        if step is not None and tile_id in step.waiting_tiles:
+            step.waiting_tiles.discard(tile_id)
+            self._maybe_next_stage()
+
+    def _maybe_next_stage(self) -> None:
+        step = self._step
+        if step is None or step.waiting_tiles or step.waiting_local > 0:
+            return
+        for gemm_id in step.gemm_ids:
+            self._cancel_pairs(self.scheduler.forget_gemm(gemm_id))
+        step.gemm_ids.clear()
+        step.stage += 1
+        if step.stage < len(self.stages):
+            self._submit_stage()
+            return
+        self.step_times.append(self.now - step.start)
+        self.step_bounds.append((step.start, self.now))
+        self._step = None
+        self._push(self.now, "step", step.index + 1)
+
+    def _submit_stage(self) -> None:
+        step = self._step
+        assert step is not None
+        tickets: list[TileTicket] = []
+        for name, shape in self.stages[step.stage]:
+            gemm_id = f"s{step.index}.{name}"
+            plan = self._plan(shape)
+            if plan is None:
+                step.waiting_local += 1
+                self._run_locally(shape.flops, None)
+                continue
+            step.gemm_ids.append(gemm_id)
+            for tile in plan.tiles:
+                tile_id = f"{gemm_id}.{'.'.join(map(str, tile.index))}"
+                ticket = TileTicket(
+                    tile_id,
+                    gemm_id,
+                    tile.flops,
+                    tile.down_bytes(shape.itemsize),
+                    tile.up_bytes(shape.itemsize),
+                )
+                self._tickets[tile_id] = ticket
+                step.waiting_tiles.add(tile_id)
+                tickets.append(ticket)
+        self.scheduler.submit(tickets)
+        if not tickets:
+            self._maybe_next_stage()
+
+    def _live(self) -> list[_DeviceState]:
+        return [s for s in self.devices.values() if s.registered and s.alive]
+
+    def _plan(self, shape: GemmShape) -> GemmPlan | None:
+        live = self._live()
+        if self.config.planner == "costmodel" and live:
+            estimates = tuple(s.estimate for s in live)
+            return _pool_plan(shape, estimates, self.config)
+        caps = [s.device.mem_cap_bytes for s in live]
+        config = PlanConfig(
+            min_offload_flops=self.config.min_offload_flops,
+            target_tiles=max(2, 2 * len(live)),
+            tile_mem_cap_bytes=min(min(caps, default=1 << 62), PlanConfig.tile_mem_cap_bytes),
+        )
+        return _cached_plan(shape, config)
+
+    def _run_locally(self, flops: int, tile_id: str | None) -> None:
+        start = max(self.now, self._coord_comp_free)
+        self._coord_comp_free = start + flops / (self.config.coordinator_gflops * 1e9)
+        self.local_flops += flops
+        self._push(self._coord_comp_free, "local", tile_id)
+
+    def _cancel_all(self, worker_ids: tuple[str, ...] | list[str], tile_id: str) -> None:
+        self._cancel_pairs([(w, tile_id) for w in worker_ids])
+
+    def _cancel_pairs(self, pairs: list[tuple[str, str]]) -> None:
+        for worker_id, tile_id in pairs:
+            state = self.devices[worker_id]
+            run = state.runs.pop(tile_id, None)
+            if run is not None:
+                state.wasted_flops += self._computed_part(run)
+                self._replan(state)
+
+    # --- device side --------------------------------------------------------------------
+
+    def _start_run(self, state: _DeviceState, tile_id: str) -> None:
+        ticket = self._tickets[tile_id]
+        nbytes = ticket.down_bytes
+        start = max(self.now, state.down_free)
+        link_start = max(start, self._coord_link_free)
+        self._coord_link_free = link_start + nbytes / self.config.coordinator_egress_bps
+        down_end = max(start + nbytes / state.device.down_bps, self._coord_link_free)
+        state.down_free = down_end
+        state.down_bytes += nbytes
+        self._sent.setdefault(state.device.device_id, {})[tile_id] = self.now
+        if not state.alive:
+            return  # a silently dead worker was handed a tile: the bytes are gone
+        state.runs[tile_id] = _Run(ticket, self.now, start, down_end, comp_start=math.inf)
+        self._replan(state)
+
+    def _replan(self, state: _DeviceState) -> None:
+        """Lay the device's tiles on its compute and uplink again from `now`: stages
+        already started keep their times, the rest move up into freed time."""
+        now, device = self.now, state.device
+        comp_free = up_free = now
+        for tile_id, run in state.runs.items():
+            if run.comp_start <= now:
+                comp_free = max(comp_free, run.comp_end)
+                comp_end = run.comp_end
+                comp_start = run.comp_start
+            else:
+                comp_start = max(run.down_end, comp_free)
+                comp_end = comp_start + run.ticket.flops / device.true_flops
+                comp_free = comp_end
+            if run.up_start <= now and run.comp_start <= now and run.up_end > 0:
+                up_free = max(up_free, run.up_end)
+                up_start, up_end = run.up_start, run.up_end
+            else:
+                up_start = max(comp_end, up_free)
+                up_end = up_start + run.ticket.up_bytes / device.up_bps
+                up_free = up_end
+            if (comp_start, up_end) != (run.comp_start, run.up_end):
+                run.comp_start, run.comp_end = comp_start, comp_end
+                run.up_start, run.up_end = up_start, up_end
+                run.token += 1
+                self._push(up_end, "result", (device.device_id, tile_id, run.token))
+        state.comp_free, state.up_free = comp_free, up_free
+
+    def _computed_part(self, run: _Run) -> int:
+        if self.now <= run.comp_start:
+            return 0
+        if self.now >= run.comp_end:
+            return run.ticket.flops
+        return int(run.ticket.flops * (self.now - run.comp_start) / (run.comp_end - run.comp_start))
+
+    # --- predictions for speculate(): the cost model, never the hidden true speeds -------
+
+    def _finish_at(self, worker_id: str, tile_id: str) -> float:
+        state = self.devices[worker_id]
+        held = self.scheduler.in_flight(worker_id)
+        sent = self._sent.setdefault(worker_id, {})
+        for stale in [t for t in sent if t not in held]:
+            del sent[stale]
+        ahead = 0.0
+        for other_id in sent:
+            if other_id == tile_id:
+                break
+            ahead += state.estimate.tile_seconds(self._tickets[other_id].flops, 0, 0)
+        ticket = self._tickets[tile_id]
+        expected = state.estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
+        return overdue_finish(sent.get(tile_id, self.now), expected + ahead, self.now)
+
+    def _run_time(self, worker_id: str, ticket: TileTicket) -> float:
+        estimate = self.devices[worker_id].estimate
+        return estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
+
+    # --- results ------------------------------------------------------------------------
+
+    def result(self) -> dict[str, Any]:
+        flops_per_step = step_flops(self.stages)
+        stats = self.scheduler.stats
+        devices = []
+        pool_flops_s = 0.0
+        for state in self.devices.values():
+            d = state.device
+            live_s = sum(
+                max(0.0, min(end, d.leave_at, d.fail_at) - max(start, d.join_at))
+                for start, end in self.step_bounds
+            )
+            pool_flops_s += live_s * d.true_flops
+            devices.append(
+                {
+                    "id": d.device_id,
+                    "gflops": round(d.true_flops / 1e9, 3),
+                    "claimed_gflops": round(d.claimed_flops / 1e9, 3),
+                    "down_bytes": state.down_bytes,
+                    "up_bytes": state.up_bytes,
+                    "useful_gflop": round(state.useful_flops / 1e9, 3),
+                    "wasted_gflop": round(state.wasted_flops / 1e9, 3),
+                }
+            )
+        useful = sum(s.useful_flops for s in self.devices.values())
+        return {
+            "config": _config_json(self.config),
+            "devices_total": len(self.devices),
+            "steps_done": len(self.step_times),
+            "gave_up": self.gave_up,
+            "step_times_s": [round(t, 6) for t in self.step_times],
+            "flops_per_step": flops_per_step,
+            "utilisation": round(useful / pool_flops_s, 6) if pool_flops_s else 0.0,
+            "down_bytes": sum(s.down_bytes for s in self.devices.values()),
+            "up_bytes": sum(s.up_bytes for s in self.devices.values()),
+            "tile_flops_done": useful,
+            "local_flops": self.local_flops,
+            "taken_over": self.taken_over,
+            "lost_tiles": len(self.lost_tiles),
+            "failures": [{"device": d, "at": round(t, 6), "kind": k} for d, t, k in self.failures],
+            "scheduler": {
+                "submitted": stats.submitted,
+                "completed": stats.completed,
+                "reissued": stats.reissued,
+                "duplicates": stats.duplicates,
+                "speculated": stats.speculated,
+                "pending": self.scheduler.pending(),
+            },
+            "devices": devices,
+        }
+
+
+def _config_json(config: SimConfig) -> dict[str, Any]:
+    return {k: v for k, v in vars(config).items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_plan(shape: GemmShape, config: PlanConfig) -> GemmPlan | None:
+    return plan_gemm(shape, config)
+
+
+@functools.lru_cache(maxsize=512)
+def _pool_plan(
+    shape: GemmShape, estimates: tuple[DeviceEstimate, ...], config: SimConfig
+) -> GemmPlan | None:
+    # updated_at does not change a plan: drop it so that the cache hits across a step.
+    estimates = tuple(replace(e, updated_at=0.0) for e in estimates)
+    base = PlanConfig(min_offload_flops=config.min_offload_flops)
+    pool = plan_for_pool(
+        shape, estimates, local_flops_per_s=config.coordinator_gflops * 1e9, base=base
+    )
+    return pool.plan
+
+
+def simulate(config: SimConfig, devices: list[Device]) -> dict[str, Any]:
+    return Simulation(config, devices).run()
+
+
+def stage_count(config: SimConfig) -> int:
+    stages: list[Stage] = step_stages(
+        MODELS[config.model], config.batch, config.seq, config.itemsize
+    )
+    return len(stages)

@@ -1,0 +1,116 @@
+"""Simulator: small seeded pools, real Scheduler; exact or bounded numbers, a few seconds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from coordinator.sim.__main__ import main
+from coordinator.sim.baselines import (
+    restart_recovery_s,
+    ring_allreduce_bytes,
+    tensor_parallel_step_bytes,
+)
+from coordinator.sim.engine import SimConfig, simulate
+from coordinator.sim.models import MODELS, step_flops, step_stages
+from coordinator.sim.population import PoolSpec, make_pool, with_stragglers
+from coordinator.sim.svg import line_chart
+
+SMALL = SimConfig(model="opt-125m", batch=1, seq=128)
+FAST_LINKS = PoolSpec(median_down_mbit=1000.0, down_sigma=0.5)
+
+
+def test_step_shapes_of_opt_125m() -> None:
+    stages = step_stages(MODELS["opt-125m"], batch=1, seq=128)
+    # Per layer 6 forward and 6 backward stages, plus the LM head forward and backward.
+    assert len(stages) == 12 * 12 + 2
+    gemms = [g for stage in stages for g in stage]
+    # Per layer: 6 linears x 3 GEMMs + 2 forward and 4 backward bmm's; LM head 3.
+    assert len(gemms) == 12 * (6 * 3 + 6) + 3
+    t, h, f = 128, 768, 3072
+    linear = 3 * 2 * t * (4 * h * h + 2 * h * f)
+    attention = 6 * 2 * 12 * 128 * 128 * 64
+    head = 3 * 2 * t * h * 50272
+    assert step_flops(stages) == 12 * (linear + attention) + head
+
+
+def test_llama_has_a_gated_ffn() -> None:
+    stages = step_stages(MODELS["llama-2-7b"], batch=1, seq=16)
+    names = {name for stage in stages for name, _ in stage}
+    assert {"l0.gate.fwd", "l0.up.fwd", "l0.down.fwd", "l0.down.dw"} <= names
+
+
+def test_all_tiles_complete_and_bytes_add_up() -> None:
+    devices = make_pool(6, seed=3, spec=FAST_LINKS)
+    r = simulate(replace(SMALL, steps=2), devices)
+    assert r["steps_done"] == 2 and not r["gave_up"]
+    s = r["scheduler"]
+    assert s["pending"] == 0 and s["completed"] == s["submitted"] > 0
+    assert r["tile_flops_done"] + r["local_flops"] == 2 * r["flops_per_step"]
+    assert sum(d["down_bytes"] for d in r["devices"]) == r["down_bytes"]
+    assert sum(d["up_bytes"] for d in r["devices"]) == r["up_bytes"]
+    assert 0 < r["utilisation"] <= 1
+
+
+def test_deterministic_for_a_seed() -> None:
+    first = simulate(SMALL, make_pool(5, seed=7))
+    again = simulate(SMALL, make_pool(5, seed=7))
+    assert json.dumps(first, sort_keys=True) == json.dumps(again, sort_keys=True)
+    other = simulate(SMALL, make_pool(5, seed=8))
+    assert other["step_times_s"] != first["step_times_s"]
+
+
+def test_no_tile_lost_after_failures() -> None:
+    devices = make_pool(6, seed=3, spec=FAST_LINKS)
+    clean = simulate(SMALL, devices)["step_times_s"][0]
+    fastest = max(devices, key=lambda d: d.true_flops)
+    for kind in ("fail_at", "leave_at"):
+        hit = [replace(d, **{kind: clean / 3}) if d is fastest else d for d in devices]
+        r = simulate(SMALL, hit)
+        assert r["steps_done"] == 1 and r["scheduler"]["pending"] == 0
+        assert r["tile_flops_done"] + r["local_flops"] == r["flops_per_step"]
+        assert [f["kind"] for f in r["failures"]] == [kind.removesuffix("_at")]
+        assert r["step_times_s"][0] >= clean
+        if kind == "fail_at":  # found only by the heartbeat timeout
+            assert r["step_times_s"][0] < clean + SMALL.heartbeat_timeout_s + 2 * clean
+
+
+def test_churn_with_joins_leaves_and_failures() -> None:
+    spec = replace(FAST_LINKS, leave_rate_per_h=60.0, fail_rate_per_h=60.0, join_rate_per_h=600.0)
+    r = simulate(replace(SMALL, steps=2), make_pool(8, seed=11, spec=spec))
+    assert r["steps_done"] == 2 and r["scheduler"]["pending"] == 0
+    assert r["tile_flops_done"] + r["local_flops"] == 2 * r["flops_per_step"]
+
+
+def test_speculation_rescues_stragglers() -> None:
+    devices = with_stragglers(make_pool(6, seed=3, spec=FAST_LINKS), 2)
+    off = simulate(SMALL, devices)
+    on = simulate(replace(SMALL, speculate_after=2.0), devices)
+    assert on["scheduler"]["speculated"] > 0 and off["scheduler"]["speculated"] == 0
+    assert on["step_times_s"][0] < off["step_times_s"][0]
+    assert on["scheduler"]["pending"] == 0
+
+
+def test_costmodel_planner_runs_small_gemms_locally_on_slow_links() -> None:
+    slow_links = PoolSpec(median_down_mbit=10.0)
+    r = simulate(replace(SMALL, planner="costmodel"), make_pool(4, seed=2, spec=slow_links))
+    assert r["steps_done"] == 1 and r["local_flops"] > 0
+    assert r["tile_flops_done"] + r["local_flops"] == r["flops_per_step"]
+
+
+def test_baselines() -> None:
+    assert ring_allreduce_bytes(1000, 1) == 0.0
+    assert ring_allreduce_bytes(1000, 4) == 1500.0
+    # 12 layers x 4 all-reduces x 2*3/4 of 1 x 128 x 768 x 4 bytes
+    assert tensor_parallel_step_bytes(MODELS["opt-125m"], 1, 128, 4) == 12 * 4 * 1.5 * 393216
+    assert restart_recovery_s(2.0, restart_s=120.0, checkpoint_every=100) == 220.0
+
+
+def test_svg_and_cli(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    svg = line_chart("t", "x", "y", {"a": [(1, 1.0), (4, 2.0)]}, log_x=True, log_y=True)
+    assert svg.startswith("<svg") and "polyline" in svg
+    out = tmp_path / "r.json"
+    assert main(["run", "--devices", "3", "--batch", "1", "--seq", "64", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["scheduler"]["pending"] == 0 and len(result["devices"]) == 3
+    assert '"step_times_s"' in capsys.readouterr().out
