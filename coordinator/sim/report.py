@@ -355,4 +355,24 @@ writes JSON (`--json FILE`).
   Megatron tensor parallelism's 4 ring all-reduces per layer and step, and a pipeline
   that restarts from a checkpoint (120 s restart + half a 100-step interval).
 
+## What the numbers say (honestly)
+
+- (a) Cleave's per-device bytes fall with N (total / N, while the total grows only as
+  tiles shrink), but they start far above tensor parallelism's, because every tile
+  re-sends its operands (weights included) every step. They cross TP's flat ~50 GB only
+  at N in the hundreds.
+- (b) In fp32 over real links the pool is bandwidth-bound: utilisation is ~1% or less,
+  and past ~16 devices the coordinator's shared 10 Gbit/s egress, carrying the re-sent
+  operands of ever smaller tiles, makes steps slower again. A small model is faster on
+  the coordinator alone. Lower-precision wire formats, operand caching on workers and
+  larger batches are what would move this; the simulator is the place to measure them.
+- (c) A disconnect costs almost nothing (the tiles re-queue at once); a silent failure
+  costs about the heartbeat timeout. Both are >= 100x below the restart baseline.
+- (d) The planner is NOT within 1.25x of total work / total speed on these shapes: that
+  bound ignores communication, and even at 10 Gbit/s the fp32 operands of one GEMM cost
+  more than its compute on the fast devices (worst for attention's bmm, K = 64).
+- (e) With a pull scheduler and a window of 2, 10x stragglers in a bandwidth-bound pool
+  cost little; speculative copies shave a fraction of a second here. Their benefit shows
+  in compute-bound pools (see tests/test_sim.py::test_speculation_rescues_stragglers).
+
 """
