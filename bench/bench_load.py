@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -224,7 +226,21 @@ class LoopLag:
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float]] = []  # (woke at, lateness s)
+        # Garbage collections (ended at, generation, wall s, this thread's CPU s): a full
+        # collection stops the loop as a whole; wall far above CPU means the process was
+        # waiting for a core, not collecting.
+        self.collections: list[tuple[float, int, float, float]] = []
+        self._gc_start = (0.0, 0.0)
+        gc.callbacks.append(self._on_gc)
         self._task = asyncio.create_task(self._probe())
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        now, cpu = time.monotonic(), time.thread_time()
+        if phase == "start":
+            self._gc_start = (now, cpu)
+        else:
+            wall_s, cpu_s = now - self._gc_start[0], cpu - self._gc_start[1]
+            self.collections.append((now, info["generation"], wall_s, cpu_s))
 
     async def _probe(self) -> None:
         while True:
@@ -235,6 +251,10 @@ class LoopLag:
 
     def stop(self) -> None:
         self._task.cancel()
+        gc.callbacks.remove(self._on_gc)
+
+    def report(self) -> dict[str, list[Any]]:
+        return {"lag": self.samples, "gc": self.collections}
 
 
 def _raise_fd_limit(needed: int) -> None:
@@ -244,10 +264,19 @@ def _raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard < 0 else min(want, hard), hard))
 
 
-def coordinator_process(pipe: Connection, cfg: LoadConfig) -> None:
-    """Entry point of the coordinator process: serve, then obey the driver's commands."""
+def coordinator_process(pipe: Connection, cfg: LoadConfig, profile: str = "") -> None:
+    """Entry point of the coordinator process: serve, then obey the driver's commands.
+
+    ``profile``: write cProfile stats of the event-loop thread (where heartbeats wait)
+    to this file.
+    """
     _raise_fd_limit(cfg.workers)
-    asyncio.run(_coordinator(pipe, cfg))
+    if not profile:
+        asyncio.run(_coordinator(pipe, cfg))
+        return
+    profiler = cProfile.Profile()
+    profiler.runcall(asyncio.run, _coordinator(pipe, cfg))
+    profiler.dump_stats(profile)
 
 
 async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
@@ -272,12 +301,20 @@ async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
                     break
                 if command == "snapshot":
                     pipe.send(_snapshot(server))
+                elif command == "status":
+                    # What one /api/status request costs the event loop at this pool size.
+                    start = time.perf_counter()
+                    body = json.dumps(server.status())
+                    build_s = time.perf_counter() - start
+                    # What a full collection must walk: objects the GC tracks right now.
+                    tracked = len(gc.get_objects())
+                    pipe.send({"build_s": build_s, "bytes": len(body), "gc_objects": tracked})
                 elif command == "feed":
                     stream.start()
                     pipe.send("ok")
                 elif command == "drain":
                     report = await stream.drain(cfg.drain_timeout_s)
-                    pipe.send({"stream": asdict(report), "lag": lag.samples, **_snapshot(server)})
+                    pipe.send({"stream": asdict(report), "loop": lag.report(), **_snapshot(server)})
                 elif command == "quit":
                     break
         finally:
@@ -291,7 +328,6 @@ def _snapshot(server: CoordinatorServer) -> dict[str, Any]:
     return {
         "t": time.monotonic(),
         "conns": len(server.conns),
-        "authenticating": server.status()["connections"]["authenticating"],
         "queued": server.scheduler.queued_count(),
         "pending": server.scheduler.pending(),
         "counters": asdict(server.counters),
@@ -391,7 +427,7 @@ class SimWorker:
         return None
 
     async def _handshake(self, ws: ClientConnection) -> Welcome:
-        received = parse_message(await ws.recv())
+        received = parse_message(_binary(await ws.recv()))
         challenge = received.message
         if not isinstance(challenge, Challenge):
             raise ProtocolError(f"expected a challenge, got {challenge.TYPE}")
@@ -407,7 +443,7 @@ class SimWorker:
             client="bench-load",
         )
         await ws.send(encode_message(hello))
-        received = parse_message(await ws.recv())
+        received = parse_message(_binary(await ws.recv()))
         welcome = received.message
         if isinstance(welcome, Error):
             raise ProtocolError(f"refused: {welcome.code}: {welcome.message}")
@@ -463,6 +499,12 @@ class SimWorker:
         await ws.close()
 
 
+def _binary(data: str | bytes) -> bytes:
+    if isinstance(data, str):
+        raise ProtocolError("the coordinator sent a text frame")
+    return data
+
+
 def load_process(
     pipe: Connection, cfg: LoadConfig, url: str, coordinator_key: str, first: int, count: int
 ) -> None:
@@ -498,7 +540,7 @@ async def _load(
         task.cancel()
     await asyncio.gather(*runs, return_exceptions=True)
     lag.stop()
-    pipe.send({"workers": [asdict(w.stats) for w in workers], "lag": lag.samples})
+    pipe.send({"workers": [asdict(w.stats) for w in workers], "loop": lag.report()})
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -524,13 +566,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def run_load(cfg: LoadConfig) -> dict[str, Any]:
+def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
     """Run the whole load test and return its measurements (see ``format_table``)."""
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
     try:
         coord_pipe, child = ctx.Pipe()
-        coord = ctx.Process(target=coordinator_process, args=(child, cfg), name="coordinator")
+        coord = ctx.Process(
+            target=coordinator_process, args=(child, cfg, profile), name="coordinator"
+        )
         coord.start()
         procs.append(coord)
         hello = _recv(coord_pipe, "coordinator start")
@@ -545,9 +589,9 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
         for i, share in enumerate(shares):
             pipe, child = ctx.Pipe()
             args = (child, cfg, url, hello["key"], first, share)
-            proc = ctx.Process(target=load_process, args=args, name=f"load-{i}")
-            proc.start()
-            procs.append(proc)
+            load = ctx.Process(target=load_process, args=args, name=f"load-{i}")
+            load.start()
+            procs.append(load)
             load_pipes.append(pipe)
             first += share
         for pipe in load_pipes:
@@ -566,6 +610,7 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
         time.sleep(cfg.heartbeat_s)
         connected = _ask(coord_pipe, "snapshot", "snapshot")
         rss_connected = coord_ps.memory_info().rss
+        status = _ask(coord_pipe, "status", "status")
 
         _ask(coord_pipe, "feed", "feed")
         time.sleep(cfg.warmup_s)
@@ -587,13 +632,13 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
 
         final = _ask(coord_pipe, "drain", "drain")
         stats: list[dict[str, Any]] = []
-        load_lag: list[tuple[float, float]] = []
+        load_loop: list[dict[str, list[Any]]] = []
         for pipe in load_pipes:
             pipe.send("stop")
         for pipe in load_pipes:
             report = _recv(pipe, "worker stats")
             stats.extend(report["workers"])
-            load_lag.extend(report["lag"])
+            load_loop.append(report["loop"])
         coord_pipe.send("quit")
     finally:
         for proc in procs:
@@ -609,9 +654,10 @@ def run_load(cfg: LoadConfig) -> dict[str, Any]:
         rss_connected=rss_connected,
         rss_peak=rss_peak,
         cpu_percent=cpu_percent,
+        status=status,
         load_cpu_percent=load_cpu_percent,
         machine_cpu_percent=machine_cpu_percent,
-        load_lag=load_lag,
+        load_loop=load_loop,
         connected=connected,
         steady_a=steady_a,
         steady_b=steady_b,
@@ -628,9 +674,10 @@ def _measurements(
     rss_connected: int,
     rss_peak: int,
     cpu_percent: float,
+    status: dict[str, Any],
     load_cpu_percent: list[float],
     machine_cpu_percent: float,
-    load_lag: list[tuple[float, float]],
+    load_loop: list[dict[str, list[Any]]],
     connected: dict[str, Any],
     steady_a: dict[str, Any],
     steady_b: dict[str, Any],
@@ -644,8 +691,18 @@ def _measurements(
     # Beats sent in the steady phase that never got an ack (the last beat of each
     # worker, sent as the run ended, is not counted: its ack may have crossed the bye).
     steady_unacked = sum(1 for s in stats for sent in s["unacked"] if t_a <= sent <= t_b)
-    coord_lag = [lag for t, lag in final["lag"] if t_a <= t <= t_b]
-    steady_load_lag = [lag for t, lag in load_lag if t_a <= t <= t_b]
+    coord_lag = [lag for t, lag in final["loop"]["lag"] if t_a <= t <= t_b]
+    steady_load_lag = [lag for loop in load_loop for t, lag in loop["lag"] if t_a <= t <= t_b]
+
+    def full_gc(loops: list[dict[str, list[Any]]]) -> list[tuple[float, float]]:
+        return [
+            (wall, cpu)
+            for loop in loops
+            for t, gen, wall, cpu in loop["gc"]
+            if gen == 2 and t_a <= t <= t_b
+        ]
+
+    coord_gc, load_gc = full_gc([final["loop"]]), full_gc(load_loop)
     steady_s = t_b - t_a
     a, b, end = steady_a["counters"], steady_b["counters"], final["counters"]
     stream = final["stream"]
@@ -671,11 +728,20 @@ def _measurements(
         "coordinator_loop_lag_p99_ms": 1e3 * percentile(coord_lag, 99),
         "load_loop_lag_p50_ms": 1e3 * percentile(steady_load_lag, 50),
         "load_loop_lag_p99_ms": 1e3 * percentile(steady_load_lag, 99),
+        "coordinator_full_gc_steady": len(coord_gc),
+        "coordinator_full_gc_max_ms": 1e3 * max((w for w, _ in coord_gc), default=0.0),
+        "coordinator_full_gc_max_cpu_ms": 1e3 * max((c for _, c in coord_gc), default=0.0),
+        "load_full_gc_steady": len(load_gc),
+        "load_full_gc_max_ms": 1e3 * max((w for w, _ in load_gc), default=0.0),
+        "load_full_gc_max_cpu_ms": 1e3 * max((c for _, c in load_gc), default=0.0),
         "rss_before_mb": rss_before / 2**20,
         "rss_connected_mb": rss_connected / 2**20,
         "rss_per_conn_kb": (rss_connected - rss_before) / max(1, len(welcomed)) / 1024,
         "rss_peak_steady_mb": rss_peak / 2**20,
         "cpu_percent_steady": cpu_percent,
+        "status_build_ms": 1e3 * status["build_s"],
+        "status_kib": status["bytes"] / 1024,
+        "coordinator_gc_objects": status["gc_objects"],
         "load_cpu_percent_steady": load_cpu_percent,
         "machine_cpu_percent_steady": machine_cpu_percent,
         "machine_cores": psutil.cpu_count(),
@@ -717,6 +783,17 @@ def format_table(m: dict[str, Any]) -> str:
             f"{m['load_loop_lag_p50_ms']:.1f} / {m['load_loop_lag_p99_ms']:.1f} ms",
         ),
         (
+            "full GCs, steady (max wall / CPU), coordinator",
+            f"{m['coordinator_full_gc_steady']} ({m['coordinator_full_gc_max_ms']:.0f} / "
+            f"{m['coordinator_full_gc_max_cpu_ms']:.0f} ms)",
+        ),
+        ("objects tracked by the coordinator's GC", f"{m['coordinator_gc_objects']:,}"),
+        (
+            "full GCs, steady (max wall / CPU), load",
+            f"{m['load_full_gc_steady']} ({m['load_full_gc_max_ms']:.0f} / "
+            f"{m['load_full_gc_max_cpu_ms']:.0f} ms)",
+        ),
+        (
             "heartbeats acked",
             f"{m['heartbeats_acked']} / {m['heartbeats_sent']} "
             f"(every {cfg['heartbeat_s']:g} s, {m['workers_with_acks']} workers)",
@@ -733,6 +810,10 @@ def format_table(m: dict[str, Any]) -> str:
         (
             "machine CPU, steady (all processes)",
             f"{m['machine_cpu_percent_steady']:.0f} % of {m['machine_cores']}00 %",
+        ),
+        (
+            "/api/status build, all connected",
+            f"{m['status_build_ms']:.0f} ms on the event loop ({m['status_kib']:.0f} KiB)",
         ),
         ("tiles dispatched / s", f"{m['tiles_sent_per_s']:.0f}"),
         ("tiles verified / s", f"{m['tiles_verified_per_s']:.0f}"),
@@ -767,6 +848,9 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=defaults.procs, help="load processes")
     parser.add_argument("--heartbeat", type=float, default=defaults.heartbeat_s)
     parser.add_argument("--json", type=Path, help="also write the measurements here")
+    parser.add_argument(
+        "--profile", type=Path, help="cProfile the coordinator's event loop into this file"
+    )
     args = parser.parse_args()
     cfg = LoadConfig(
         workers=args.workers,
@@ -777,7 +861,7 @@ def main() -> None:
         procs=args.procs,
         heartbeat_s=args.heartbeat,
     )
-    measured = run_load(cfg)
+    measured = run_load(cfg, str(args.profile.resolve()) if args.profile else "")
     print(format_table(measured))
     if args.json:
         args.json.write_text(json.dumps(measured, indent=2) + "\n")
