@@ -161,7 +161,7 @@ def decode_tensors(
         shape = _shape(desc, limits)
         offset = _int_field(desc, "offset")
         nbytes = _int_field(desc, "nbytes")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize  # no throwaway tensor per call
         if nbytes != math.prod(shape) * itemsize:
             raise TensorCodecError(
                 f"tensor {name!r}: nbytes={nbytes} does not match shape {shape} of {desc['dtype']}"
@@ -180,7 +180,7 @@ def _view(
 ) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize  # no throwaway tensor per call
     if offset % itemsize:
         # Misaligned for the dtype: copy rather than reinterpret unaligned memory.
         chunk = bytearray(payload[offset : offset + nbytes])

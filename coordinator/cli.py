@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import logging
 import signal
@@ -141,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a heartbeat before a worker's tiles are re-issued",
     )
     serve.add_argument(
+        "--speculate-after",
+        type=float,
+        default=3.0,
+        metavar="RATIO",
+        help="copy a tile to an idle worker once its holder's predicted finish is more "
+        "than RATIO times what the idle worker needs (default 3; 0 turns copies off)",
+    )
+    serve.add_argument(
         "--join-token",
         default="",
         metavar="TOKEN",
@@ -225,6 +234,8 @@ def _print(text: str, **fields: Any) -> None:
 async def serve(args: argparse.Namespace) -> int:
     if args.steps < 0 or args.local_workers < 0:
         raise SystemExit("--steps and --local-workers must be >= 0")
+    if args.speculate_after and args.speculate_after < 1:
+        raise SystemExit("--speculate-after must be >= 1 (or 0 to turn copies off)")
     if args.checkpoint_every < 1:
         raise SystemExit("--checkpoint-every must be >= 1")
     if args.min_workers is not None and args.min_workers < 1:
@@ -246,11 +257,18 @@ async def serve(args: argparse.Namespace) -> int:
             # Several heartbeats per timeout, so one late beat never drops a worker.
             heartbeat_interval_s=min(ServerConfig.heartbeat_interval_s, args.heartbeat_timeout / 4),
             join_token=args.join_token,
-            scheduler=SchedulerConfig(heartbeat_timeout_s=args.heartbeat_timeout),
+            scheduler=SchedulerConfig(
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                speculate_after=args.speculate_after or None,
+            ),
         ),
         status_extra=progress.status,
     )
     port = await server.start(args.host, args.port, ssl_context=ssl_context)
+    # What is alive now (modules, the job, its model) lives for the whole run: keep it out
+    # of the full garbage collections, which otherwise pause the event loop for 0.2 s+
+    # with a thousand workers connected (bench/bench_load.py).
+    gc.freeze()
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     ws, http = ("wss", "https") if ssl_context is not None else ("ws", "http")
     url = f"{ws}://{connect_host}:{port}{WS_PATH}"

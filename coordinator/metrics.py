@@ -20,6 +20,11 @@ TILE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("sent", "cleave_tiles_sent_total", "Tile bundles sent to workers, re-issues included."),
     ("verified", "cleave_tiles_verified_total", "Tile results that passed verification."),
     ("reissued", "cleave_tiles_reissued_total", "Sends of a tile that had been sent before."),
+    (
+        "speculated",
+        "cleave_tiles_speculated_total",
+        "Copies of tiles predicted late, sent to idle workers (also counted as re-issued).",
+    ),
     ("rejected", "cleave_tiles_rejected_total", "Tile results that failed verification."),
     ("refused", "cleave_tiles_refused_total", "Tiles a worker refused (e.g. bad signature)."),
     ("duplicates", "cleave_tiles_duplicate_total", "Results for tiles already done."),

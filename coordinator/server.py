@@ -16,7 +16,7 @@ import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,7 +48,14 @@ from common.messages import (
 from common.signing import fingerprint, public_key_hex
 from common.token_bucket import TokenBucket
 from coordinator import http_api
-from coordinator.ledger import Ledger
+from coordinator.costmodel import (
+    DeviceEstimate,
+    TileObservation,
+    from_profile,
+    observe,
+    overdue_finish,
+)
+from coordinator.ledger import Contribution, Ledger
 from coordinator.reputation import (
     ReputationPolicy,
     after_failed,
@@ -56,7 +63,7 @@ from coordinator.reputation import (
     ban_reason,
     is_banned,
 )
-from coordinator.scheduler import Scheduler, SchedulerConfig, Verdict
+from coordinator.scheduler import Assignment, Scheduler, SchedulerConfig, TileTicket, Verdict
 from coordinator.tiling import TileJob
 from coordinator.verify import freivalds_ok, new_generator
 
@@ -68,6 +75,9 @@ CLOSE_NORMAL = 1000
 CLOSE_POLICY = 1008  # RFC 6455: policy violation (malformed or forbidden messages)
 CLOSE_TRY_LATER = 1013  # RFC 6455: try again later (too many handshakes at once)
 CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
+# A link speed to start from until a worker's first tiles measure its own: a modest
+# home connection, so early estimates err on the slow side.
+LINK_GUESS_BYTES_PER_S = 10e6
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,10 @@ class WorkerConn:
     sent_at: dict[str, float] = field(default_factory=dict)
     verifying: set[str] = field(default_factory=set)  # results being checked right now
     messages: TokenBucket | None = None  # this connection's message-rate allowance
+    # Tiles sent while the worker held nothing: their round trip is all transfer and
+    # compute, no waiting behind another tile, so they measure the links.
+    sent_idle: set[str] = field(default_factory=set)
+    estimate: DeviceEstimate | None = None  # speed and links, learnt from its tiles
 
     @property
     def fingerprint(self) -> str:
@@ -120,6 +134,7 @@ class Counters:
     tiles_sent: int = 0
     tiles_verified: int = 0
     reissued: int = 0  # sends of a tile that had been sent before (lost, refused, failed)
+    speculated: int = 0  # copies of tiles predicted late, sent to idle workers
     rejected: int = 0  # results that failed verification
     refused: int = 0  # tiles a worker refused (e.g. bad signature)
     duplicates: int = 0
@@ -181,6 +196,10 @@ class CoordinatorServer:
         self._check_vectors = new_generator()
         self._server: Server | None = None
         self._handshaking = 0
+        # Each connected key's ledger row, kept in step with every write: heartbeats,
+        # checks and status read it here instead of querying SQLite on the event loop.
+        # Keyed by worker key, so two connections of one worker share one standing.
+        self._standings: dict[str, Contribution] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Condition()
 
@@ -260,20 +279,61 @@ class CoordinatorServer:
 
     def _dispatch(self) -> None:
         for assignment in self.scheduler.assign(self.clock()):
-            conn = self.conns.get(assignment.worker_id)
-            job = self.jobs.get(assignment.tile_id)
-            if conn is None or job is None:  # pragma: no cover - scheduler and maps agree
-                log.error(
-                    "scheduler assigned %s to %s, which is unknown",
-                    assignment.tile_id,
-                    assignment.worker_id,
-                )
-                continue
-            conn.outbox.put_nowait(job.bundle)
-            conn.sent_at[job.tile_id] = self.clock()
-            self.counters.tiles_sent += 1
-            self.counters.reissued += assignment.reissue
-            self.counters.bytes_down += len(job.bundle)
+            self._send(assignment)
+
+    def _send(self, assignment: Assignment) -> None:
+        conn = self.conns.get(assignment.worker_id)
+        job = self.jobs.get(assignment.tile_id)
+        if conn is None or job is None:  # pragma: no cover - scheduler and maps agree
+            log.error(
+                "scheduler assigned %s to %s, which is unknown",
+                assignment.tile_id,
+                assignment.worker_id,
+            )
+            return
+        held = self.scheduler.in_flight(conn.worker_id)
+        if len(conn.sent_at) > 4 * conn.window + 8:
+            # Tiles cancelled or moved elsewhere leave their send times behind: keep
+            # only those of tiles the worker still holds, so a long session stays small.
+            conn.sent_at = {t: at for t, at in conn.sent_at.items() if t in held}
+            conn.sent_idle &= held
+        if len(held) == 1:  # only this tile: nothing for it to wait behind
+            conn.sent_idle.add(job.tile_id)
+        conn.outbox.put_nowait(job.bundle)
+        conn.sent_at[job.tile_id] = self.clock()
+        self.counters.tiles_sent += 1
+        self.counters.reissued += assignment.reissue
+        self.counters.bytes_down += len(job.bundle)
+
+    def _speculate(self) -> None:
+        """Copy tiles predicted late (a slow or withholding worker) to idle workers; the
+        first verified result wins and the other holder is cancelled."""
+        copies = self.scheduler.speculate(self.clock(), self._predicted_finish, self._run_time)
+        for copy in copies:
+            log.info("tile %s looks late: a copy goes to %s", copy.tile_id, copy.worker_id)
+            self.counters.speculated += 1
+            self._send(copy)
+
+    def _run_time(self, worker_id: str, ticket: TileTicket) -> float:
+        """Seconds from sending ``ticket`` to an idle ``worker_id`` until its result."""
+        conn = self.conns.get(worker_id)
+        if conn is None or conn.estimate is None:
+            return float("inf")
+        return conn.estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
+
+    def _predicted_finish(self, worker_id: str, tile_id: str) -> float:
+        """When ``worker_id`` will return ``tile_id``: after the tiles sent to it before
+        this one (it computes one at a time), later once it is overdue."""
+        conn = self.conns.get(worker_id)
+        start = conn.sent_at.get(tile_id) if conn is not None else None
+        if conn is None or start is None:
+            return float("inf")
+        expected = 0.0
+        for held in self.scheduler.in_flight(worker_id):
+            job = self.jobs.get(held)
+            if job is not None and conn.sent_at.get(held, start) <= start:
+                expected += self._run_time(worker_id, job.ticket)
+        return overdue_finish(start, expected, self.clock())
 
     # ---- connections -----------------------------------------------------------------
 
@@ -347,7 +407,8 @@ class CoordinatorServer:
         except ProtocolError as exc:
             await ws.send(encode_message(Error(exc.code, exc.message)))
             raise _Drop(CLOSE_POLICY, f"bad hello: {exc.message}") from None
-        standing = self.ledger.get(hello.worker_key)
+        # Not cached yet: a refused stranger must leave nothing behind.
+        standing = self._standings.get(hello.worker_key) or self.ledger.get(hello.worker_key)
         if standing.banned_reason:
             message = f"worker {fingerprint(hello.worker_key)} is banned: {standing.banned_reason}"
             await ws.send(encode_message(Error("banned", message)))
@@ -363,6 +424,13 @@ class CoordinatorServer:
         )
         await ws.send(encode_message(welcome))
         now = self.clock()
+        estimate = from_profile(
+            worker_id,
+            hello.profile,
+            down_bps=LINK_GUESS_BYTES_PER_S,
+            up_bps=LINK_GUESS_BYTES_PER_S,
+            now=now,
+        )
         return WorkerConn(
             worker_id,
             hello.worker_key,
@@ -375,6 +443,7 @@ class CoordinatorServer:
             messages=TokenBucket(
                 self.config.max_messages_per_s, self.config.message_burst, clock=self.clock
             ),
+            estimate=estimate,
         )
 
     def _register(self, conn: WorkerConn) -> None:
@@ -400,9 +469,17 @@ class CoordinatorServer:
             while True:
                 await conn.ws.send(await conn.outbox.get())
 
+    def _standing(self, key: str) -> Contribution:
+        standing = self._standings.get(key)
+        if standing is None:
+            standing = self._standings[key] = self.ledger.get(key)
+        return standing
+
     async def _forget(self, conn: WorkerConn) -> None:
         if self.conns.pop(conn.worker_id, None) is None:
             return
+        if all(other.key != conn.key for other in self.conns.values()):
+            self._standings.pop(conn.key, None)
         self._refresh_pool()
         if conn.worker_id in self.scheduler.workers():
             requeued = self.scheduler.remove_worker(conn.worker_id, self.clock())
@@ -430,6 +507,7 @@ class CoordinatorServer:
                     await self._forget(conn)
             if expiry.requeued:
                 self._dispatch()
+            self._speculate()
             self._rescue_stranded()
 
     # ---- messages --------------------------------------------------------------------
@@ -476,7 +554,7 @@ class CoordinatorServer:
         elif isinstance(msg, Heartbeat):
             self.scheduler.heartbeat(conn.worker_id, now)
             conn.state, conn.reason = msg.state, msg.reason
-            credit = self.ledger.get(conn.key)
+            credit = self._standing(conn.key)
             await conn.ws.send(encode_message(Ack(msg.seq, credit.tiles, round(credit.gflop, 6))))
         elif isinstance(msg, Error):
             self._on_worker_error(conn, msg)
@@ -572,19 +650,32 @@ class CoordinatorServer:
             return
         del self.jobs[msg.tile_id]
         held_s = now - conn.sent_at.pop(msg.tile_id, now)
+        self._learn(conn, job, msg, held_s, len(received.frame.payload), now)
         conn.tiles_session += 1
         self.counters.tiles_verified += 1
         self.counters.bytes_up += len(received.frame.payload)
-        policy = self.config.reputation
+        before = self._standing(conn.key)
+        reputation = after_verified(before.reputation, self.config.reputation)
+        up, compute_s = len(received.frame.payload), min(msg.compute_s, held_s)
         self.ledger.credit(
             conn.key,
             name=conn.name,
-            reputation=after_verified(self.ledger.get(conn.key).reputation, policy),
+            reputation=reputation,
             flops=job.flops,
             bytes_down=len(job.bundle),
-            bytes_up=len(received.frame.payload),
-            compute_s=min(msg.compute_s, held_s),
+            bytes_up=up,
+            compute_s=compute_s,
             now=self.wall_clock(),
+        )
+        self._standings[conn.key] = replace(
+            before,
+            name=conn.name,
+            tiles=before.tiles + 1,
+            flops=before.flops + job.flops,
+            bytes_down=before.bytes_down + len(job.bundle),
+            bytes_up=before.bytes_up + up,
+            compute_s=before.compute_s + compute_s,
+            reputation=reputation,
         )
         for other in completion.cancel:
             self._cancel(other, msg.tile_id)
@@ -593,12 +684,40 @@ class CoordinatorServer:
         if finished:
             self._gemm_finished(job)
 
+    def _learn(
+        self, conn: WorkerConn, job: TileJob, msg: Result, held_s: float, up: int, now: float
+    ) -> None:
+        """Move the worker's estimate toward what this tile showed. Its claimed compute
+        time counts no higher than the time it held the tile; the rest of the round trip
+        measures the links only if the tile did not wait behind another one."""
+        if conn.estimate is None:
+            return
+        compute_s = max(0.0, min(msg.compute_s, held_s))
+        transfer_s: float | None = None
+        if job.tile_id in conn.sent_idle:
+            transfer_s = held_s - compute_s
+        conn.sent_idle.discard(job.tile_id)
+        down = len(job.bundle)
+        share = down / (down + up) if down + up else 0.0
+        conn.estimate = observe(
+            conn.estimate,
+            TileObservation(
+                flops=job.flops,
+                down_bytes=down,
+                up_bytes=up,
+                down_s=transfer_s * share if transfer_s else None,
+                compute_s=compute_s,
+                up_s=transfer_s * (1 - share) if transfer_s else None,
+            ),
+            now,
+        )
+
     def _failed_check(self, conn: WorkerConn, tile_id: str, now: float) -> None:
         """A wrong result: discard it, re-issue the tile, cut the worker's reputation, and
         ban its key (closing all its connections) once the reputation falls too low."""
         self.counters.rejected += 1
         policy = self.config.reputation
-        before = self.ledger.get(conn.key)
+        before = self._standing(conn.key)
         reputation = after_failed(before.reputation, policy)
         banned = ""
         if not before.banned_reason and is_banned(reputation, policy):
@@ -609,6 +728,13 @@ class CoordinatorServer:
             reputation=reputation,
             banned_reason=banned,
             now=self.wall_clock(),
+        )
+        self._standings[conn.key] = replace(
+            before,
+            name=conn.name,
+            rejected=before.rejected + 1,
+            reputation=reputation,
+            banned_reason=before.banned_reason or banned,
         )
         log.warning(
             "tile %s from %s failed verification (reputation %.2f): re-issuing",
@@ -691,7 +817,7 @@ class CoordinatorServer:
         now = self.clock()
         workers = []
         for conn in self.conns.values():
-            standing = self.ledger.get(conn.key)
+            standing = self._standing(conn.key)
             workers.append(
                 {
                     "id": conn.worker_id,
@@ -702,6 +828,10 @@ class CoordinatorServer:
                     "device": conn.profile.device_name or conn.profile.device,
                     "threads": conn.profile.threads,
                     "gflops": conn.profile.gflops,
+                    # What its tiles show, which may differ from what it measured at start.
+                    "gflops_observed": round(conn.estimate.flops_per_s / 1e9, 2)
+                    if conn.estimate is not None
+                    else 0.0,
                     "connected_s": round(now - conn.connected_at, 1),
                     "last_seen_s": round(now - conn.last_seen, 1),
                     "in_flight": len(self.scheduler.in_flight(conn.worker_id)),
@@ -725,6 +855,7 @@ class CoordinatorServer:
                 "sent": self.counters.tiles_sent,
                 "verified": self.counters.tiles_verified,
                 "reissued": self.counters.reissued,
+                "speculated": self.counters.speculated,
                 "rejected": self.counters.rejected,
                 "refused": self.counters.refused,
                 "duplicates": self.counters.duplicates,

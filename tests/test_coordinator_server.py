@@ -1135,3 +1135,36 @@ def test_too_many_simultaneous_handshakes_are_told_to_come_back(tmp_path: Path) 
             await late.close()
 
     asyncio.run(scenario())
+
+
+def test_tiles_a_worker_sits_on_are_copied_to_an_idle_worker_and_the_first_result_wins(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        scheduler = SchedulerConfig(speculate_after=2.0)  # tile timeout stays at 120 s
+        async with coordinator(tmp_path, scheduler=scheduler) as coord:
+            sitter = await Raw.join(coord, "sitter", window=2)  # takes tiles, never answers
+            async with honest_workers(coord, tmp_path, "honest"):
+                started = time.monotonic()
+                gemm = Gemm(coord.server, "g", (96, 64, 80), seed=8)
+                await gemm.check()  # without copies this would wait for the tile timeout
+                elapsed = time.monotonic() - started
+                held = [
+                    m.tile_id
+                    for m in [(await sitter.recv()).message for _ in range(2)]
+                    if isinstance(m, Task)
+                ]
+                cancels: list[str] = []
+                while len(cancels) < len(held):
+                    message = (await sitter.expect(Cancel)).message
+                    assert isinstance(message, Cancel)
+                    cancels.append(message.tile_id)
+            await sitter.close()
+            counters = coord.server.counters
+            assert elapsed < 30 and len(held) == 2 and sorted(cancels) == sorted(held)
+            assert counters.speculated >= 2 and counters.tiles_verified == len(gemm.jobs)
+            assert ledger_row(coord, "honest").tiles == len(gemm.jobs)
+            honest = coord.server.status()["tiles"]
+            assert honest["speculated"] == counters.speculated
+
+    asyncio.run(scenario())

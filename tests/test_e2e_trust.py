@@ -52,7 +52,11 @@ def test_a_worker_returning_wrong_results_is_caught_every_time_and_banned(
     tmp_path: Path,
 ) -> None:
     steps = 8
-    coord = Coordinator(tmp_path, "--steps", str(steps), "--min-workers", "2")
+    # No copies of late tiles: every wrong result must reach its check, not lose a race
+    # to a copy (which would discard it unchecked).
+    coord = Coordinator(
+        tmp_path, "--steps", str(steps), "--min-workers", "2", "--speculate-after", "0"
+    )
     log = tmp_path / "perturbed.log"
     honest = Worker(tmp_path, coord.url, "honest")
     # Window 1: each result is judged before the next tile arrives, so every wrong
