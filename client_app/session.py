@@ -26,6 +26,7 @@ from common.errors import KeyMismatchError, LimitExceeded, ProtocolError
 from common.frames import Buffer, decode_frame
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
+    BLOCK_FIELD,
     Ack,
     Bye,
     Cancel,
@@ -42,7 +43,7 @@ from common.messages import (
     Welcome,
     encode_message,
     parse_message,
-    verify_task,
+    verify_task_blocks,
 )
 from common.signing import fingerprint, public_key_from_hex, public_key_hex
 
@@ -140,6 +141,7 @@ class WorkerSession:
         limits: WireLimits = DEFAULT_LIMITS,
         max_held_tiles: int | None = None,
         nonce_source: Callable[[], str] = new_nonce,
+        cache_bytes: int = 0,
     ) -> None:
         self.url = url
         self.name = name
@@ -168,6 +170,12 @@ class WorkerSession:
         self._challenge: Challenge | None = None
         self._hello: Hello | None = None
         self._queue: OrderedDict[str, TileJob] = OrderedDict()
+        # Operand blocks kept between tasks (least recently used first), so the
+        # coordinator can refer to an operand this worker already has instead of
+        # sending it again. It mirrors this cache with the same budget and order.
+        self.cache_bytes = cache_bytes
+        self._blocks: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._blocks_bytes = 0
         self._computing: TileJob | None = None
         self._discard_computing = False
         self._seq = 0
@@ -182,6 +190,7 @@ class WorkerSession:
         self._forget_tiles()
         # Every connection authenticates anew, and its Welcome is checked against the pin.
         self._key = self._challenge = self._hello = None
+        self._forget_blocks()  # the coordinator's mirror of them starts empty too
         self.phase = Phase.CONNECTED
         self._next_heartbeat = math.inf
 
@@ -263,6 +272,7 @@ class WorkerSession:
                 window=self.window,
                 client=self.client,
                 token=self.token,
+                cache_bytes=self.cache_bytes,
             )
         except ProtocolError as exc:  # a nonce or key that is not what the protocol says
             log.warning("coordinator at %s sent an unusable challenge: %s", self.url, exc.message)
@@ -318,14 +328,48 @@ class WorkerSession:
                     f"(window={self.window}, max_held_tiles={self.max_held_tiles})"
                 )
             # The signature is checked before any operand is decoded (verify_task's order).
-            a, b = verify_task(received, self._key, self.limits)
+            (a, b), arrived = verify_task_blocks(received, self._key, self.limits, self._blocks)
             self._check_fits(a, b)
+            self._cache(received, arrived)
         except ProtocolError as exc:
+            if exc.code == "missing_block":
+                # Our cache and the coordinator's mirror of it disagree: both start over
+                # (it resends the tile whole).
+                self._forget_blocks()
+                return Actions(send=(self._error(exc, tile_id),))
             return self._refuse_tile(tile_id, exc)
         # a: [.., m, k], b: [.., k, n] -> 2 m k n flops per batch entry
         flop = 2 * a.numel() * b.shape[-1]
         self._queue[tile_id] = TileJob(tile_id, msg.op, a, b, flop, now)
         return Actions(compute=(tile_id,))
+
+    def _cache(self, received: Received, arrived: dict[str, torch.Tensor]) -> None:
+        """Keep the operands that came under a block id, and mark the ones used from the
+        cache as recently used: the same order the coordinator's mirror keeps."""
+        if self.cache_bytes <= 0:
+            return
+        for desc in received.frame.header.get("tensors", []):
+            block = desc.get(BLOCK_FIELD) if isinstance(desc, dict) else None
+            if not isinstance(block, str):
+                continue
+            if block in self._blocks:
+                self._blocks.move_to_end(block)
+            elif block in arrived:
+                # A copy: a view would keep the whole frame (the other operand too) alive.
+                tensor = arrived[block].clone()
+                self._blocks[block] = tensor
+                self._blocks_bytes += tensor.nbytes
+        while self._blocks_bytes > self.cache_bytes and self._blocks:
+            _, evicted = self._blocks.popitem(last=False)
+            self._blocks_bytes -= evicted.nbytes
+
+    def _forget_blocks(self) -> None:
+        self._blocks.clear()
+        self._blocks_bytes = 0
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._blocks)
 
     def _check_fits(self, a: torch.Tensor, b: torch.Tensor) -> None:
         out_bytes = math.prod(a.shape[:-1]) * b.shape[-1] * a.element_size()

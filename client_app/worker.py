@@ -331,6 +331,8 @@ class WorkerCore:
                 pin_check=self._pin_check,
                 window=self.settings.window,
                 token=self.settings.join_token,
+                # Operands kept between tiles get the same budget as one tile.
+                cache_bytes=profile.mem_cap_bytes,
                 client=self._client_name,
             )
             if self._pause_reason is not None:

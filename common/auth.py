@@ -127,6 +127,7 @@ def answer_challenge(
     window: int,
     client: str,
     token: str = "",
+    cache_bytes: int = 0,
 ) -> Hello:
     """The signed hello a worker sends back (``nonce``: the worker's own challenge)."""
     key_hex = public_key_hex(key)
@@ -139,6 +140,7 @@ def answer_challenge(
         worker_key=key_hex,
         nonce=nonce,
         token_proof=proof,
+        cache_bytes=cache_bytes,
     )
     sig = _sign_proof(
         key,

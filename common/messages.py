@@ -9,6 +9,7 @@ entry point for received bytes and raises only ``ProtocolError`` subclasses.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -20,9 +21,17 @@ from common.errors import LimitExceeded, ProtocolError, TensorCodecError
 from common.frames import Frame, allocate_frame, decode_frame, encode_frame, rewrite_header
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, sign_bundle, verify_bundle
-from common.tensors import decode_tensors, encode_tensors, layout_tensors, write_tensors
+from common.tensors import (
+    decode_tensors,
+    dtype_name,
+    encode_tensors,
+    layout_tensors,
+    write_tensors,
+)
 
 TILE_OPS = ("mm", "bmm")  # the op whitelist: a worker computes nothing else
+BLOCK_FIELD = "block"  # a task operand's block id, for the worker's operand cache
+REF_FIELD = "ref"  # true: the operand is not in the payload; the worker has that block
 WORKER_STATES = ("working", "idle", "paused")
 
 
@@ -146,6 +155,7 @@ class Hello:
     worker_key: str = ""  # hex of the worker's raw Ed25519 public key
     nonce: str = ""  # the worker's own challenge: the welcome's signature covers it
     token_proof: str = ""  # HMAC of the join token (private pools), never the token
+    cache_bytes: int = 0  # operand blocks it keeps between tasks; 0: send every operand
     sig: str = ""  # by worker_key, over the coordinator's nonce and key and this header
 
     def to_header(self) -> dict[str, Any]:
@@ -157,6 +167,7 @@ class Hello:
             "worker_key": self.worker_key,
             "nonce": self.nonce,
             "token_proof": self.token_proof,
+            "cache_bytes": self.cache_bytes,
         }
         if self.sig:
             header[SIGNATURE_FIELD] = self.sig
@@ -172,6 +183,7 @@ class Hello:
             worker_key=_str(h, "worker_key", "hello", limits),
             nonce=_str(h, "nonce", "hello", limits),
             token_proof=_str(h, "token_proof", "hello", limits),
+            cache_bytes=_int(h, "cache_bytes", "hello") if "cache_bytes" in h else 0,
             sig=_str(h, SIGNATURE_FIELD, "hello", limits) if SIGNATURE_FIELD in h else "",
         )
 
@@ -466,17 +478,49 @@ def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None 
 
 
 def encode_task(
-    tile_id: str, op: str, a: torch.Tensor, b: torch.Tensor, key: Ed25519PrivateKey
+    tile_id: str,
+    op: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    key: Ed25519PrivateKey,
+    *,
+    blocks: tuple[str, str] | None = None,
+    refs: frozenset[str] = frozenset(),
 ) -> bytearray:
     """A signed task bundle for ``a @ b``.
 
     The operands (any strides: tiles are usually slices of a larger matrix) are copied
     once, straight into the frame, which is then hashed and signed in place.
+
+    Operand cache: with ``blocks`` (the operands' block ids, one per operand), each
+    operand's descriptor names its block, so a worker with a cache keeps it; an operand
+    whose name is in ``refs`` is not sent at all, only referred to by its block id (the
+    worker must hold it from an earlier task). The signature covers the ids, so a block
+    can only ever stand for what the coordinator sent under that id.
     """
     if op not in TILE_OPS:
         raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
-    operands = [("a", a), ("b", b)]
-    descriptors, payload_len = layout_tensors(operands)
+    if refs and blocks is None:
+        raise ValueError("refs need block ids")
+    named = [("a", a), ("b", b)]
+    operands = [(name, t) for name, t in named if name not in refs]
+    inline, payload_len = layout_tensors(operands)
+    descriptors = list(inline)
+    if blocks is not None:
+        ids = dict(zip(("a", "b"), blocks, strict=True))
+        for desc in descriptors:
+            desc[BLOCK_FIELD] = ids[desc["name"]]
+        descriptors += [
+            {
+                "name": name,
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                BLOCK_FIELD: ids[name],
+                REF_FIELD: True,
+            }
+            for name, t in named
+            if name in refs
+        ]
     header = {
         "type": Task.TYPE,
         "v": PROTOCOL_VERSION,
@@ -487,23 +531,80 @@ def encode_task(
         SIGNATURE_FIELD: "0" * SIGNATURE_HEX_LEN,
     }
     frame, payload = allocate_frame(header, payload_len)
-    write_tensors(payload, operands, descriptors)
+    write_tensors(payload, operands, inline)
     header[SIGNATURE_FIELD] = sign_bundle(key, header, payload)
     rewrite_header(frame, header)
     return frame
 
 
 def verify_task(
-    received: Received, key: Ed25519PublicKey, limits: WireLimits = DEFAULT_LIMITS
+    received: Received,
+    key: Ed25519PublicKey,
+    limits: WireLimits = DEFAULT_LIMITS,
+    blocks: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check a task's signature, then decode and check its operands under ``limits``.
 
-    The signature is checked first so that nothing unsigned is even decoded.
+    The signature is checked first so that nothing unsigned is even decoded. Operands
+    sent by reference are taken from ``blocks`` (the worker's operand cache); a missing
+    one raises ``ProtocolError`` with code ``missing_block`` so the coordinator resends.
     """
+    operands, _ = verify_task_blocks(received, key, limits, blocks)
+    return operands
+
+
+def verify_task_blocks(
+    received: Received,
+    key: Ed25519PublicKey,
+    limits: WireLimits = DEFAULT_LIMITS,
+    blocks: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
+    """``verify_task``, plus the operands that arrived inline under a block id (for the
+    worker to cache): ``((a, b), {block_id: tensor})``."""
     if not isinstance(received.message, Task):
         raise ProtocolError(f"expected a task, got a {received.message.TYPE!r} message")
     verify_bundle(key, received.frame.header, received.frame.payload)
-    return check_operands(received.message.op, received.tensors(limits), limits)
+    descriptors = received.frame.header.get("tensors", [])
+    if not isinstance(descriptors, list):
+        raise TensorCodecError('"tensors" must be a list of descriptors')
+    inline = [d for d in descriptors if not (isinstance(d, dict) and d.get(REF_FIELD) is True)]
+    tensors = decode_tensors(inline, received.frame.payload, limits)
+    cacheable: dict[str, torch.Tensor] = {}
+    for desc in inline:
+        block = desc.get(BLOCK_FIELD)
+        if block is not None:
+            cacheable[_block_id(block, limits)] = tensors[desc["name"]]
+    for desc in descriptors:
+        if isinstance(desc, dict) and desc.get(REF_FIELD) is True:
+            name, tensor = _resolve_ref(desc, blocks or {}, limits)
+            if name in tensors:
+                raise TensorCodecError(f"tensor {name!r} is both sent and referred to")
+            tensors[name] = tensor
+    return check_operands(received.message.op, tensors, limits), cacheable
+
+
+def _block_id(value: Any, limits: WireLimits) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= limits.max_string_chars:
+        raise TensorCodecError(f'tensor field "{BLOCK_FIELD}" must be a short string')
+    return value
+
+
+def _resolve_ref(
+    desc: dict[str, Any], blocks: Mapping[str, torch.Tensor], limits: WireLimits
+) -> tuple[str, torch.Tensor]:
+    """The cached operand a reference descriptor names, checked against its dtype/shape."""
+    name = desc.get("name")
+    if not isinstance(name, str):
+        raise TensorCodecError('a tensor reference needs a "name"')
+    block = _block_id(desc.get(BLOCK_FIELD), limits)
+    cached = blocks.get(block)
+    if cached is None:
+        raise ProtocolError(
+            f"operand block {block[:80]!r} is not cached here", code="missing_block"
+        )
+    if dtype_name(cached.dtype) != desc.get("dtype") or list(cached.shape) != desc.get("shape"):
+        raise TensorCodecError(f"operand block {block[:80]!r} does not match its reference")
+    return name, cached
 
 
 @dataclass(frozen=True)

@@ -420,6 +420,7 @@ async def serve(args: argparse.Namespace) -> int:
         progress.state = "failed" if failed else "stopped" if stop_signal else progress.state
         await asyncio.to_thread(local.stop)
         await server.close()
+        _print_traffic(server)
         _print_contributions(ledger)
         ledger.close()
     if failed is not None:
@@ -429,6 +430,18 @@ async def serve(args: argparse.Namespace) -> int:
         _print(f"stopped by {stop_signal.name}", event="stopped", signal=stop_signal.name)
         return EXIT_TERMINATED if stop_signal == signal.SIGTERM else EXIT_INTERRUPTED
     return 0
+
+
+def _print_traffic(server: CoordinatorServer) -> None:
+    counters = server.counters
+    if not counters.tiles_sent:
+        return
+    down, uncached = counters.bytes_down, counters.bytes_down_uncached
+    saved = 1 - down / uncached if uncached else 0.0
+    _print(
+        f"\ntraffic this run: {down / 1e6:.1f} MB to workers ({uncached / 1e6:.1f} MB without "
+        f"their operand caches: {saved:.0%} saved), {counters.bytes_up / 1e6:.1f} MB back"
+    )
 
 
 def _print_contributions(ledger: Ledger) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class TileTicket:
     flops: int
     down_bytes: int
     up_bytes: int
+    blocks: tuple[str, ...] = ()  # its operand block ids (see assign's ``prefers``)
 
     def __post_init__(self) -> None:
         if min(self.flops, self.down_bytes, self.up_bytes) < 0:
@@ -254,12 +256,18 @@ class Scheduler:
             self._enqueue(tile, front=False)
         self._bump("submitted", len(batch))
 
-    def assign(self, now: float) -> list[Assignment]:
+    def assign(
+        self, now: float, prefers: Callable[[str, TileTicket], bool] | None = None
+    ) -> list[Assignment]:
         """Fill free window slots from the queue, FIFO, one slot per worker in turn.
 
         A tile goes to the next worker in the rotation that may take it: not paused, not
         already holding it, never refused it, and with a memory cap that fits it. A tile
         nobody may take stays queued in place; the tiles behind it still go out.
+
+        ``prefers(worker_id, ticket)`` (optional): a worker among the next few in turn for
+        which it is true (one that already holds an operand block of the tile, say) takes
+        the tile ahead of its turn.
         """
         if self._queued == 0 or not self._ready:
             return []
@@ -274,7 +282,7 @@ class Scheduler:
                 continue
             worker = None
             if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
-                worker = _next_taker(ring, tile)
+                worker = _next_taker(ring, tile, prefers)
             if worker is None:
                 passed_over.append(entry)
                 continue
@@ -663,19 +671,34 @@ def _largest_cap(workers: Iterable[_Worker]) -> int | None:
     return largest
 
 
-def _next_taker(ring: deque[_Worker], tile: _Tile) -> _Worker | None:
-    """The next worker in turn that may take the tile; rotates the ring past it.
+PREFERENCE_LOOKAHEAD = 16  # workers in turn checked for a preference: O(1) per tile
 
-    A worker that fills its window leaves the ring.
-    """
+
+def _may_take(worker: _Worker, tile: _Tile) -> bool:
+    return (
+        worker.worker_id not in tile.refused_by
+        and worker.worker_id not in tile.holders
+        and worker.can_hold(tile.ticket)
+    )
+
+
+def _next_taker(
+    ring: deque[_Worker],
+    tile: _Tile,
+    prefers: Callable[[str, TileTicket], bool] | None = None,
+) -> _Worker | None:
+    """The next worker in turn that may take the tile (or a preferred one among the next
+    few); rotates the ring past it. A worker that fills its window leaves the ring."""
+    if prefers is not None:
+        for i, worker in enumerate(itertools.islice(ring, PREFERENCE_LOOKAHEAD)):
+            if _may_take(worker, tile) and prefers(worker.worker_id, tile.ticket):
+                del ring[i]
+                if worker.free_slots() > 1:
+                    ring.append(worker)
+                return worker
     for _ in range(len(ring)):
         worker = ring.popleft()
-        may_take = (
-            worker.worker_id not in tile.refused_by
-            and worker.worker_id not in tile.holders
-            and worker.can_hold(tile.ticket)
-        )
-        if not may_take:
+        if not _may_take(worker, tile):
             ring.append(worker)
             continue
         if worker.free_slots() > 1:

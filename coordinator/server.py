@@ -14,6 +14,7 @@ import itertools
 import logging
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,7 @@ from common.messages import (
     Result,
     Resume,
     encode_message,
+    encode_task,
     parse_message,
 )
 from common.signing import fingerprint, public_key_hex
@@ -123,6 +125,11 @@ class WorkerConn:
     # compute, no waiting behind another tile, so they measure the links.
     sent_idle: set[str] = field(default_factory=set)
     estimate: DeviceEstimate | None = None  # speed and links, learnt from its tiles
+    # The worker's operand cache, mirrored: block id -> bytes, least recently used first,
+    # kept in the same order and budget as the worker keeps it (client_app.session).
+    cache_bytes: int = 0
+    blocks: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    sent_bytes: dict[str, int] = field(default_factory=dict)  # tile id -> bytes it cost
 
     @property
     def fingerprint(self) -> str:
@@ -143,6 +150,7 @@ class Counters:
     banned: int = 0  # workers banned in this run
     refused_handshakes: int = 0  # connections that failed to authenticate
     bytes_down: int = 0
+    bytes_down_uncached: int = 0  # what bytes_down would be without operand caches
     bytes_up: int = 0
 
 
@@ -296,14 +304,43 @@ class CoordinatorServer:
             # Tiles cancelled or moved elsewhere leave their send times behind: keep
             # only those of tiles the worker still holds, so a long session stays small.
             conn.sent_at = {t: at for t, at in conn.sent_at.items() if t in held}
+            conn.sent_bytes = {t: n for t, n in conn.sent_bytes.items() if t in held}
             conn.sent_idle &= held
         if len(held) == 1:  # only this tile: nothing for it to wait behind
             conn.sent_idle.add(job.tile_id)
-        conn.outbox.put_nowait(job.bundle)
+        frame = self._frame_for(conn, job)
+        conn.outbox.put_nowait(frame)
         conn.sent_at[job.tile_id] = self.clock()
+        conn.sent_bytes[job.tile_id] = len(frame)
         self.counters.tiles_sent += 1
         self.counters.reissued += assignment.reissue
-        self.counters.bytes_down += len(job.bundle)
+        self.counters.bytes_down += len(frame)
+        self.counters.bytes_down_uncached += len(job.bundle)
+
+    def _frame_for(self, conn: WorkerConn, job: TileJob) -> bytes | bytearray:
+        """The task frame for this worker: the shared bundle, or (for a worker with an
+        operand cache) one that refers to the operand blocks it already holds.
+
+        Updates the mirror of the worker's cache exactly as the worker will update the
+        cache itself: operands sent inline first, then the ones referred to, each moved
+        to the most recently used end; then the least recently used go past the budget.
+        """
+        if conn.cache_bytes <= 0:
+            return job.bundle
+        operands = {"a": job.a, "b": job.b}
+        ids = dict(zip(("a", "b"), job.blocks, strict=True))
+        refs = frozenset(name for name in ("a", "b") if ids[name] in conn.blocks)
+        for name in [n for n in ("a", "b") if n not in refs] + sorted(refs):
+            block = ids[name]
+            if block in conn.blocks:
+                conn.blocks.move_to_end(block)
+            else:
+                conn.blocks[block] = operands[name].nbytes
+        while sum(conn.blocks.values()) > conn.cache_bytes and conn.blocks:
+            conn.blocks.popitem(last=False)
+        return encode_task(
+            job.tile_id, job.gemm.op, job.a, job.b, self.key, blocks=job.blocks, refs=refs
+        )
 
     def _speculate(self) -> None:
         """Copy tiles predicted late (a slow or withholding worker) to idle workers; the
@@ -444,6 +481,7 @@ class CoordinatorServer:
                 self.config.max_messages_per_s, self.config.message_burst, clock=self.clock
             ),
             estimate=estimate,
+            cache_bytes=hello.cache_bytes,
         )
 
     def _register(self, conn: WorkerConn) -> None:
@@ -585,6 +623,21 @@ class CoordinatorServer:
             )
 
     def _on_worker_error(self, conn: WorkerConn, msg: Error) -> None:
+        job = self.jobs.get(msg.tile_id)
+        if (
+            msg.code == "missing_block"
+            and job is not None
+            and msg.tile_id in self.scheduler.in_flight(conn.worker_id)
+        ):
+            # Its cache and our mirror of it disagree (it dropped the tile that would
+            # have cached a block, say). It emptied its cache; so do we, and resend whole.
+            log.info("worker %s lacks an operand block of %s: resending", _who(conn), msg.tile_id)
+            conn.blocks.clear()
+            frame = self._frame_for(conn, job)
+            conn.outbox.put_nowait(frame)
+            conn.sent_bytes[job.tile_id] = conn.sent_bytes.get(job.tile_id, 0) + len(frame)
+            self.counters.bytes_down += len(frame)
+            return
         if msg.tile_id and msg.tile_id in self.scheduler.in_flight(conn.worker_id):
             conn.refused += 1
             self.counters.refused += 1
@@ -657,12 +710,13 @@ class CoordinatorServer:
         before = self._standing(conn.key)
         reputation = after_verified(before.reputation, self.config.reputation)
         up, compute_s = len(received.frame.payload), min(msg.compute_s, held_s)
+        down = conn.sent_bytes.pop(msg.tile_id, len(job.bundle))
         self.ledger.credit(
             conn.key,
             name=conn.name,
             reputation=reputation,
             flops=job.flops,
-            bytes_down=len(job.bundle),
+            bytes_down=down,
             bytes_up=up,
             compute_s=compute_s,
             now=self.wall_clock(),
@@ -672,7 +726,7 @@ class CoordinatorServer:
             name=conn.name,
             tiles=before.tiles + 1,
             flops=before.flops + job.flops,
-            bytes_down=before.bytes_down + len(job.bundle),
+            bytes_down=before.bytes_down + down,
             bytes_up=before.bytes_up + up,
             compute_s=before.compute_s + compute_s,
             reputation=reputation,
@@ -866,6 +920,7 @@ class CoordinatorServer:
             },
             "traffic": {
                 "bytes_down": self.counters.bytes_down,
+                "bytes_down_uncached": self.counters.bytes_down_uncached,
                 "bytes_up": self.counters.bytes_up,
             },
             "connections": {

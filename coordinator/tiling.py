@@ -27,10 +27,13 @@ class TileJob:
     tile_id: str
     gemm: TiledGemm
     region: TileRegion
-    bundle: bytearray  # signed task frame, sent as is (also on re-issue)
+    bundle: bytearray  # signed task frame with both operands, sent as is (also re-issued)
     a: torch.Tensor  # operands as sent: Freivalds checks the result against them
     b: torch.Tensor
     ticket: TileTicket
+    # Operand block ids: tiles that share a row block of A (or a column block of B) share
+    # its id, so a worker with an operand cache is sent each block once per GEMM.
+    blocks: tuple[str, str] = ("", "")
 
     @property
     def flops(self) -> int:
@@ -88,7 +91,9 @@ class TiledGemm:
             bundle = encode_task(tile_id, self.op, *self._operands(region), key)
             # The check needs the operands exactly as sent: views into the bundle.
             sent = parse_message(bundle).tensors()
-            yield TileJob(tile_id, self, region, bundle, sent["a"], sent["b"], ticket)
+            bi, mi, ni, ki = region.index
+            blocks = (f"{self.gemm_id}/a/{bi}.{mi}.{ki}", f"{self.gemm_id}/b/{bi}.{ki}.{ni}")
+            yield TileJob(tile_id, self, region, bundle, sent["a"], sent["b"], ticket, blocks)
         # Every tile now holds its own operands; the full matrices can go.
         self._a = self._b = torch.empty(0)
 

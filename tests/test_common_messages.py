@@ -36,6 +36,7 @@ from common.messages import (
     encode_task,
     parse_message,
     verify_task,
+    verify_task_blocks,
 )
 from common.signing import generate_private_key, public_key_hex
 
@@ -567,3 +568,26 @@ def test_long_error_messages_are_cut_so_an_error_reply_stays_valid() -> None:
 def test_short_error_messages_are_kept_whole() -> None:
     text = "x" * 1024
     assert ProtocolError(text).message == text
+
+
+# ---- operand blocks (the worker's cache) ---------------------------------------------------
+
+
+def test_operands_by_reference_resolve_from_the_cache_and_are_checked() -> None:
+    a, b = torch.randn(4, 3), torch.randn(3, 2)
+    whole = parse_message(encode_task("t", "mm", a, b, KEY, blocks=("A0", "B0")))
+    (got_a, got_b), arrived = verify_task_blocks(whole, PUB)
+    assert set(arrived) == {"A0", "B0"} and torch.equal(arrived["A0"], a)
+    by_ref = parse_message(
+        encode_task("t", "mm", a, b, KEY, blocks=("A0", "B0"), refs=frozenset("a"))
+    )
+    assert len(by_ref.frame.payload) < len(whole.frame.payload)
+    (ra, rb), arrived = verify_task_blocks(by_ref, PUB, blocks={"A0": a})
+    assert torch.equal(ra, a) and torch.equal(rb, b) and set(arrived) == {"B0"}
+    with pytest.raises(ProtocolError) as missing:
+        verify_task(by_ref, PUB, blocks={})
+    assert missing.value.code == "missing_block"
+    with pytest.raises(TensorCodecError, match="does not match"):
+        verify_task(by_ref, PUB, blocks={"A0": torch.randn(4, 4)})
+    with pytest.raises(ValueError, match="refs need block ids"):
+        encode_task("t", "mm", a, b, KEY, refs=frozenset("a"))

@@ -221,6 +221,7 @@ class Raw:
         profile: DeviceProfile = PROFILE,
         key: Ed25519PrivateKey | None = None,
         token: str = "",
+        cache_bytes: int = 0,
     ) -> None:
         """Answer the coordinator's challenge with a properly signed hello."""
         challenge = (await self.expect(Challenge)).message
@@ -234,6 +235,7 @@ class Raw:
             window=window,
             client="raw-test-client",
             token=token,
+            cache_bytes=cache_bytes,
         )
         await self.send(hello)
 
@@ -246,9 +248,12 @@ class Raw:
         profile: DeviceProfile = PROFILE,
         key: Ed25519PrivateKey | None = None,
         token: str = "",
+        cache_bytes: int = 0,
     ) -> Raw:
         raw = await cls.connect(coord.url)
-        await raw.hello(name, window=window, profile=profile, key=key, token=token)
+        await raw.hello(
+            name, window=window, profile=profile, key=key, token=token, cache_bytes=cache_bytes
+        )
         welcome = (await raw.expect(Welcome)).message
         assert isinstance(welcome, Welcome)
         raw.welcome = welcome
@@ -335,7 +340,10 @@ def test_two_workers_compute_every_tile_get_credit_and_show_in_status(tmp_path: 
             assert counters.tiles_verified == counters.tiles_sent == tiles
             assert (counters.rejected, counters.refused, counters.duplicates) == (0, 0, 0)
             assert server.jobs == {} and server.scheduler.pending() == 0
-            assert counters.bytes_down == sum(len(j.bundle) for j in mm.jobs + bmm.jobs)
+            # Each worker caches operand blocks: tiles that share a row block of A (or a
+            # column block of B) send it once per worker, not once per tile.
+            assert counters.bytes_down_uncached == sum(len(j.bundle) for j in mm.jobs + bmm.jobs)
+            assert counters.bytes_down < 0.9 * counters.bytes_down_uncached
 
             rows = {c.name: c for c in coord.ledger.all()}
             assert set(rows) == {"alice", "bob"}
@@ -1166,5 +1174,44 @@ def test_tiles_a_worker_sits_on_are_copied_to_an_idle_worker_and_the_first_resul
             assert ledger_row(coord, "honest").tiles == len(gemm.jobs)
             honest = coord.server.status()["tiles"]
             assert honest["speculated"] == counters.speculated
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_missing_a_cached_operand_gets_the_tile_whole(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord:
+            # Claims an operand cache but keeps nothing: every reference misses.
+            raw = await Raw.join(coord, "forgetful", window=1, cache_bytes=1 << 30)
+            gemm = Gemm(coord.server, "g", (96, 64, 80), seed=5)
+            assert len(gemm.jobs) >= 4
+            misses = 0
+
+            async def answer_all() -> None:
+                nonlocal misses
+                key = coord.server.key.public_key()
+                answered = 0
+                while answered < len(gemm.jobs):
+                    received = await raw.recv(30)
+                    task = received.message
+                    if not isinstance(task, Task):
+                        continue
+                    refs = [d for d in received.frame.header["tensors"] if d.get("ref")]
+                    if refs:
+                        misses += 1
+                        error = Error("missing_block", "not cached here", task.tile_id)
+                        await raw.send(error)
+                        continue
+                    a, b = verify_task(received, key)
+                    await raw.send(Result(task.tile_id, 0.001), [("c", a @ b)])
+                    answered += 1
+
+            await asyncio.wait_for(answer_all(), 30)
+            await gemm.check()
+            await raw.close()
+            counters = coord.server.counters
+            assert misses >= 1 and counters.refused == 0  # a miss is no refusal
+            assert counters.tiles_verified == len(gemm.jobs)
+            assert ledger_row(coord, "forgetful").tiles == len(gemm.jobs)
 
     asyncio.run(scenario())

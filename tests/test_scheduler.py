@@ -798,3 +798,27 @@ def test_a_tile_over_every_memory_cap_is_stranded_but_not_without_workers() -> N
     sched.add_worker("small", window=2, now=0.0, mem_cap_bytes=100)
     assert sched.assign(0.0) == []
     assert sched.stranded() == ["big"]
+
+
+def test_a_preferred_worker_takes_a_tile_ahead_of_its_turn() -> None:
+    # w2 holds block "A1" (say, from an earlier tile of that row block of A).
+    holds = {"w1": {"A0"}, "w2": {"A1"}}
+
+    def prefers(worker_id: str, t: TileTicket) -> bool:
+        return any(block in holds[worker_id] for block in t.blocks)
+
+    def run(preference: object) -> list[tuple[str, str]]:
+        sched = scheduler({"w1": 2, "w2": 2})
+        sched.submit(
+            [
+                TileTicket("t-a1", "g", 10, 10, 10, blocks=("A1", "B0")),
+                TileTicket("t-a0", "g", 10, 10, 10, blocks=("A0", "B1")),
+                TileTicket("t-x", "g", 10, 10, 10, blocks=("A9", "B9")),
+                TileTicket("t-a1b", "g", 10, 10, 10, blocks=("A1", "B1")),
+            ]
+        )
+        return pairs(sched.assign(1.0, prefers=preference))  # type: ignore[arg-type]
+
+    assert run(None) == [("w1", "t-a1"), ("w2", "t-a0"), ("w1", "t-x"), ("w2", "t-a1b")]
+    # t-a1 and t-a0 go to their holders out of turn; the rest keep the rotation.
+    assert run(prefers) == [("w2", "t-a1"), ("w1", "t-a0"), ("w2", "t-x"), ("w1", "t-a1b")]

@@ -615,3 +615,76 @@ def test_bf16_and_bmm_tiles_round_trip(pins: PinStore, key: Ed25519PrivateKey) -
     assert result is not None
     c = parse_message(result).tensors()["c"]
     torch.testing.assert_close(c, torch.bmm(a, b), rtol=0, atol=0)
+
+
+# ---- operand cache ----------------------------------------------------------------------
+
+
+def cached_session(pins: PinStore, key: Ed25519PrivateKey, cache_bytes: int) -> WorkerSession:
+    session = new_session(pins, cache_bytes=cache_bytes)
+    actions = join(session, key, 0.0)
+    assert actions.welcome is not None
+    return session
+
+
+def block_task(
+    key: Ed25519PrivateKey,
+    tile_id: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    blocks: tuple[str, str],
+    refs: frozenset[str] = frozenset(),
+) -> bytes:
+    return bytes(encode_task(tile_id, "mm", a, b, key, blocks=blocks, refs=refs))
+
+
+def test_operands_sent_under_a_block_id_are_kept_and_referred_to_later(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = cached_session(pins, key, cache_bytes=1 << 20)
+    a, b0, b1 = torch.randn(8, 6), torch.randn(6, 4), torch.randn(6, 4)
+    first = block_task(key, "t-0", a, b0, ("g/a/0", "g/b/0"))
+    assert session.receive(first, 1.0).compute == ("t-0",)
+    assert session.cached_blocks == 2
+    # The next tile of the same row block: A by reference only (a smaller frame).
+    second = block_task(key, "t-1", a, b1, ("g/a/0", "g/b/1"), refs=frozenset({"a"}))
+    assert len(second) < len(first)
+    assert session.receive(second, 1.0).compute == ("t-1",)
+    first_job = session.next_tile()
+    assert first_job is not None and first_job.tile_id == "t-0"
+    assert session.tile_finished(first_job, first_job.a @ first_job.b, 0.1) is not None
+    job = session.next_tile()
+    assert job is not None and job.tile_id == "t-1"
+    assert torch.equal(job.a, a) and torch.equal(job.b, b1)
+
+
+def test_a_reference_to_a_block_not_held_asks_for_the_tile_again(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = cached_session(pins, key, cache_bytes=1 << 20)
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    session.receive(block_task(key, "t-0", a, b, ("g/a/0", "g/b/0")), 1.0)
+    assert session.cached_blocks == 2
+    ref = block_task(key, "t-1", a, b, ("g/a/9", "g/b/0"), refs=frozenset({"a"}))
+    actions = session.receive(ref, 1.0)
+    error = only_error(actions.send)
+    assert (error.code, error.tile_id) == ("missing_block", "t-1") and actions.compute == ()
+    # Both sides start over: the coordinator empties its mirror and resends whole.
+    assert session.cached_blocks == 0 and session.stats.tiles_refused == 0
+
+
+def test_the_cache_keeps_to_its_budget_least_recently_used_first(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    block_bytes = 8 * 6 * 4  # one [8, 6] fp32 operand
+    session = cached_session(pins, key, cache_bytes=3 * block_bytes)
+    b = torch.randn(6, 8)
+    for i in range(3):  # a0 b, a1 b, a2 b: b is touched every time, a0 is the oldest
+        session.receive(block_task(key, f"t-{i}", torch.randn(8, 6), b, (f"a{i}", "b")), 1.0)
+        session.next_tile()
+        session._computing = None  # noqa: SLF001 - finish without computing
+    held = list(session._blocks)  # noqa: SLF001
+    assert held == ["a1", "a2", "b"]  # a0 went first; b, used every time, stays
+    none = cached_session(pins, key, cache_bytes=0)
+    none.receive(block_task(key, "t-0", torch.randn(8, 6), b, ("x", "y")), 1.0)
+    assert none.cached_blocks == 0
