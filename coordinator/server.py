@@ -286,8 +286,14 @@ class CoordinatorServer:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for assignment in self.scheduler.assign(self.clock()):
+        for assignment in self.scheduler.assign(self.clock(), prefers=self._holds_a_block):
             self._send(assignment)
+
+    def _holds_a_block(self, worker_id: str, ticket: TileTicket) -> bool:
+        """Whether the worker's operand cache already holds one of the tile's operands:
+        then it should get the tile, and the coordinator sends one operand, not two."""
+        conn = self.conns.get(worker_id)
+        return conn is not None and any(block in conn.blocks for block in ticket.blocks)
 
     def _send(self, assignment: Assignment) -> None:
         conn = self.conns.get(assignment.worker_id)

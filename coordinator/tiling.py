@@ -81,18 +81,19 @@ class TiledGemm:
         itemsize = self._a.element_size()
         for region in self.plan.tiles:
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
+            bi, mi, ni, ki = region.index
+            blocks = (f"{self.gemm_id}/a/{bi}.{mi}.{ki}", f"{self.gemm_id}/b/{bi}.{ki}.{ni}")
             ticket = TileTicket(
                 tile_id=tile_id,
                 gemm_id=self.gemm_id,
                 flops=region.flops,
                 down_bytes=region.down_bytes(itemsize),
                 up_bytes=region.up_bytes(itemsize),
+                blocks=blocks,
             )
             bundle = encode_task(tile_id, self.op, *self._operands(region), key)
             # The check needs the operands exactly as sent: views into the bundle.
             sent = parse_message(bundle).tensors()
-            bi, mi, ni, ki = region.index
-            blocks = (f"{self.gemm_id}/a/{bi}.{mi}.{ki}", f"{self.gemm_id}/b/{bi}.{ki}.{ni}")
             yield TileJob(tile_id, self, region, bundle, sent["a"], sent["b"], ticket, blocks)
         # Every tile now holds its own operands; the full matrices can go.
         self._a = self._b = torch.empty(0)
