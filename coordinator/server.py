@@ -757,7 +757,7 @@ class CoordinatorServer:
         if job.tile_id in conn.sent_idle:
             transfer_s = held_s - compute_s
         conn.sent_idle.discard(job.tile_id)
-        down = len(job.bundle)
+        down = conn.sent_bytes.get(job.tile_id, len(job.bundle))  # what went over the link
         share = down / (down + up) if down + up else 0.0
         conn.estimate = observe(
             conn.estimate,
