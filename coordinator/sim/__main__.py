@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--median-down-mbit", type=float, default=100.0)
     run.add_argument("--stragglers", type=int, default=0, help="devices 10x slower than claimed")
     run.add_argument("--speculate-after", type=float, default=None)
+    run.add_argument(
+        "--no-operand-cache",
+        action="store_true",
+        help="every tile carries both operands (workers keep no blocks)",
+    )
     run.add_argument("--fail-rate-per-h", type=float, default=0.0)
     run.add_argument("--leave-rate-per-h", type=float, default=0.0)
     run.add_argument("--join-rate-per-h", type=float, default=0.0)
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         planner=args.planner,
         speculate_after=args.speculate_after,
+        operand_cache=not args.no_operand_cache,
     )
     result = simulate(config, pool_for_cli(args.devices, args.seed, spec, args.stragglers))
     if args.json:

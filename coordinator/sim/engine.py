@@ -10,6 +10,13 @@ The coordinator side is the live server's loop in miniature: submit a stage's ti
 `assign`, `complete`, `expire` on each heartbeat tick, `stranded`/`take_over`, and
 optionally `speculate` with cost-model predictions. Results are always correct here;
 verification costs nothing (Freivalds is ~2% of a tile).
+
+The operand cache (`SimConfig.operand_cache`, on by default as on the live server) is the
+server's: each device keeps the operand blocks it was sent, up to its memory cap, least
+recently used first out; the coordinator mirrors that per device, a tile's download is
+only the blocks the device lacks, and `assign(prefers=...)` prefers a device that holds
+one of a tile's blocks. As on the server, the mirror changes when tiles are sent, after
+an `assign` call has made all of its choices.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,6 +59,10 @@ class SimConfig:
     heartbeat_timeout_s: float = 10.0
     tile_timeout_s: float = 120.0
     speculate_after: float | None = None
+    # Workers keep the operand blocks they were sent (budget: their memory cap, LRU) and
+    # the coordinator sends only the blocks a worker does not hold, preferring a worker
+    # that holds one of a tile's blocks (coordinator/server.py `_frame_for`).
+    operand_cache: bool = True
     # The links the cost model assumes before it has measured a worker.
     assumed_down_bps: float = 12.5e6
     assumed_up_bps: float = 2.5e6
@@ -76,6 +88,7 @@ class _Run:
     up_start: float = 0.0
     up_end: float = 0.0
     token: int = 0
+    down_bytes: int = 0  # operand bytes actually sent (less the blocks the device held)
 
 
 @dataclass(eq=False)
@@ -90,6 +103,12 @@ class _DeviceState:
     up_free: float = 0.0
     down_bytes: int = 0
     up_bytes: int = 0
+    saved_bytes: int = 0  # operand bytes not sent because the device held the block
+    # The coordinator's mirror of the device's operand cache: block id -> bytes, least
+    # recently used first, within cache_bytes (0: no cache).
+    cache_bytes: int = 0
+    blocks: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    blocks_bytes: int = 0
     useful_flops: int = 0
     wasted_flops: int = 0  # computed, then cancelled or lost
 
@@ -125,6 +144,7 @@ class Simulation:
                     config.assumed_up_bps,
                     d.mem_cap_bytes,
                 ),
+                cache_bytes=d.mem_cap_bytes if config.operand_cache else 0,
             )
             for d in devices
         }
@@ -134,6 +154,7 @@ class Simulation:
         self._coord_link_free = 0.0
         self._coord_comp_free = 0.0
         self._tickets: dict[str, TileTicket] = {}
+        self._block_bytes: dict[str, tuple[int, int]] = {}  # tile id -> A, B block bytes
         # What the coordinator knows: when it sent each tile a worker holds, in order.
         self._sent: dict[str, dict[str, float]] = {}
         self._step: _Step | None = None
@@ -192,6 +213,7 @@ class Simulation:
         self._kill(state)
         self.lost_tiles.update(self.scheduler.remove_worker(device_id, self.now))
         state.registered = False
+        _forget_blocks(state)
 
     def _on_fail(self, device_id: str) -> None:
         state = self.devices[device_id]
@@ -213,6 +235,7 @@ class Simulation:
         self.lost_tiles.update(expiry.requeued)
         for device_id in expiry.dead_workers:
             self.devices[device_id].registered = False
+            _forget_blocks(self.devices[device_id])
         for tile_id in self.scheduler.stranded():
             self._cancel_all(self.scheduler.take_over(tile_id), tile_id)
             self.taken_over += 1
@@ -237,7 +260,7 @@ class Simulation:
                 state.estimate,
                 TileObservation(
                     run.ticket.flops,
-                    run.ticket.down_bytes,
+                    run.down_bytes,
                     run.ticket.up_bytes,
                     down_s=run.down_end - run.down_start,
                     compute_s=run.comp_end - run.comp_start,
@@ -267,8 +290,13 @@ class Simulation:
     # --- coordinator side ---------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        for a in self.scheduler.assign(self.now):
+        prefers = self._holds_a_block if self.config.operand_cache else None
+        for a in self.scheduler.assign(self.now, prefers=prefers):
             self._start_run(self.devices[a.worker_id], a.tile_id)
+
+    def _holds_a_block(self, worker_id: str, ticket: TileTicket) -> bool:
+        blocks = self.devices[worker_id].blocks
+        return any(block in blocks for block in ticket.blocks)
 
     def _tile_done(self, tile_id: str) -> None:
         step = self._step
@@ -306,14 +334,21 @@ class Simulation:
             step.gemm_ids.append(gemm_id)
             for tile in plan.tiles:
                 tile_id = f"{gemm_id}.{'.'.join(map(str, tile.index))}"
+                bi, mi, ni, ki = tile.index
+                b, m, n, k = tile.dims
                 ticket = TileTicket(
                     tile_id,
                     gemm_id,
                     tile.flops,
                     tile.down_bytes(shape.itemsize),
                     tile.up_bytes(shape.itemsize),
+                    blocks=(f"{gemm_id}/a/{bi}.{mi}.{ki}", f"{gemm_id}/b/{bi}.{ki}.{ni}"),
                 )
                 self._tickets[tile_id] = ticket
+                self._block_bytes[tile_id] = (
+                    shape.itemsize * b * m * k,
+                    shape.itemsize * b * k * n,
+                )
                 step.waiting_tiles.add(tile_id)
                 tickets.append(ticket)
         self.scheduler.submit(tickets)
@@ -357,7 +392,7 @@ class Simulation:
 
     def _start_run(self, state: _DeviceState, tile_id: str) -> None:
         ticket = self._tickets[tile_id]
-        nbytes = ticket.down_bytes
+        nbytes = self._operand_bytes_to_send(state, tile_id)
         start = max(self.now, state.down_free)
         link_start = max(start, self._coord_link_free)
         self._coord_link_free = link_start + nbytes / self.config.coordinator_egress_bps
@@ -367,8 +402,34 @@ class Simulation:
         self._sent.setdefault(state.device.device_id, {})[tile_id] = self.now
         if not state.alive:
             return  # a silently dead worker was handed a tile: the bytes are gone
-        state.runs[tile_id] = _Run(ticket, self.now, start, down_end, comp_start=math.inf)
+        state.runs[tile_id] = _Run(
+            ticket, self.now, start, down_end, comp_start=math.inf, down_bytes=nbytes
+        )
         self._replan(state)
+
+    def _operand_bytes_to_send(self, state: _DeviceState, tile_id: str) -> int:
+        """The tile's downlink bytes: its operands less the blocks the device holds.
+
+        Updates the mirror of the device's cache as the server's `_frame_for` does:
+        operands sent inline first, then the held ones, each moved to the most recently
+        used end; then the least recently used go until the blocks fit the budget."""
+        ticket = self._tickets[tile_id]
+        if state.cache_bytes <= 0:
+            return ticket.down_bytes
+        sizes = dict(zip(ticket.blocks, self._block_bytes[tile_id], strict=True))
+        held = [block for block in ticket.blocks if block in state.blocks]
+        sent = [block for block in ticket.blocks if block not in state.blocks]
+        for block in sent + held:
+            if block in state.blocks:
+                state.blocks.move_to_end(block)
+            else:
+                state.blocks[block] = sizes[block]
+                state.blocks_bytes += sizes[block]
+        while state.blocks_bytes > state.cache_bytes and state.blocks:
+            state.blocks_bytes -= state.blocks.popitem(last=False)[1]
+        saved = sum(sizes[block] for block in held)
+        state.saved_bytes += saved
+        return ticket.down_bytes - saved
 
     def _replan(self, state: _DeviceState) -> None:
         """Lay the device's tiles on its compute and uplink again from `now`: stages
@@ -447,6 +508,7 @@ class Simulation:
                     "claimed_gflops": round(d.claimed_flops / 1e9, 3),
                     "down_bytes": state.down_bytes,
                     "up_bytes": state.up_bytes,
+                    "saved_bytes": state.saved_bytes,
                     "useful_gflop": round(state.useful_flops / 1e9, 3),
                     "wasted_gflop": round(state.wasted_flops / 1e9, 3),
                 }
@@ -462,6 +524,9 @@ class Simulation:
             "utilisation": round(useful / pool_flops_s, 6) if pool_flops_s else 0.0,
             "down_bytes": sum(s.down_bytes for s in self.devices.values()),
             "up_bytes": sum(s.up_bytes for s in self.devices.values()),
+            # Operand bytes the cache kept off the wire: down_bytes + saved_bytes is what
+            # every tile carrying its operands would have cost.
+            "saved_bytes": sum(s.saved_bytes for s in self.devices.values()),
             "tile_flops_done": useful,
             "local_flops": self.local_flops,
             "taken_over": self.taken_over,
@@ -477,6 +542,12 @@ class Simulation:
             },
             "devices": devices,
         }
+
+
+def _forget_blocks(state: _DeviceState) -> None:
+    """The connection is gone, and the server's mirror of its cache with it."""
+    state.blocks.clear()
+    state.blocks_bytes = 0
 
 
 def _config_json(config: SimConfig) -> dict[str, Any]:
