@@ -111,6 +111,12 @@ def render_metrics(status: Mapping[str, Any]) -> str:
         traffic.get("bytes_down"),
     )
     out.add(
+        "cleave_bytes_down_uncached_total",
+        "counter",
+        "What the bytes to workers would have been without their operand caches.",
+        traffic.get("bytes_down_uncached"),
+    )
+    out.add(
         "cleave_bytes_up_total",
         "counter",
         "Verified result bytes received from workers.",
