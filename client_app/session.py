@@ -22,6 +22,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from common.auth import answer_challenge, check_welcome, new_nonce
+from common.block_cache import BlockCache
 from common.errors import KeyMismatchError, LimitExceeded, ProtocolError
 from common.frames import Buffer, decode_frame
 from common.limits import DEFAULT_LIMITS, WireLimits
@@ -73,6 +74,10 @@ class Phase(enum.Enum):
 
 
 _CONNECTED = (Phase.CONNECTED, Phase.HELLO_SENT, Phase.READY)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.nbytes
 
 
 @dataclass(frozen=True)
@@ -174,8 +179,7 @@ class WorkerSession:
         # coordinator can refer to an operand this worker already has instead of
         # sending it again. It mirrors this cache with the same budget and order.
         self.cache_bytes = cache_bytes
-        self._blocks: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._blocks_bytes = 0
+        self._blocks: BlockCache[torch.Tensor] = BlockCache(cache_bytes, _nbytes)
         self._computing: TileJob | None = None
         self._discard_computing = False
         self._seq = 0
@@ -348,24 +352,22 @@ class WorkerSession:
         cache as recently used: the same order the coordinator's mirror keeps."""
         if self.cache_bytes <= 0:
             return
-        for desc in received.frame.header.get("tensors", []):
-            block = desc.get(BLOCK_FIELD) if isinstance(desc, dict) else None
-            if not isinstance(block, str):
-                continue
-            if block in self._blocks:
-                self._blocks.move_to_end(block)
-            elif block in arrived:
-                # A copy: a view would keep the whole frame (the other operand too) alive.
-                tensor = arrived[block].clone()
-                self._blocks[block] = tensor
-                self._blocks_bytes += tensor.nbytes
-        while self._blocks_bytes > self.cache_bytes and self._blocks:
-            _, evicted = self._blocks.popitem(last=False)
-            self._blocks_bytes -= evicted.nbytes
+        blocks = [
+            desc[BLOCK_FIELD]
+            for desc in received.frame.header.get("tensors", [])
+            if isinstance(desc, dict) and isinstance(desc.get(BLOCK_FIELD), str)
+        ]
+        self._blocks.record(
+            # A copy: a view would keep the whole frame (the other operand too) alive.
+            (
+                block,
+                arrived[block].clone() if block in arrived and block not in self._blocks else None,
+            )
+            for block in blocks
+        )
 
     def _forget_blocks(self) -> None:
         self._blocks.clear()
-        self._blocks_bytes = 0
 
     @property
     def cached_blocks(self) -> int:

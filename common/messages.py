@@ -527,7 +527,7 @@ def encode_task(
         "tile_id": tile_id,
         "op": op,
         "tensors": descriptors,
-        # A placeholder of the signature's exact length, so the header keeps its size.
+        # Zeros of the signature's exact length until it is made: the header keeps its size.
         SIGNATURE_FIELD: "0" * SIGNATURE_HEX_LEN,
     }
     frame, payload = allocate_frame(header, payload_len)

@@ -4,13 +4,17 @@ Rows are keyed by the worker's Ed25519 public key (hex), which the worker proves
 at every connection (``common.auth``): credit, reputation and bans follow the key, never
 the name a worker claims (names are for people and may repeat). Every verified tile is
 committed as it lands, in WAL mode, so a crash loses nothing that was credited.
+
+Rows that exist are also kept in memory, updated with every write: the coordinator reads
+a worker's standing on every heartbeat and check, and must not query SQLite on its event
+loop for that. Keys with no row are not remembered, so strangers leave nothing behind.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.signing import fingerprint
@@ -85,6 +89,7 @@ class Ledger:
         # also from the training thread's summaries.
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
+        self._rows: dict[str, Contribution] = {}  # worker key -> its row, as in the file
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -111,6 +116,7 @@ class Ledger:
     ) -> None:
         """One verified tile: credit it, with the worker's reputation after it."""
         with self._lock:
+            before = self._row(worker)  # read first: the write below changes it
             self._db.execute(
                 """INSERT INTO contributions
                    (worker, name, tiles, flops, bytes_down, bytes_up, compute_s, reputation,
@@ -126,12 +132,23 @@ class Ledger:
                        last_seen = excluded.last_seen""",
                 (worker, name, flops, bytes_down, bytes_up, compute_s, reputation, now, now),
             )
+            self._rows[worker] = replace(
+                before,
+                name=name,
+                tiles=before.tiles + 1,
+                flops=before.flops + flops,
+                bytes_down=before.bytes_down + bytes_down,
+                bytes_up=before.bytes_up + bytes_up,
+                compute_s=before.compute_s + compute_s,
+                reputation=reputation,
+            )
 
     def reject(
         self, worker: str, *, name: str, reputation: float, banned_reason: str = "", now: float
     ) -> None:
         """One result that failed its check: no credit, a lower reputation, maybe a ban."""
         with self._lock:
+            before = self._row(worker)  # read first: the write below changes it
             self._db.execute(
                 """INSERT INTO contributions
                    (worker, name, rejected, reputation, banned_reason, banned_at,
@@ -155,13 +172,30 @@ class Ledger:
                     now,
                 ),
             )
+            self._rows[worker] = replace(
+                before,
+                name=name,
+                rejected=before.rejected + 1,
+                reputation=reputation,
+                banned_reason=before.banned_reason or banned_reason,
+            )
 
     def get(self, worker: str) -> Contribution:
         with self._lock:
-            row = self._db.execute(
-                f"SELECT {COLUMNS} FROM contributions WHERE worker = ?", (worker,)
-            ).fetchone()
-        return Contribution(*row) if row else Contribution(worker)
+            return self._row(worker)
+
+    def _row(self, worker: str) -> Contribution:
+        """The row from memory, or read once from the file (caller holds the lock)."""
+        cached = self._rows.get(worker)
+        if cached is not None:
+            return cached
+        row = self._db.execute(
+            f"SELECT {COLUMNS} FROM contributions WHERE worker = ?", (worker,)
+        ).fetchone()
+        if row is None:
+            return Contribution(worker)
+        self._rows[worker] = Contribution(*row)
+        return self._rows[worker]
 
     def all(self) -> list[Contribution]:
         with self._lock:

@@ -14,10 +14,9 @@ import itertools
 import logging
 import ssl
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from common.auth import check_hello, make_welcome, new_nonce
+from common.block_cache import BlockCache
 from common.errors import FrameError, LimitExceeded, ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
@@ -57,7 +57,7 @@ from coordinator.costmodel import (
     observe,
     overdue_finish,
 )
-from coordinator.ledger import Contribution, Ledger
+from coordinator.ledger import Ledger
 from coordinator.reputation import (
     ReputationPolicy,
     after_failed,
@@ -127,8 +127,7 @@ class WorkerConn:
     estimate: DeviceEstimate | None = None  # speed and links, learnt from its tiles
     # The worker's operand cache, mirrored: block id -> bytes, least recently used first,
     # kept in the same order and budget as the worker keeps it (client_app.session).
-    cache_bytes: int = 0
-    blocks: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
     sent_bytes: dict[str, int] = field(default_factory=dict)  # tile id -> bytes it cost
 
     @property
@@ -204,10 +203,6 @@ class CoordinatorServer:
         self._check_vectors = new_generator()
         self._server: Server | None = None
         self._handshaking = 0
-        # Each connected key's ledger row, kept in step with every write: heartbeats,
-        # checks and status read it here instead of querying SQLite on the event loop.
-        # Keyed by worker key, so two connections of one worker share one standing.
-        self._standings: dict[str, Contribution] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Condition()
 
@@ -331,19 +326,13 @@ class CoordinatorServer:
         cache itself: operands sent inline first, then the ones referred to, each moved
         to the most recently used end; then the least recently used go past the budget.
         """
-        if conn.cache_bytes <= 0:
+        if conn.blocks.budget <= 0:
             return job.bundle
         operands = {"a": job.a, "b": job.b}
         ids = dict(zip(("a", "b"), job.blocks, strict=True))
         refs = frozenset(name for name in ("a", "b") if ids[name] in conn.blocks)
-        for name in [n for n in ("a", "b") if n not in refs] + sorted(refs):
-            block = ids[name]
-            if block in conn.blocks:
-                conn.blocks.move_to_end(block)
-            else:
-                conn.blocks[block] = operands[name].nbytes
-        while sum(conn.blocks.values()) > conn.cache_bytes and conn.blocks:
-            conn.blocks.popitem(last=False)
+        order = [n for n in ("a", "b") if n not in refs] + sorted(refs)  # the task's order
+        conn.blocks.record((ids[name], operands[name].nbytes) for name in order)
         return encode_task(
             job.tile_id, job.gemm.op, job.a, job.b, self.key, blocks=job.blocks, refs=refs
         )
@@ -450,8 +439,7 @@ class CoordinatorServer:
         except ProtocolError as exc:
             await ws.send(encode_message(Error(exc.code, exc.message)))
             raise _Drop(CLOSE_POLICY, f"bad hello: {exc.message}") from None
-        # Not cached yet: a refused stranger must leave nothing behind.
-        standing = self._standings.get(hello.worker_key) or self.ledger.get(hello.worker_key)
+        standing = self.ledger.get(hello.worker_key)
         if standing.banned_reason:
             message = f"worker {fingerprint(hello.worker_key)} is banned: {standing.banned_reason}"
             await ws.send(encode_message(Error("banned", message)))
@@ -487,7 +475,7 @@ class CoordinatorServer:
                 self.config.max_messages_per_s, self.config.message_burst, clock=self.clock
             ),
             estimate=estimate,
-            cache_bytes=hello.cache_bytes,
+            blocks=BlockCache(hello.cache_bytes, int),
         )
 
     def _register(self, conn: WorkerConn) -> None:
@@ -513,17 +501,9 @@ class CoordinatorServer:
             while True:
                 await conn.ws.send(await conn.outbox.get())
 
-    def _standing(self, key: str) -> Contribution:
-        standing = self._standings.get(key)
-        if standing is None:
-            standing = self._standings[key] = self.ledger.get(key)
-        return standing
-
     async def _forget(self, conn: WorkerConn) -> None:
         if self.conns.pop(conn.worker_id, None) is None:
             return
-        if all(other.key != conn.key for other in self.conns.values()):
-            self._standings.pop(conn.key, None)
         self._refresh_pool()
         if conn.worker_id in self.scheduler.workers():
             requeued = self.scheduler.remove_worker(conn.worker_id, self.clock())
@@ -598,7 +578,7 @@ class CoordinatorServer:
         elif isinstance(msg, Heartbeat):
             self.scheduler.heartbeat(conn.worker_id, now)
             conn.state, conn.reason = msg.state, msg.reason
-            credit = self._standing(conn.key)
+            credit = self.ledger.get(conn.key)
             await conn.ws.send(encode_message(Ack(msg.seq, credit.tiles, round(credit.gflop, 6))))
         elif isinstance(msg, Error):
             self._on_worker_error(conn, msg)
@@ -713,7 +693,7 @@ class CoordinatorServer:
         conn.tiles_session += 1
         self.counters.tiles_verified += 1
         self.counters.bytes_up += len(received.frame.payload)
-        before = self._standing(conn.key)
+        before = self.ledger.get(conn.key)
         reputation = after_verified(before.reputation, self.config.reputation)
         up, compute_s = len(received.frame.payload), min(msg.compute_s, held_s)
         down = conn.sent_bytes.pop(msg.tile_id, len(job.bundle))
@@ -726,16 +706,6 @@ class CoordinatorServer:
             bytes_up=up,
             compute_s=compute_s,
             now=self.wall_clock(),
-        )
-        self._standings[conn.key] = replace(
-            before,
-            name=conn.name,
-            tiles=before.tiles + 1,
-            flops=before.flops + job.flops,
-            bytes_down=before.bytes_down + down,
-            bytes_up=before.bytes_up + up,
-            compute_s=before.compute_s + compute_s,
-            reputation=reputation,
         )
         for other in completion.cancel:
             self._cancel(other, msg.tile_id)
@@ -777,7 +747,7 @@ class CoordinatorServer:
         ban its key (closing all its connections) once the reputation falls too low."""
         self.counters.rejected += 1
         policy = self.config.reputation
-        before = self._standing(conn.key)
+        before = self.ledger.get(conn.key)
         reputation = after_failed(before.reputation, policy)
         banned = ""
         if not before.banned_reason and is_banned(reputation, policy):
@@ -788,13 +758,6 @@ class CoordinatorServer:
             reputation=reputation,
             banned_reason=banned,
             now=self.wall_clock(),
-        )
-        self._standings[conn.key] = replace(
-            before,
-            name=conn.name,
-            rejected=before.rejected + 1,
-            reputation=reputation,
-            banned_reason=before.banned_reason or banned,
         )
         log.warning(
             "tile %s from %s failed verification (reputation %.2f): re-issuing",
@@ -877,7 +840,7 @@ class CoordinatorServer:
         now = self.clock()
         workers = []
         for conn in self.conns.values():
-            standing = self._standing(conn.key)
+            standing = self.ledger.get(conn.key)
             workers.append(
                 {
                     "id": conn.worker_id,

@@ -183,3 +183,24 @@ def test_a_ledger_from_before_keys_gains_the_new_columns(tmp_path: Path) -> None
         assert led.get("ab" * 32).name == "ab" * 32 + "-laptop"
     finally:
         led.close()
+
+
+def test_rows_read_from_memory_match_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    led = Ledger(path)
+    try:
+        credit(led, "alice", 5, down=7, up=3, s=0.25)  # never read before this write
+        led.get("bob")  # a key with no row: read, not remembered
+        reject(led, "bob", now=1.0, reputation=0.5)
+        credit(led, "alice", 6, reputation=0.9)
+        credit(led, "bob", 1, reputation=0.51)
+        in_memory = {key: led.get(key) for key in ("alice", "bob")}
+    finally:
+        led.close()
+    fresh = Ledger(path)  # reads the file only
+    try:
+        assert {key: fresh.get(key) for key in ("alice", "bob")} == in_memory
+        assert in_memory["alice"].tiles == 2 and in_memory["alice"].flops == 11
+        assert (in_memory["bob"].tiles, in_memory["bob"].rejected) == (1, 1)
+    finally:
+        fresh.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from common.messages import (
     DeviceProfile,
     Error,
     Heartbeat,
+    Hello,
     Message,
     Pause,
     Result,
@@ -192,7 +193,8 @@ async def attack_handshakes(url: str) -> None:
     link = await open_link(url)
     parsed = parse_message(hello_frame(link, "impostor")).message
     victim = public_key_hex(generate_private_key())
-    await link.send(encode_message(_replace(parsed, worker_key=victim)))
+    assert isinstance(parsed, Hello)
+    await link.send(encode_message(replace(parsed, worker_key=victim)))
     code, _ = await link.closed()
     assert code == 1008 and "auth_failed" in link.errors()
 
@@ -220,12 +222,6 @@ async def attack_handshakes(url: str) -> None:
     link.ws.transport.write(header + bytes(1024))
     code, _ = await link.closed()
     assert code == 1009
-
-
-def _replace(msg: Message, **changes: Any) -> Message:
-    from dataclasses import replace
-
-    return replace(msg, **changes)  # type: ignore[type-var]
 
 
 async def attack_as_insider(url: str) -> None:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from common.block_cache import BlockCache
 from coordinator.costmodel import (
     DeviceEstimate,
     TileObservation,
@@ -105,10 +105,8 @@ class _DeviceState:
     up_bytes: int = 0
     saved_bytes: int = 0  # operand bytes not sent because the device held the block
     # The coordinator's mirror of the device's operand cache: block id -> bytes, least
-    # recently used first, within cache_bytes (0: no cache).
-    cache_bytes: int = 0
-    blocks: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    blocks_bytes: int = 0
+    # recently used first, within its budget (0: no cache).
+    blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
     useful_flops: int = 0
     wasted_flops: int = 0  # computed, then cancelled or lost
 
@@ -144,7 +142,7 @@ class Simulation:
                     config.assumed_up_bps,
                     d.mem_cap_bytes,
                 ),
-                cache_bytes=d.mem_cap_bytes if config.operand_cache else 0,
+                blocks=BlockCache(d.mem_cap_bytes if config.operand_cache else 0, int),
             )
             for d in devices
         }
@@ -414,19 +412,12 @@ class Simulation:
         operands sent inline first, then the held ones, each moved to the most recently
         used end; then the least recently used go until the blocks fit the budget."""
         ticket = self._tickets[tile_id]
-        if state.cache_bytes <= 0:
+        if state.blocks.budget <= 0:
             return ticket.down_bytes
         sizes = dict(zip(ticket.blocks, self._block_bytes[tile_id], strict=True))
         held = [block for block in ticket.blocks if block in state.blocks]
         sent = [block for block in ticket.blocks if block not in state.blocks]
-        for block in sent + held:
-            if block in state.blocks:
-                state.blocks.move_to_end(block)
-            else:
-                state.blocks[block] = sizes[block]
-                state.blocks_bytes += sizes[block]
-        while state.blocks_bytes > state.cache_bytes and state.blocks:
-            state.blocks_bytes -= state.blocks.popitem(last=False)[1]
+        state.blocks.record((block, sizes[block]) for block in sent + held)
         saved = sum(sizes[block] for block in held)
         state.saved_bytes += saved
         return ticket.down_bytes - saved
@@ -547,7 +538,6 @@ class Simulation:
 def _forget_blocks(state: _DeviceState) -> None:
     """The connection is gone, and the server's mirror of its cache with it."""
     state.blocks.clear()
-    state.blocks_bytes = 0
 
 
 def _config_json(config: SimConfig) -> dict[str, Any]:

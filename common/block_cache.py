@@ -1,0 +1,55 @@
+"""The operand cache's bookkeeping, one implementation for both ends of a connection.
+
+A worker keeps the operand blocks it was sent; the coordinator keeps a mirror of that
+cache (block sizes only) to know which operands it may send by reference. The two agree
+only if both apply the same rule in the same order, so both run this code: for each
+task, its blocks in order (the ones sent first, then the ones referred to) become the
+most recently used, new ones are added, and then the least recently used go until the
+cache fits its budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class BlockCache(Mapping[str, V], Generic[V]):
+    """Block id -> value (a tensor on the worker, its size at the coordinator), LRU."""
+
+    def __init__(self, budget: int, size: Callable[[V], int]) -> None:
+        self.budget = budget
+        self._size = size
+        self._blocks: OrderedDict[str, V] = OrderedDict()
+        self.bytes = 0
+
+    def __getitem__(self, block: str) -> V:
+        return self._blocks[block]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def record(self, blocks: Iterable[tuple[str, V | None]]) -> None:
+        """One task's blocks, in order: a held one becomes the most recently used; a new
+        one is added (its value given; None: it did not arrive, so nothing to keep)."""
+        if self.budget <= 0:
+            return
+        for block, value in blocks:
+            if block in self._blocks:
+                self._blocks.move_to_end(block)
+            elif value is not None:
+                self._blocks[block] = value
+                self.bytes += self._size(value)
+        while self.bytes > self.budget and self._blocks:
+            _, evicted = self._blocks.popitem(last=False)
+            self.bytes -= self._size(evicted)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.bytes = 0

@@ -1,0 +1,25 @@
+"""The operand cache's bookkeeping, shared by the worker and the coordinator's mirror."""
+
+from __future__ import annotations
+
+from common.block_cache import BlockCache
+
+
+def test_blocks_are_kept_in_use_order_within_the_budget() -> None:
+    cache: BlockCache[int] = BlockCache(30, int)
+    cache.record([("a0", 10), ("b", 10)])
+    cache.record([("a1", 10), ("b", None)])  # b referred to: most recent again
+    cache.record([("a2", 10), ("b", None)])  # over budget: a0, the oldest, goes
+    assert list(cache) == ["a1", "a2", "b"] and cache.bytes == 30
+    cache.record([("gone", None)])  # neither held nor arrived: nothing to keep
+    assert "gone" not in cache and len(cache) == 3
+    cache.record([("big", 25)])  # bigger than what is left: the old ones make room
+    assert list(cache) == ["big"] and cache.bytes == 25
+    cache.clear()
+    assert len(cache) == 0 and cache.bytes == 0
+
+
+def test_a_zero_budget_keeps_nothing() -> None:
+    cache: BlockCache[int] = BlockCache(0, int)
+    cache.record([("a", 1)])
+    assert len(cache) == 0 and cache.bytes == 0
