@@ -6,7 +6,6 @@ The coordinator's planner sizes tiles from it (memory cap) and estimates their t
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -14,6 +13,7 @@ import psutil
 import torch
 
 from client_app.compute import TileComputer
+from common.gemm_speed import matmul_gflops
 from common.messages import DeviceProfile
 
 GIB = 1 << 30
@@ -34,30 +34,12 @@ def measure_gflops(
     n: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """fp32 GEMM throughput on ``computer``'s device under its thread cap.
-
-    Times n x n matmuls for about ``target_s`` after two warm-up runs and takes the
-    median run: start-up stays fast, one-off costs (thread pool start, first-touch
-    allocation) and a stray preemption do not skew the figure the planner relies on.
-    """
+    """fp32 GEMM throughput on ``computer``'s device under its thread cap."""
     size = n or (1024 if computer.device.type == "cuda" else 256)
     a = torch.randn(size, size, device=computer.device)
     b = torch.randn(size, size, device=computer.device)
     computer.apply_thread_cap()
-    for _ in range(2):
-        torch.matmul(a, b)
-    computer.synchronize()
-    run_times: list[float] = []
-    start = clock()
-    while True:
-        before = clock()
-        torch.matmul(a, b)
-        computer.synchronize()  # GPU kernels are asynchronous: time them finished
-        after = clock()
-        run_times.append(after - before)
-        if after - start >= target_s:
-            break
-    return 2.0 * size**3 / max(statistics.median(run_times), 1e-9) / 1e9
+    return matmul_gflops(a, b, synchronize=computer.synchronize, target_s=target_s, clock=clock)
 
 
 def build_profile(

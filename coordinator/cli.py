@@ -16,12 +16,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from common.gemm_speed import matmul_gflops
 from common.signing import fingerprint, load_or_create_private_key
 from coordinator.config_file import ConfigError, read_config
 from coordinator.job import Job
 from coordinator.ledger import Ledger
 from coordinator.local_workers import LocalWorkers
-from coordinator.offload import TileOffload
+from coordinator.offload import LivePlanning, TileOffload
 from coordinator.planner import PlanConfig
 from coordinator.progress import Progress
 from coordinator.scheduler import SchedulerConfig
@@ -136,6 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="GEMMs smaller than this many MFLOP run at the coordinator",
     )
     serve.add_argument(
+        "--planner",
+        default="cost",
+        choices=["cost", "grid"],
+        help="cost (default): each GEMM's grid from the cost model of the connected "
+        "workers (their measured speeds and links); grid: about two tiles per worker",
+    )
+    serve.add_argument(
+        "--coordinator-gflops",
+        default="auto",
+        metavar="GFLOPS|auto",
+        help="the coordinator's own fp32 speed; with the cost planner it then computes the "
+        "tiles it would finish before any worker (auto: measured at start-up, 0 while "
+        "--local-workers share this machine; 0: never)",
+    )
+    serve.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=10.0,
@@ -231,6 +249,26 @@ def _print(text: str, **fields: Any) -> None:
     progress_log.info(text, extra=fields)
 
 
+def _coordinator_gflops(value: str, local_workers: int) -> float:
+    """--coordinator-gflops as a number. auto measures this machine, unless local workers
+    run here too: they already use its cores, and a share for the coordinator would
+    compete with them while the planner counts both."""
+    if value != "auto":
+        try:
+            gflops = float(value)
+        except ValueError:
+            raise SystemExit(
+                f"--coordinator-gflops must be a number or auto, not {value!r}"
+            ) from None
+        if not gflops >= 0 or gflops == float("inf"):
+            raise SystemExit("--coordinator-gflops must be >= 0 and finite")
+        return gflops
+    if local_workers:
+        return 0.0
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    return matmul_gflops(a, b, target_s=0.2)
+
+
 async def serve(args: argparse.Namespace) -> int:
     if args.steps < 0 or args.local_workers < 0:
         raise SystemExit("--steps and --local-workers must be >= 0")
@@ -238,6 +276,7 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit("--speculate-after must be >= 1 (or 0 to turn copies off)")
     if args.checkpoint_every < 1:
         raise SystemExit("--checkpoint-every must be >= 1")
+    coordinator_gflops = _coordinator_gflops(args.coordinator_gflops, args.local_workers)
     if args.min_workers is not None and args.min_workers < 1:
         raise SystemExit("--min-workers must be >= 1: tiles need someone to compute them")
     min_workers = args.min_workers if args.min_workers is not None else max(1, args.local_workers)
@@ -277,6 +316,15 @@ async def serve(args: argparse.Namespace) -> int:
     _print(f"  status:          {http}://{connect_host}:{port}/api/status")
     _print(f"  metrics:         {http}://{connect_host}:{port}/metrics")
     _print(f"  key fingerprint: {fingerprint(key)}")
+    if args.planner == "grid":
+        _print("  planner:         grid (about two tiles per worker)")
+    elif coordinator_gflops:
+        _print(
+            "  planner:         cost model; this machine computes a share "
+            f"({coordinator_gflops:.0f} GFLOP/s)"
+        )
+    else:
+        _print("  planner:         cost model; every tile goes to workers")
     if args.host in ("0.0.0.0", "::", ""):
         _print(f"  connect a worker: cleave-worker --coordinator {ws}://THIS-HOST:{port}{WS_PATH}")
         _print(f"  (local workers use {url})")
@@ -320,6 +368,10 @@ async def serve(args: argparse.Namespace) -> int:
             tile_mem_cap_bytes=min(
                 memory_cap or PlanConfig.tile_mem_cap_bytes, PlanConfig.tile_mem_cap_bytes
             ),
+        ),
+        LivePlanning(
+            cost_model=args.planner == "cost",
+            coordinator_flops_per_s=coordinator_gflops * 1e9,
         ),
     )
     trainer = Trainer(
@@ -437,11 +489,16 @@ def _print_traffic(server: CoordinatorServer) -> None:
     if not counters.tiles_sent:
         return
     down, uncached = counters.bytes_down, counters.bytes_down_uncached
-    saved = 1 - down / uncached if uncached else 0.0
+    saved = max(0.0, 1 - down / uncached) if uncached else 0.0
     _print(
         f"\ntraffic this run: {down / 1e6:.1f} MB to workers ({uncached / 1e6:.1f} MB without "
         f"their operand caches: {saved:.0%} saved), {counters.bytes_up / 1e6:.1f} MB back"
     )
+    if counters.kept_here:
+        _print(
+            f"tiles: {counters.tiles_verified} verified from workers, {counters.kept_here} "
+            "computed here (the planner's share for the coordinator)"
+        )
 
 
 def _print_contributions(ledger: Ledger) -> None:

@@ -18,6 +18,7 @@ finish it earliest (list scheduling), and keeping the grid with the smallest mak
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class DeviceEstimate:
     up_bps: float  # worker -> coordinator bytes/s
     mem_cap_bytes: int | None = None  # None: no cap
     updated_at: float = 0.0
+    link_samples: int = 0  # tiles whose transfer time was measured: 0 = links guessed
 
     def __post_init__(self) -> None:
         if min(self.flops_per_s, self.down_bps, self.up_bps) <= 0:
@@ -93,6 +95,8 @@ def observe(
     stale = max(0.0, now - estimate.updated_at) / half_life_s
     weight = 1 - (1 - alpha) * 0.5**stale
 
+    measured = obs.down_s is not None and obs.down_s > 0 and obs.down_bytes > 0
+
     def blend(old: float, amount: int, seconds: float | None) -> float:
         if seconds is None or seconds <= 0 or amount <= 0:
             return old
@@ -104,6 +108,21 @@ def observe(
         down_bps=blend(estimate.down_bps, obs.down_bytes, obs.down_s),
         up_bps=blend(estimate.up_bps, obs.up_bytes, obs.up_s),
         updated_at=max(now, estimate.updated_at),
+        link_samples=estimate.link_samples + measured,
+    )
+
+
+def for_planning(estimate: DeviceEstimate, optimistic_bps: float) -> DeviceEstimate:
+    """The estimate a planner should use. Links nobody has measured yet are assumed fast:
+    a planner that believed the cautious guess would keep every tile at the coordinator,
+    no tile would ever cross the link, and the guess would never be corrected. One slow
+    first tile (which the speculative copies cover) is the price of finding out."""
+    if estimate.link_samples:
+        return estimate
+    return dataclasses.replace(
+        estimate,
+        down_bps=max(estimate.down_bps, optimistic_bps),
+        up_bps=max(estimate.up_bps, optimistic_bps),
     )
 
 
@@ -124,11 +143,39 @@ def lower_bound(total_flops: int, devices: Sequence[DeviceEstimate]) -> float:
 
 
 @dataclass(frozen=True)
+class LinkModel:
+    """How a worker's transfers overlap its compute, and the coordinator's own uplink.
+
+    `window` is how many tiles a worker may hold at once (the scheduler's prefetch
+    window): with 1, download, compute and upload run in a row; with 2 (the server's
+    default), the next tile downloads while this one computes, so a busy worker's tile
+    costs the slowest of its three phases, not their sum. Every download also passes the
+    coordinator's uplink, `egress_bps`, modelled as a shared pipe: the downloads placed
+    so far cannot all have ended before it carried their bytes.
+    """
+
+    window: int = 1
+    egress_bps: float = math.inf
+    # The coordinator's own work per tile sent (cut, sign, frame, check the result), one
+    # tile at a time: what makes many small tiles slower than a few big ones.
+    tile_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.egress_bps <= 0 or self.tile_overhead_s < 0:
+            raise ValueError("window must be >= 1, egress_bps > 0, tile_overhead_s >= 0")
+
+
+SEQUENTIAL = LinkModel()
+# The coordinator itself, when it computes a share of a GEMM: no link to cross.
+LOCAL = "coordinator"
+
+
+@dataclass(frozen=True)
 class Placement:
     tile: TileRegion
-    worker_id: str
-    start: float
-    finish: float
+    worker_id: str  # LOCAL: the coordinator computes it
+    start: float  # its download starts (compute, for LOCAL)
+    finish: float  # its result is back
     down_bytes: int  # operand bytes actually sent: blocks the worker holds are not resent
 
 
@@ -144,6 +191,11 @@ class PoolPlan:
     def down_bytes(self) -> int:
         return sum(p.down_bytes for p in self.placements)
 
+    @property
+    def local_tiles(self) -> tuple[TileRegion, ...]:
+        """Tiles the plan keeps at the coordinator (with `share_local`)."""
+        return tuple(p.tile for p in self.placements if p.worker_id == LOCAL)
+
 
 def operand_blocks(shape: GemmShape, tile: TileRegion) -> tuple[tuple[Block, int], ...]:
     """The A and B blocks a tile reads, with their sizes in bytes."""
@@ -155,6 +207,38 @@ def operand_blocks(shape: GemmShape, tile: TileRegion) -> tuple[tuple[Block, int
     )
 
 
+@dataclass
+class _Lane:
+    """One device's timeline while tiles are being placed: when its downlink, compute and
+    uplink are next free, when its tiles finish (for the window), what it holds."""
+
+    device: DeviceEstimate
+    down_free: float
+    comp_free: float
+    up_free: float
+    finishes: list[float]
+    held: set[Block]
+
+    def slot(self, window: int) -> float:
+        """When the coordinator may send this device its next tile."""
+        if len(self.finishes) < window:
+            return self.down_free
+        return max(self.down_free, self.finishes[-window])
+
+    def run(
+        self, flops: int, down: int, up: int, window: int, egress_floor: float
+    ) -> tuple[float, float, float, float]:
+        """(start, download end, compute end, finish) of this device's next tile; the
+        download cannot end before `egress_floor`, when the coordinator's uplink has had
+        time to carry every byte sent so far plus this tile's."""
+        d = self.device
+        start = self.slot(window)
+        down_end = max(start + down / d.down_bps, egress_floor)
+        comp_end = max(down_end, self.comp_free) + flops / d.flops_per_s
+        finish = max(comp_end, self.up_free) + up / d.up_bps
+        return start, down_end, comp_end, finish
+
+
 def place_tiles(
     shape: GemmShape,
     tiles: Sequence[TileRegion],
@@ -162,67 +246,117 @@ def place_tiles(
     *,
     ready_at: Mapping[str, float] | None = None,
     held: Mapping[str, frozenset[Block]] | None = None,
+    links: LinkModel = SEQUENTIAL,
+    rule: str = "finish",
 ) -> tuple[Placement, ...] | None:
-    """List scheduling: largest tile first, each to the device that finishes it earliest.
+    """Place tiles on devices one at a time. None when some tile fits no device's cap.
 
-    A device that already holds one of the tile's operand blocks (sent for an earlier
-    tile, or in `held`) is not sent it again, so it tends to win ties and keep a row or
-    column of the grid. Ties on finish go to the device holding more of the operands,
-    then to the earlier device in `devices`. None when some tile fits no device's cap.
+    rule "finish" (the planner): largest tile first, each to the device that finishes it
+    earliest (list scheduling). A device that already holds one of the tile's operand
+    blocks (sent for an earlier tile, or in `held`) is not sent it again, so it tends to
+    win and keep a row or column of the grid; ties go to the device holding more of the
+    operands, then to the earlier device in `devices`.
+
+    rule "pull" (what a plain pull scheduler does, for comparison): tiles in grid order,
+    each to the device with the earliest free slot, however slow it is.
     """
-    ready = {d.worker_id: (ready_at or {}).get(d.worker_id, 0.0) for d in devices}
-    holding = {d.worker_id: set((held or {}).get(d.worker_id, frozenset())) for d in devices}
-    order = sorted(tiles, key=lambda t: (-t.flops, t.index))
+    if rule not in ("finish", "pull"):
+        raise ValueError(f"unknown rule {rule!r}")
+    lanes = []
+    for d in devices:
+        t0 = (ready_at or {}).get(d.worker_id, 0.0)
+        have = set((held or {}).get(d.worker_id, frozenset()))
+        lanes.append(_Lane(d, t0, t0, t0, [], have))
+    order = sorted(tiles, key=lambda t: (-t.flops, t.index)) if rule == "finish" else tiles
+    t0 = min((lane.down_free for lane in lanes), default=0.0)
+    sent = 0  # bytes through the coordinator's uplink so far (a shared fluid pipe)
+    remote = 0  # tiles sent to workers so far
     placements: list[Placement] = []
     for tile in order:
         blocks = operand_blocks(shape, tile)
         up = tile.up_bytes(shape.itemsize)
         size = tile.total_bytes(shape.itemsize)
-        best: tuple[float, int, int] | None = None
+        best: tuple[float, ...] | None = None
+        best_run: tuple[float, float, float, float] = (0.0,) * 4
         best_down = 0
-        for i, device in enumerate(devices):
-            if not device.can_hold(size):
+        for i, lane in enumerate(lanes):
+            if not lane.device.can_hold(size):
                 continue
-            have = holding[device.worker_id]
-            down = sum(nbytes for block, nbytes in blocks if block not in have)
-            finish = ready[device.worker_id] + device.tile_seconds(tile.flops, down, up)
-            key = (finish, -sum(block in have for block, _ in blocks), i)
+            down = sum(nbytes for block, nbytes in blocks if block not in lane.held)
+            if lane.device.down_bps == math.inf:
+                down = 0  # the coordinator reads its own memory
+            floor = 0.0  # the coordinator's own tiles wait for no link
+            if lane.device.down_bps != math.inf:
+                floor = t0 + (sent + down) / links.egress_bps + (remote + 1) * links.tile_overhead_s
+            run = lane.run(tile.flops, down, up, links.window, floor)
+            if rule == "finish":
+                key: tuple[float, ...] = (run[3], -sum(b in lane.held for b, _ in blocks), i)
+            else:
+                key = (lane.slot(links.window), i)
             if best is None or key < best:
-                best, best_down = key, down
+                best, best_run, best_down = key, run, down
         if best is None:
             return None
-        device = devices[best[2]]
-        start = ready[device.worker_id]
-        ready[device.worker_id] = best[0]
-        holding[device.worker_id].update(block for block, _ in blocks)
-        placements.append(Placement(tile, device.worker_id, start, best[0], best_down))
+        lane = lanes[int(best[-1])]
+        start, lane.down_free, lane.comp_free, finish = best_run
+        sent += best_down
+        remote += lane.device.down_bps != math.inf
+        lane.up_free = finish
+        lane.finishes.append(finish)
+        lane.held.update(block for block, _ in blocks)
+        placements.append(Placement(tile, lane.device.worker_id, start, finish, best_down))
     return tuple(placements)
 
 
-def candidate_plans(
-    shape: GemmShape, devices: Sequence[DeviceEstimate], base: PlanConfig
-) -> list[GemmPlan]:
-    """plan_gemm's grids for 1, 2, 4, ... up to 4 tiles per device, deduplicated.
+def candidate_configs(base: PlanConfig) -> list[PlanConfig]:
+    """Tile limits to try besides base's. Bigger tiles (4x and 16x the FLOP limit) carry
+    more FLOPs per byte sent, which fast devices on slow links need; a smallest side of
+    1024 makes a long-K GEMM split K instead of cutting M and N into thin strips whose
+    operands are mostly K. List scheduling keeps big tiles off slow devices."""
+    configs = [base]
+    for flops_factor, side in ((1, 1024), (4, 256), (4, 1024), (16, 1024)):
+        configs.append(
+            dataclasses.replace(
+                base,
+                max_tile_flops=base.max_tile_flops * flops_factor,
+                min_tile_side=max(base.min_tile_side, side),
+            )
+        )
+    return list(dict.fromkeys(configs))
 
-    The memory cap is the largest device's (never above base's): a tile only needs one
-    device that can hold it, and K is split only when even that one cannot.
+
+def candidate_plans(
+    shape: GemmShape,
+    devices: Sequence[DeviceEstimate],
+    base: PlanConfig,
+    *,
+    tiles_per_device: int = 4,
+    configs: Sequence[PlanConfig] | None = None,
+) -> list[GemmPlan]:
+    """plan_gemm's grids for 1, 2, 4, ... up to `tiles_per_device` tiles per device, for
+    each of `configs` (default: base alone), deduplicated. More tiles balance mixed
+    speeds better and re-send more operands.
+
+    The memory cap is the largest device's (never above the config's): a tile only needs
+    one device that can hold it, and K is split only when even that one cannot.
     """
     caps = [d.mem_cap_bytes for d in devices]
-    cap = base.tile_mem_cap_bytes
-    if caps and None not in caps:
-        cap = min(cap, max(c for c in caps if c is not None))
     plans: dict[tuple[int, int, int, int], GemmPlan] = {}
-    target = 1
-    while target <= max(1, 4 * len(devices)):
-        config = dataclasses.replace(base, target_tiles=target, tile_mem_cap_bytes=cap)
-        try:
-            plan = plan_gemm(shape, config)
-        except ValueError:
-            return []  # not even a 1x1x1 tile fits: only the coordinator can run it
-        if plan is None:
-            return []
-        plans.setdefault(plan.grid, plan)
-        target *= 2
+    for config in configs or [base]:
+        cap = config.tile_mem_cap_bytes
+        if caps and None not in caps:
+            cap = min(cap, max(c for c in caps if c is not None))
+        target = 1
+        while target <= max(1, tiles_per_device * len(devices)):
+            grown = dataclasses.replace(config, target_tiles=target, tile_mem_cap_bytes=cap)
+            try:
+                plan = plan_gemm(shape, grown)
+            except ValueError:
+                return []  # not even a 1x1x1 tile fits: only the coordinator can run it
+            if plan is None:
+                return []
+            plans.setdefault(plan.grid, plan)
+            target *= 2
     return list(plans.values())
 
 
@@ -234,20 +368,43 @@ def plan_for_pool(
     base: PlanConfig = DEFAULT_PLAN,
     ready_at: Mapping[str, float] | None = None,
     held: Mapping[str, frozenset[Block]] | None = None,
+    links: LinkModel = SEQUENTIAL,
+    share_local: bool = False,
+    tiles_per_device: int = 4,
+    configs: Sequence[PlanConfig] | None = None,
 ) -> PoolPlan:
     """Offload vs local and the tile grid with the smallest estimated makespan.
+
+    With `share_local` the coordinator is one more device in the placement (worker id
+    LOCAL, no link to cross), so a plan may keep some tiles here and send the rest: on a
+    pool whose links cannot carry a whole GEMM's operands in time, the coordinator does
+    what the links cannot feed. Its speed then counts in the lower bound too.
+
+    `configs` are the tile limits whose grids are tried (default: base's alone;
+    `candidate_configs(base)` adds bigger tiles and K splits for long K).
+
+    `local_flops_per_s` 0 means the coordinator computes no GEMM of its own (local takes
+    forever), unless no worker can.
 
     Local wins ties: it moves no bytes. GEMMs below base.min_offload_flops stay local,
     as in plan_gemm. A grid whose tiles fit no device is skipped.
     """
-    local = shape.flops / local_flops_per_s
-    bound = lower_bound(shape.flops, devices) if devices else local
+    if local_flops_per_s < 0 or (share_local and local_flops_per_s == 0):
+        raise ValueError("local_flops_per_s must be >= 0, and > 0 to share")
+    local = shape.flops / local_flops_per_s if local_flops_per_s else math.inf
+    everyone = list(devices)
+    if share_local:
+        everyone.insert(0, DeviceEstimate(LOCAL, local_flops_per_s, math.inf, math.inf))
+    bound = lower_bound(shape.flops, everyone) if devices else local
     best = PoolPlan(None, (), local, bound, local)
     if not devices:
         return best
     start = min((ready_at or {}).get(d.worker_id, 0.0) for d in devices)
-    for plan in candidate_plans(shape, devices, base):
-        placed = place_tiles(shape, plan.tiles, devices, ready_at=ready_at, held=held)
+    grids = candidate_plans(
+        shape, devices, base, tiles_per_device=tiles_per_device, configs=configs
+    )
+    for plan in grids:
+        placed = place_tiles(shape, plan.tiles, everyone, ready_at=ready_at, held=held, links=links)
         if placed is None:
             continue
         makespan = max(p.finish for p in placed) - start

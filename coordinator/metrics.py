@@ -38,6 +38,11 @@ TILE_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "cleave_tiles_computed_here_total",
         "Tiles no connected worker could take, computed at the coordinator.",
     ),
+    (
+        "kept_here",
+        "cleave_tiles_kept_here_total",
+        "Tiles the planner kept for the coordinator to compute itself (its share).",
+    ),
 )
 TILE_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("queued", "cleave_tiles_queued", "Tiles waiting for a worker."),

@@ -146,6 +146,7 @@ class Counters:
     duplicates: int = 0
     not_assigned: int = 0  # results for tiles the sender does not hold (replays, forgeries)
     computed_here: int = 0  # tiles no connected worker could take
+    kept_here: int = 0  # tiles the planner kept at the coordinator (its own share)
     banned: int = 0  # workers banned in this run
     refused_handshakes: int = 0  # connections that failed to authenticate
     bytes_down: int = 0
@@ -161,6 +162,9 @@ class PoolView:
     workers: int = 0
     active: int = 0
     memory_cap: int | None = None
+    # What the cost model knows of each active worker, for the planner (refreshed on
+    # joins and leaves, and every expire tick after tiles moved an estimate).
+    estimates: tuple[DeviceEstimate, ...] = ()
 
 
 class _Drop(Exception):
@@ -196,6 +200,7 @@ class CoordinatorServer:
         self.conns: dict[str, WorkerConn] = {}
         self.jobs: dict[str, TileJob] = {}
         self.pool = PoolView()
+        self._estimates_moved = False
         self.port = 0
         self._ids = itertools.count(1)
         # One verify thread, so one private generator needs no lock.
@@ -261,9 +266,15 @@ class CoordinatorServer:
             for c in self.conns.values()
             if c.profile.mem_cap_bytes >= MIN_PLANNING_MEMORY_CAP
         ]
+        self._estimates_moved = False
         self.pool = PoolView(
             workers=len(self.conns),
             active=self.active_workers(),
+            estimates=tuple(
+                c.estimate
+                for c in self.conns.values()
+                if c.estimate is not None and c.state != "paused"
+            ),
             # The smallest cap, so any worker can take any tile. Caps below a floor are
             # left out: one volunteer must not shred every GEMM into crumbs; the
             # scheduler gives that worker no tile over its cap, and tiles nobody can
@@ -533,6 +544,8 @@ class CoordinatorServer:
                 self._dispatch()
             self._speculate()
             self._rescue_stranded()
+            if self._estimates_moved:
+                self._refresh_pool()
 
     # ---- messages --------------------------------------------------------------------
 
@@ -741,6 +754,7 @@ class CoordinatorServer:
             ),
             now,
         )
+        self._estimates_moved = True
 
     def _failed_check(self, conn: WorkerConn, tile_id: str, now: float) -> None:
         """A wrong result: discard it, re-issue the tile, cut the worker's reputation, and
@@ -789,9 +803,19 @@ class CoordinatorServer:
         await _close(conn.ws, CLOSE_POLICY, f"banned: {reason}")
 
     def _gemm_finished(self, job: TileJob) -> None:
+        self._forget_gemm(job.gemm.gemm_id)
+
+    def _forget_gemm(self, gemm_id: str) -> None:
         # Keeps the scheduler's record of done tiles bounded by the GEMMs in flight.
-        for worker_id, tile_id in self.scheduler.forget_gemm(job.gemm.gemm_id):
+        for worker_id, tile_id in self.scheduler.forget_gemm(gemm_id):
             self._cancel(worker_id, tile_id)
+
+    def kept_here(self, gemm_id: str, tiles: int, finished: bool) -> None:
+        """The training thread computed `tiles` of a GEMM itself (event loop thread only);
+        `finished`: its last tile was one of them, so no result will close the GEMM."""
+        self.counters.kept_here += tiles
+        if finished:
+            self._forget_gemm(gemm_id)
 
     def _rescue_stranded(self) -> None:
         """Compute here the tiles that no connected worker may take (all refused them,
@@ -884,6 +908,7 @@ class CoordinatorServer:
                 "duplicates": self.counters.duplicates,
                 "not_assigned": self.counters.not_assigned,
                 "computed_here": self.counters.computed_here,
+                "kept_here": self.counters.kept_here,
                 "queued": self.scheduler.queued_count(),
                 "pending": self.scheduler.pending(),
             },

@@ -9,7 +9,7 @@ so the result does not depend on which worker answered first.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +48,12 @@ class TiledGemm:
         a: torch.Tensor,
         b: torch.Tensor,
         on_done: Callable[[torch.Tensor], None],
+        *,
+        local: Collection[tuple[int, int, int, int]] = (),
     ) -> None:
         self.gemm_id = gemm_id
+        # Tile indices the coordinator computes itself (compute_local) instead of sending.
+        self.local = frozenset(local)
         self.plan = plan
         self.op = plan.shape.op
         self._a = a
@@ -80,6 +84,8 @@ class TiledGemm:
         worker while the rest are still being cut."""
         itemsize = self._a.element_size()
         for region in self.plan.tiles:
+            if region.index in self.local:
+                continue
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             bi, mi, ni, ki = region.index
             blocks = (f"{self.gemm_id}/a/{bi}.{mi}.{ki}", f"{self.gemm_id}/b/{bi}.{ki}.{ni}")
@@ -95,8 +101,21 @@ class TiledGemm:
             # The check needs the operands exactly as sent: views into the bundle.
             sent = parse_message(bundle).tensors()
             yield TileJob(tile_id, self, region, bundle, sent["a"], sent["b"], ticket, blocks)
-        # Every tile now holds its own operands; the full matrices can go.
+        if not self.local:
+            # Every tile now holds its own operands; the full matrices can go.
+            self._a = self._b = torch.empty(0)
+
+    def compute_local(self) -> bool:
+        """Compute the tiles kept at the coordinator on the calling thread and place them
+        (after iter_jobs has sent the rest, so workers compute meanwhile). Returns True
+        when this completed the GEMM. They need no check: nobody else touched them."""
+        finished = False
+        for region in self.plan.tiles:
+            if region.index in self.local:
+                a, b = self._operands(region)
+                finished |= self.deliver(region, torch.bmm(a, b) if self.op == "bmm" else a @ b)
         self._a = self._b = torch.empty(0)
+        return finished
 
     def deliver(self, region: TileRegion, c: torch.Tensor) -> bool:
         """Place a verified tile. Returns True when this completed the GEMM."""

@@ -44,6 +44,11 @@ class Coordinator:
     """``python -m coordinator serve ...`` with its output captured to a file."""
 
     def __init__(self, tmp: Path, *args: str) -> None:
+        # These tests are about failures, trust and restarts in GEMMs of several tiles each;
+        # the cost model may send a small GEMM whole or keep it here, so it is opted into
+        # by the tests of the planner itself (test_e2e_planner.py).
+        if "--planner" not in args:
+            args = ("--planner", "grid", *args)
         self.state = tmp / "state"
         self.metrics = tmp / "metrics.jsonl"
         self.log = tmp / "coordinator.log"

@@ -59,7 +59,7 @@ from common.signing import fingerprint, generate_private_key, public_key_hex
 from coordinator.executor import DataflowExecutor
 from coordinator.job import Job
 from coordinator.ledger import Contribution, Ledger
-from coordinator.offload import TileOffload
+from coordinator.offload import LivePlanning, TileOffload
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.scheduler import SchedulerConfig
 from coordinator.server import CoordinatorServer, ServerConfig
@@ -764,6 +764,7 @@ def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Pa
                 asyncio.get_running_loop(),
                 server.key,
                 lambda workers, *_: replace(PLAN, target_tiles=2 * workers),
+                LivePlanning(cost_model=False),
             )
             cancel = threading.Event()
             try:
@@ -782,6 +783,72 @@ def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Pa
             assert {c.name for c in coord.ledger.all()} == {"w1", "w2"}
             assert len(submitted) == server.counters.tiles_verified
             assert all(t.startswith("s3:") for t in submitted)  # the step is in the tile ids
+
+    asyncio.run(scenario())
+
+
+class WideMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(256, 512)
+        self.fc2 = nn.Linear(512, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def test_the_cost_planner_shares_a_step_with_the_coordinator(tmp_path: Path) -> None:
+    """The default planner on a training step: grids from the cost model of two workers,
+    the coordinator (as fast as each of them) keeping a share. Gradients match eager, and
+    tiles kept here plus tiles verified are exactly the planned tiles."""
+    torch.manual_seed(0)
+    model = WideMLP()
+    x, y = torch.randn(512, 256), torch.randint(0, 8, (512,))
+    job = Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), [(x, y)])
+    traced = trace_step(job, x, y)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    want = [p.grad.clone() for p in model.parameters()] + [loss.detach()]
+    flat = [p.detach() for p in model.parameters()] + list(model.buffers())
+    flat += pytree.tree_leaves((x, y))
+    plans: list[tuple[int, int]] = []  # (tiles, kept here) of each GEMM sent as tiles
+
+    class Recording(LivePlanning):
+        def plan(self, *args: Any) -> Any:
+            plan, local = super().plan(*args)
+            if plan is not None and len(local) < len(plan.tiles):
+                plans.append((len(plan.tiles), len(local)))
+            return plan, local
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):
+            server = coord.server
+            offload = TileOffload(
+                server,
+                asyncio.get_running_loop(),
+                server.key,
+                lambda workers, *_: replace(PLAN, target_tiles=2 * workers),
+                Recording(coordinator_flops_per_s=PROFILE.gflops * 1e9),
+            )
+            cancel = threading.Event()
+            try:
+                got, stats = await within(
+                    asyncio.to_thread(
+                        DataflowExecutor(offload, poll_s=0.01).run, traced, flat, cancel, "s4"
+                    ),
+                    30,
+                )
+            finally:
+                cancel.set()
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"output {i}")
+            assert stats.gemms_offloaded == len(plans) > 0
+            counters = server.counters
+            await until(lambda: server.jobs == {}, "every tile to be delivered")
+            assert counters.kept_here == sum(kept for _, kept in plans) > 0
+            assert counters.tiles_verified == sum(t - kept for t, kept in plans) > 0
+            assert server.status()["tiles"]["kept_here"] == counters.kept_here
+            assert server.scheduler.pending() == 0
 
     asyncio.run(scenario())
 
@@ -935,6 +1002,7 @@ def test_tiles_over_the_only_workers_memory_cap_are_computed_at_the_coordinator(
                             PlanConfig.tile_mem_cap_bytes,
                         ),
                     ),
+                    LivePlanning(cost_model=False),
                 )
                 loop = asyncio.get_running_loop()
                 product: asyncio.Future[torch.Tensor] = loop.create_future()

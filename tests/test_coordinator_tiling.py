@@ -214,3 +214,40 @@ def test_concurrent_deliveries_from_many_threads_complete_once(case: tuple) -> N
         )
     assert sum(finished) == 1 and len(done.calls) == 1
     assert_matches(done.calls[0], want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[7]}")
+def test_tiles_kept_at_the_coordinator_are_not_sent_and_complete_the_product(case: tuple) -> None:
+    op, batch, m, n, k, dtype, config, _grid = case
+    a, b = operands(op, batch, m, n, k, dtype, 3)
+    plan = plan_gemm(GemmShape(op, batch, m, n, k, a.element_size()), config)
+    assert plan is not None
+    local = {t.index for t in plan.tiles[::2]}  # every other tile (K partials included)
+    done = Done()
+    gemm = TiledGemm("g", plan, a, b, done, local=local)
+    jobs = list(gemm.iter_jobs(KEY))
+    assert {j.region.index for j in jobs} == {t.index for t in plan.tiles} - local
+    random.Random(0).shuffle(jobs)
+    half = len(jobs) // 2
+    for job in jobs[:half]:  # some of the workers' tiles arrive first ...
+        assert not gemm.deliver(job.region, product(job))
+    # ... then the coordinator computes its share, then the rest arrive.
+    assert gemm.compute_local() is (len(jobs) == 0)
+    finished = [gemm.deliver(job.region, product(job)) for job in jobs[half:]]
+    assert finished == [False] * (len(finished) - 1) + [True] * bool(finished)
+    assert len(done.calls) == 1
+    assert_matches(done.calls[0], torch.matmul(a, b))
+
+
+def test_the_coordinators_share_can_finish_the_gemm() -> None:
+    a, b = operands("mm", 1, 40, 20, 30, torch.float32, 4)
+    plan = plan_gemm(GemmShape("mm", 1, 40, 20, 30, 4), PlanConfig(**SMALL, target_tiles=4))
+    assert plan is not None and len(plan.tiles) == 6
+    done = Done()
+    gemm = TiledGemm("g", plan, a, b, done, local={plan.tiles[-1].index})
+    jobs = list(gemm.iter_jobs(KEY))
+    assert len(jobs) == 5
+    for job in jobs:
+        assert not gemm.deliver(job.region, product(job))
+    assert gemm.compute_local() and len(done.calls) == 1
+    assert_matches(done.calls[0], a @ b)

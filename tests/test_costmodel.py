@@ -6,14 +6,20 @@ was computed by hand (the walk-throughs are in the comments).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from common.messages import DeviceProfile
 from coordinator.costmodel import (
+    LOCAL,
     UNMEASURED_FLOPS_PER_S,
     DeviceEstimate,
+    LinkModel,
     TileObservation,
+    candidate_configs,
     candidate_plans,
+    for_planning,
     from_profile,
     lower_bound,
     observe,
@@ -161,3 +167,133 @@ def test_plan_for_pool_runs_locally_when_that_is_faster() -> None:
     assert empty.plan is None
     small = plan_for_pool(SHAPE, [FAST], local_flops_per_s=1.0)  # below min_offload_flops
     assert small.plan is None and small.makespan == 64.0
+
+
+# ---- pipelined workers, the coordinator's uplink, the coordinator's own share ----------
+
+
+def test_window_two_overlaps_download_with_compute() -> None:
+    # FAST alone, window 2 (the server's prefetch): a tile may download while the one
+    # before computes. Fresh tile: down 1 s, compute 2 s, up 1 s.
+    #   t00: down [0,1], compute [1,3], up [3,4]
+    #   t01 (A0 held, B1 0.5 s): down [1,1.5], compute [3,5], up [5,6]
+    #   t10 (B0 held): may be sent once t00 is back (4): down [4,4.5], compute [5,7], up [7,8]
+    #   t11 (both held): sent at 6 (t01 back), nothing to download, compute [7,9], up [9,10]
+    # In a row (window 1) the same tiles take 4 + 3.5 + 3.5 + 3 = 14 s.
+    placed = place_tiles(SHAPE, four_tiles(), [FAST], links=LinkModel(window=2))
+    assert placed is not None
+    assert [(p.start, p.finish, p.down_bytes) for p in placed] == [
+        (0.0, 4.0, 8),
+        (1.0, 6.0, 4),
+        (4.0, 8.0, 4),
+        (6.0, 10.0, 0),
+    ]
+    in_a_row = place_tiles(SHAPE, four_tiles(), [FAST])
+    assert in_a_row is not None and in_a_row[-1].finish == 14.0
+
+
+def test_coordinator_uplink_is_shared() -> None:
+    # As above with the coordinator's uplink at 4 B/s: a download cannot end before the
+    # uplink carried every byte placed so far (8, 12, 16, 16 bytes -> 2, 3, 4, 4 s).
+    #   t00: down ends max(1, 2) = 2, compute [2,4], up [4,5]
+    #   t01: down from 2, ends max(2.5, 3) = 3, compute [4,6], up [6,7]
+    #   t10: sent at 5 (t00 back), ends max(5.5, 4) = 5.5, compute [6,8], up [8,9]
+    #   t11: sent at 7, no bytes, compute [8,10], up [10,11]
+    placed = place_tiles(SHAPE, four_tiles(), [FAST], links=LinkModel(2, egress_bps=4.0))
+    assert placed is not None
+    assert [(p.start, p.finish) for p in placed] == [
+        (0.0, 5.0),
+        (2.0, 7.0),
+        (5.0, 9.0),
+        (7.0, 11.0),
+    ]
+    with pytest.raises(ValueError):
+        LinkModel(window=0)
+
+
+def test_the_coordinator_takes_a_share() -> None:
+    # The coordinator (4 FLOP/s, no link) as a device next to FAST, tiles in a row:
+    #   t00: coordinator 4 ties FAST 4 -> coordinator (first), sends nothing
+    #   t01: coordinator 8 vs FAST fresh 4 -> FAST [0,4]
+    #   t10: coordinator 8 ties FAST fresh 4 + 4 = 8 -> coordinator (holds B0) [4,8]
+    #   t11: coordinator 12 vs FAST (holds B1) 4 + 3.5 -> FAST [4,7.5]
+    coordinator = DeviceEstimate(LOCAL, 4.0, math.inf, math.inf)
+    placed = place_tiles(SHAPE, four_tiles(), [coordinator, FAST])
+    assert placed is not None
+    table = [(p.tile.index[1:3], p.worker_id, p.start, p.finish, p.down_bytes) for p in placed]
+    assert table == [
+        ((0, 0), LOCAL, 0.0, 4.0, 0),
+        ((0, 1), "fast", 0.0, 4.0, 8),
+        ((1, 0), LOCAL, 4.0, 8.0, 0),
+        ((1, 1), "fast", 4.0, 7.5, 4),
+    ]
+
+
+def test_plan_for_pool_shares_with_the_coordinator() -> None:
+    # Grids for one device: 1 tile -> FAST 14 (coordinator 16); 2 tiles (2x4x2: 12 bytes
+    # down, 32 FLOPs, 8 bytes up) -> FAST 1.5 + 4 + 2 = 7.5, then the coordinator 8
+    # (FAST would need 14): makespan 8; 4 tiles -> 8 as above. The tie keeps 2 tiles.
+    pool = plan_for_pool(SHAPE, [FAST], local_flops_per_s=4.0, base=TINY, share_local=True)
+    assert pool.plan is not None and pool.plan.grid == (1, 2, 1, 1)
+    assert [(p.worker_id, p.finish) for p in pool.placements] == [("fast", 7.5), (LOCAL, 8.0)]
+    assert pool.local_tiles == (pool.plan.tiles[1],)
+    assert (pool.makespan, pool.lower_bound, pool.local_seconds) == (8.0, 64 / 12, 16.0)
+    alone = plan_for_pool(SHAPE, [FAST], local_flops_per_s=4.0, base=TINY)
+    assert (alone.makespan, alone.lower_bound, alone.local_tiles) == (14.0, 8.0, ())
+
+
+def test_pull_rule_hands_tiles_to_the_first_free_slot() -> None:
+    # Grid order, each tile to the device free first (ties to the first device):
+    #   t00 FAST [0,4]; t01 SLOW (free at 0) fresh [0,6]; t10 FAST (free at 4, holds B0)
+    #   [4,7.5]; t11 SLOW (free at 6, holds B1: 0.5 + 4 + 1) [6,11.5].
+    # Earliest finish placed the same tiles by 11 (test above).
+    placed = place_tiles(SHAPE, four_tiles(), [FAST, SLOW], rule="pull")
+    assert placed is not None
+    assert [(p.worker_id, p.finish) for p in placed] == [
+        ("fast", 4.0),
+        ("slow", 6.0),
+        ("fast", 7.5),
+        ("slow", 11.5),
+    ]
+    with pytest.raises(ValueError):
+        place_tiles(SHAPE, four_tiles(), [FAST], rule="random")
+
+
+def test_candidate_configs_add_bigger_tiles_and_k_splits() -> None:
+    configs = candidate_configs(PlanConfig())
+    assert [(c.max_tile_flops >> 31, c.min_tile_side) for c in configs] == [
+        (1, 256),
+        (1, 1024),
+        (4, 256),
+        (4, 1024),
+        (16, 1024),
+    ]
+    # A long-K GEMM: the base limits cut M and N to 256-wide strips; with a smallest side
+    # of 1024 K is split instead, and each tile carries 4x the FLOPs per byte.
+    long_k = GemmShape("mm", 1, 8192, 2048, 16384, 4)
+    grids = {p.grid for p in candidate_plans(long_k, [FAST], PlanConfig(), configs=configs)}
+    assert (1, 32, 8, 1) in grids and (1, 8, 2, 16) in grids
+
+
+def test_links_count_as_measured_after_a_timed_transfer() -> None:
+    est = DeviceEstimate("w", 1e9, 1e6, 1e6)
+    no_transfer = TileObservation(1000, 0, 0, None, 1e-6, None)
+    assert observe(est, no_transfer, 0.0).link_samples == 0
+    timed = TileObservation(1000, 1000, 1000, 1e-3, 1e-6, 1e-3)
+    assert observe(observe(est, timed, 0.0), timed, 0.0).link_samples == 2
+
+
+def test_planning_assumes_fast_links_until_one_is_measured() -> None:
+    guessed = DeviceEstimate("w", 1e9, 1e6, 2e6)
+    assert for_planning(guessed, 1e9) == DeviceEstimate("w", 1e9, 1e9, 1e9)
+    measured = DeviceEstimate("w", 1e9, 1e6, 2e6, link_samples=1)
+    assert for_planning(measured, 1e9) is measured
+
+
+def test_a_coordinator_that_computes_nothing_never_runs_a_gemm_locally() -> None:
+    pool = plan_for_pool(SHAPE, [FAST], local_flops_per_s=0.0, base=TINY)
+    assert pool.plan is not None and pool.local_seconds == math.inf
+    nobody = plan_for_pool(SHAPE, [], local_flops_per_s=0.0, base=TINY)
+    assert nobody.plan is None and nobody.makespan == math.inf
+    with pytest.raises(ValueError):
+        plan_for_pool(SHAPE, [FAST], local_flops_per_s=0.0, base=TINY, share_local=True)

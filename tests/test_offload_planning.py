@@ -1,0 +1,143 @@
+"""How live GEMMs are planned (coordinator/offload.py LivePlanning, TileOffload).
+
+The cost model's own tables are in test_costmodel.py; here: which planner a pool gets,
+what the offload does with the plan (send, keep a share, or run the GEMM here whole),
+and --coordinator-gflops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from common.signing import generate_private_key
+from coordinator.cli import _coordinator_gflops
+from coordinator.costmodel import (
+    DeviceEstimate,
+    LinkModel,
+    candidate_configs,
+    for_planning,
+    plan_for_pool,
+)
+from coordinator.offload import LivePlanning, TileOffload
+from coordinator.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.server import PoolView
+
+CONFIG = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
+BIG = GemmShape("mm", 1, 512, 512, 512, 4)
+SMALL = GemmShape("mm", 1, 96, 80, 72, 4)
+# Two workers as the server first knows them: 10 GFLOP/s claimed, links guessed (10 MB/s).
+GUESSED = (
+    DeviceEstimate("w1", 10e9, 10e6, 10e6, 1 << 28),
+    DeviceEstimate("w2", 10e9, 10e6, 10e6, 1 << 28),
+)
+POOL = PoolView(workers=2, active=2, memory_cap=1 << 28, estimates=GUESSED)
+
+
+def test_without_the_cost_model_or_estimates_the_grid_planner_decides() -> None:
+    want = plan_gemm(BIG, CONFIG)
+    assert LivePlanning(cost_model=False).plan(BIG, POOL, CONFIG) == (want, frozenset())
+    assert LivePlanning().plan(BIG, PoolView(1, 1), CONFIG) == (want, frozenset())
+    crowd = replace(POOL, estimates=GUESSED * 3)  # 6 > max_workers 4
+    assert LivePlanning(max_workers=4).plan(BIG, crowd, CONFIG) == (want, frozenset())
+
+
+def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() -> None:
+    plan, local = LivePlanning().plan(BIG, POOL, CONFIG)
+    optimistic = [for_planning(e, 1.25e9) for e in GUESSED]
+    assert {e.down_bps for e in optimistic} == {1.25e9}
+    want = plan_for_pool(
+        BIG,
+        optimistic,
+        local_flops_per_s=0.0,
+        base=CONFIG,
+        links=LinkModel(window=2, tile_overhead_s=4e-3),
+        configs=candidate_configs(CONFIG),
+    )
+    assert want.plan is not None and (plan, local) == (want.plan, frozenset())
+    assert plan.grid == (1, 2, 1, 1)  # one tile per worker: a 4 ms tile costs more than it saves
+    # Measured links (one sample is enough) are planned as measured: at 10 MB/s the
+    # transfers dominate, and four tiles overlap them better (window 2) than two.
+    slow = tuple(replace(e, link_samples=1) for e in GUESSED)
+    plan, _ = LivePlanning().plan(BIG, replace(POOL, estimates=slow), CONFIG)
+    want = plan_for_pool(
+        BIG,
+        slow,
+        local_flops_per_s=0.0,
+        base=CONFIG,
+        links=LinkModel(window=2, tile_overhead_s=4e-3),
+        configs=candidate_configs(CONFIG),
+    )
+    assert plan == want.plan and plan is not None and plan.grid == (1, 2, 2, 1)
+
+
+def test_a_coordinator_share_keeps_tiles_here_or_the_whole_gemm() -> None:
+    share = LivePlanning(coordinator_flops_per_s=10e9)
+    plan, local = share.plan(BIG, POOL, CONFIG)
+    assert plan is not None and plan.grid == (1, 2, 2, 1) and len(local) == 2
+    assert share.plan(SMALL, POOL, CONFIG) == (None, frozenset())  # faster here, whole
+
+
+class FakeServer:
+    def __init__(self, pool: PoolView) -> None:
+        self.pool = pool
+        self.submitted: list[Any] = []
+        self.kept: list[tuple[str, int, bool]] = []
+
+    def submit(self, jobs: list[Any]) -> None:
+        self.submitted.extend(jobs)
+
+    def kept_here(self, gemm_id: str, tiles: int, finished: bool) -> None:
+        self.kept.append((gemm_id, tiles, finished))
+
+
+def test_the_offload_sends_the_rest_and_computes_its_share() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        server = FakeServer(POOL)
+        offload = TileOffload(
+            server,  # type: ignore[arg-type]
+            loop,
+            generate_private_key(),
+            lambda *_: CONFIG,
+            LivePlanning(coordinator_flops_per_s=10e9),
+        )
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        done: list[torch.Tensor] = []
+        assert offload.start("s0:mm", "mm", a, b, done.append)
+        loop.run_until_complete(asyncio.sleep(0))  # run the callbacks handed to the loop
+        assert len(server.submitted) == 2 and server.kept == [("s0:mm", 2, False)]
+        assert not done  # the workers' two tiles are still out
+        for job in server.submitted:
+            job.gemm.deliver(job.region, job.a @ job.b)
+        assert len(done) == 1
+        torch.testing.assert_close(done[0], a @ b, rtol=1e-5, atol=1e-4)
+        # A GEMM the coordinator would finish first runs here whole: nothing is sent.
+        small_a, small_b = torch.randn(96, 72), torch.randn(72, 80)
+        assert not offload.start("s0:small", "mm", small_a, small_b, done.append)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(server.submitted) == 2 and len(server.kept) == 1
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "local_workers", "want"),
+    [("0", 0, 0.0), ("12.5", 0, 12.5), ("auto", 2, 0.0)],
+)
+def test_coordinator_gflops_values(value: str, local_workers: int, want: float) -> None:
+    assert _coordinator_gflops(value, local_workers) == want
+
+
+def test_coordinator_gflops_auto_measures_this_machine() -> None:
+    assert _coordinator_gflops("auto", 0) > 0.1
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "inf", "nan"])
+def test_coordinator_gflops_rejects_nonsense(value: str) -> None:
+    with pytest.raises(SystemExit, match="--coordinator-gflops"):
+        _coordinator_gflops(value, 0)
