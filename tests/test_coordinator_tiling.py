@@ -19,7 +19,7 @@ from common.errors import SignatureError
 from common.messages import Task, parse_message, verify_task
 from common.signing import generate_private_key
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.tiling import TiledGemm, TileJob
+from coordinator.tiling import TiledGemm, TileJob, block_id
 
 KEY = generate_private_key()
 SMALL = dict(min_offload_flops=1, min_tile_flops=1)
@@ -251,3 +251,27 @@ def test_the_coordinators_share_can_finish_the_gemm() -> None:
         assert not gemm.deliver(job.region, product(job))
     assert gemm.compute_local() and len(done.calls) == 1
     assert_matches(done.calls[0], a @ b)
+
+
+def test_operand_blocks_are_keyed_by_content() -> None:
+    x, w, g = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 48)
+    config = PlanConfig(**SMALL, target_tiles=4)
+    plan = plan_gemm(GemmShape("mm", 1, 64, 48, 32, 4), config)
+    assert plan is not None
+    # Two GEMMs that read the same A (an activation feeding two layers) and different Bs.
+    fwd = TiledGemm("fwd", plan, x, w, Done())
+    other = TiledGemm("other", plan, x, w * 2, Done())
+    fwd_jobs, other_jobs = list(fwd.iter_jobs(KEY)), list(other.iter_jobs(KEY))
+    assert fwd.plan.grid == (1, 2, 2, 1)
+    assert [j.blocks[0] for j in fwd_jobs] == [j.blocks[0] for j in other_jobs]
+    assert not {j.blocks[1] for j in fwd_jobs} & {j.blocks[1] for j in other_jobs}
+    # Within a GEMM, tiles of one row share the A block, tiles of one column the B block.
+    a_ids = [j.blocks[0] for j in fwd_jobs]
+    b_ids = [j.blocks[1] for j in fwd_jobs]
+    assert a_ids[0] == a_ids[1] != a_ids[2] == a_ids[3]
+    assert b_ids[0] == b_ids[2] != b_ids[1] == b_ids[3]
+    # The id is of dtype, shape and bytes, not of where the block sits.
+    assert block_id(x[:32]) == block_id(x[:32].clone()) == a_ids[0]
+    assert block_id(x[:32]) != block_id(x[:32].reshape(16, 64))
+    assert block_id(x[:32]) != block_id(x[:32].double())
+    assert block_id(g[:, 24:]) == block_id(g[:, 24:].contiguous())  # strided views hash alike
