@@ -21,10 +21,11 @@ import torch
 from common.gemm_speed import matmul_gflops
 from common.signing import fingerprint, load_or_create_private_key
 from coordinator.config_file import ConfigError, read_config
+from coordinator.costmodel import LivePlanning
 from coordinator.job import Job
 from coordinator.ledger import Ledger
 from coordinator.local_workers import LocalWorkers
-from coordinator.offload import LivePlanning, TileOffload
+from coordinator.offload import TileOffload
 from coordinator.planner import PlanConfig
 from coordinator.progress import Progress
 from coordinator.scheduler import SchedulerConfig

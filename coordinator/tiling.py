@@ -51,7 +51,7 @@ def block_id(t: torch.Tensor) -> str:
     job: ~10% of the operand block bytes of a step repeat a block of an earlier GEMM.
     """
     hasher = blake3.blake3(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    hasher.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    hasher.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
     return hasher.hexdigest(16)
 
 

@@ -56,10 +56,11 @@ from common.messages import (
     verify_task,
 )
 from common.signing import fingerprint, generate_private_key, public_key_hex
+from coordinator.costmodel import LivePlanning
 from coordinator.executor import DataflowExecutor
 from coordinator.job import Job
 from coordinator.ledger import Contribution, Ledger
-from coordinator.offload import LivePlanning, TileOffload
+from coordinator.offload import TileOffload
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.scheduler import SchedulerConfig
 from coordinator.server import CoordinatorServer, ServerConfig
@@ -814,11 +815,12 @@ def test_the_cost_planner_shares_a_step_with_the_coordinator(tmp_path: Path) -> 
     plans: list[tuple[int, int]] = []  # (tiles, kept here) of each GEMM sent as tiles
 
     class Recording(LivePlanning):
-        def plan(self, *args: Any) -> Any:
-            plan, local = super().plan(*args)
-            if plan is not None and len(local) < len(plan.tiles):
-                plans.append((len(plan.tiles), len(local)))
-            return plan, local
+        def pool_plan(self, *args: Any) -> Any:
+            chosen = super().pool_plan(*args)
+            tiles, kept = len(chosen.placements), len(chosen.local_tiles)
+            if chosen.plan is not None and kept < tiles:
+                plans.append((tiles, kept))
+            return chosen
 
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):

@@ -14,8 +14,11 @@ from common.messages import DeviceProfile
 from coordinator.costmodel import (
     LOCAL,
     UNMEASURED_FLOPS_PER_S,
+    Commitments,
     DeviceEstimate,
     LinkModel,
+    Placement,
+    PoolPlan,
     TileObservation,
     candidate_configs,
     candidate_plans,
@@ -211,14 +214,17 @@ def test_coordinator_uplink_is_shared() -> None:
         LinkModel(window=0)
 
 
-def test_the_coordinator_takes_a_share() -> None:
-    # The coordinator (4 FLOP/s, no link) as a device next to FAST, tiles in a row:
+@pytest.mark.parametrize("rule", ["finish", "pull"])
+def test_the_coordinator_takes_a_share(rule: str) -> None:
+    # The coordinator (4 FLOP/s, no link) as a device next to FAST, tiles in a row. By
+    # either rule it keeps a tile when it would finish it no later than FAST (which, by
+    # "pull", is the worker that would pull it):
     #   t00: coordinator 4 ties FAST 4 -> coordinator (first), sends nothing
     #   t01: coordinator 8 vs FAST fresh 4 -> FAST [0,4]
     #   t10: coordinator 8 ties FAST fresh 4 + 4 = 8 -> coordinator (holds B0) [4,8]
     #   t11: coordinator 12 vs FAST (holds B1) 4 + 3.5 -> FAST [4,7.5]
     coordinator = DeviceEstimate(LOCAL, 4.0, math.inf, math.inf)
-    placed = place_tiles(SHAPE, four_tiles(), [coordinator, FAST])
+    placed = place_tiles(SHAPE, four_tiles(), [coordinator, FAST], rule=rule)
     assert placed is not None
     table = [(p.tile.index[1:3], p.worker_id, p.start, p.finish, p.down_bytes) for p in placed]
     assert table == [
@@ -297,3 +303,22 @@ def test_a_coordinator_that_computes_nothing_never_runs_a_gemm_locally() -> None
     assert nobody.plan is None and nobody.makespan == math.inf
     with pytest.raises(ValueError):
         plan_for_pool(SHAPE, [FAST], local_flops_per_s=0.0, base=TINY, share_local=True)
+
+
+def test_commitments_delay_the_next_plan_until_planned_work_is_done() -> None:
+    # FAST alone, window 1: 4 tiles planned at t=10 finish at 14, 17.5, 21, 24 (14 s
+    # from the earlier table, shifted). A GEMM planned at t=12 sees FAST busy for 12 s
+    # more; the coordinator's own share is never committed (it computes it at once).
+    placed = place_tiles(SHAPE, four_tiles(), [FAST])
+    assert placed is not None
+    coordinator_tile = Placement(four_tiles()[0], LOCAL, 0.0, 99.0, 0)
+    chosen = PoolPlan(None, (*placed, coordinator_tile), 14.0, 8.0, 64.0)
+    commitments = Commitments()
+    commitments.add(10.0, chosen)
+    assert commitments.ready_at(12.0, ["fast", "slow"]) == {"fast": 12.0, "slow": 0.0}
+    assert commitments.ready_at(30.0, ["fast"]) == {"fast": 0.0}
+    commitments.forget(["slow"])
+    assert commitments.ready_at(12.0, ["fast"]) == {"fast": 0.0}
+    # A plan made while FAST is busy for 12 s starts its tiles at 12.
+    later = plan_for_pool(SHAPE, [FAST], local_flops_per_s=1.0, base=TINY, ready_at={"fast": 12.0})
+    assert later.makespan == 26.0 and later.placements[0].start == 12.0

@@ -19,11 +19,13 @@ from coordinator.cli import _coordinator_gflops
 from coordinator.costmodel import (
     DeviceEstimate,
     LinkModel,
+    LivePlanning,
     candidate_configs,
+    fastest,
     for_planning,
     plan_for_pool,
 )
-from coordinator.offload import LivePlanning, TileOffload
+from coordinator.offload import TileOffload
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.server import PoolView
 
@@ -40,14 +42,29 @@ POOL = PoolView(workers=2, active=2, memory_cap=1 << 28, estimates=GUESSED)
 
 def test_without_the_cost_model_or_estimates_the_grid_planner_decides() -> None:
     want = plan_gemm(BIG, CONFIG)
-    assert LivePlanning(cost_model=False).plan(BIG, POOL, CONFIG) == (want, frozenset())
-    assert LivePlanning().plan(BIG, PoolView(1, 1), CONFIG) == (want, frozenset())
-    crowd = replace(POOL, estimates=GUESSED * 3)  # 6 > max_workers 4
-    assert LivePlanning(max_workers=4).plan(BIG, crowd, CONFIG) == (want, frozenset())
+    assert LivePlanning(cost_model=False).plan(BIG, GUESSED, CONFIG) == (want, frozenset())
+    assert LivePlanning().plan(BIG, (), CONFIG) == (want, frozenset())
+
+
+def test_a_big_pool_is_planned_for_its_fastest_workers() -> None:
+    # plan_gemm's largest tile of BIG (CONFIG: 4 tiles of 256 x 256 x 512): 67 MFLOP,
+    # 1 MiB down, 256 KiB up. Seconds per device:
+    #   a: 1 GFLOP/s, 1 GB/s     0.067 + 0.0013 = 0.068
+    #   b: 10 GFLOP/s, 10 MB/s   0.0067 + 0.131 = 0.138
+    #   c: 10 GFLOP/s, 1 GB/s    0.0067 + 0.0013 = 0.008
+    #   d: like c, cap too small for the tile: last
+    a = DeviceEstimate("a", 1e9, 1e9, 1e9)
+    b = DeviceEstimate("b", 1e10, 1e7, 1e7)
+    c = DeviceEstimate("c", 1e10, 1e9, 1e9)
+    d = DeviceEstimate("d", 1e10, 1e9, 1e9, mem_cap_bytes=1 << 20)
+    assert [e.worker_id for e in fastest(BIG, [d, b, a, c], CONFIG, 3)] == ["c", "a", "b"]
+    crowd = [replace(e, link_samples=1) for e in (d, b, a, c)]
+    few = LivePlanning(max_workers=2)
+    assert few.plan(BIG, crowd, CONFIG) == few.plan(BIG, crowd[3:1:-1], CONFIG)
 
 
 def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() -> None:
-    plan, local = LivePlanning().plan(BIG, POOL, CONFIG)
+    plan, local = LivePlanning().plan(BIG, GUESSED, CONFIG)
     optimistic = [for_planning(e, 1.25e9) for e in GUESSED]
     assert {e.down_bps for e in optimistic} == {1.25e9}
     want = plan_for_pool(
@@ -63,7 +80,7 @@ def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() ->
     # Measured links (one sample is enough) are planned as measured: at 10 MB/s the
     # transfers dominate, and four tiles overlap them better (window 2) than two.
     slow = tuple(replace(e, link_samples=1) for e in GUESSED)
-    plan, _ = LivePlanning().plan(BIG, replace(POOL, estimates=slow), CONFIG)
+    plan, _ = LivePlanning().plan(BIG, slow, CONFIG)
     want = plan_for_pool(
         BIG,
         slow,
@@ -77,9 +94,9 @@ def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() ->
 
 def test_a_coordinator_share_keeps_tiles_here_or_the_whole_gemm() -> None:
     share = LivePlanning(coordinator_flops_per_s=10e9)
-    plan, local = share.plan(BIG, POOL, CONFIG)
+    plan, local = share.plan(BIG, GUESSED, CONFIG)
     assert plan is not None and plan.grid == (1, 2, 2, 1) and len(local) == 2
-    assert share.plan(SMALL, POOL, CONFIG) == (None, frozenset())  # faster here, whole
+    assert share.plan(SMALL, GUESSED, CONFIG) == (None, frozenset())  # faster here, whole
 
 
 class FakeServer:

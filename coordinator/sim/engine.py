@@ -24,16 +24,18 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.block_cache import BlockCache
 from coordinator.costmodel import (
+    LOCAL,
+    Commitments,
     DeviceEstimate,
+    LivePlanning,
     TileObservation,
     observe,
     overdue_finish,
-    plan_for_pool,
 )
 from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm
 from coordinator.scheduler import Scheduler, SchedulerConfig, TileTicket, Verdict
@@ -41,6 +43,7 @@ from coordinator.sim.models import MODELS, Stage, step_flops, step_stages
 from coordinator.sim.population import Device
 
 PLANNERS = ("plan_gemm", "costmodel")
+Index = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class SimConfig:
     planner: str = "plan_gemm"
     window: int = 2
     coordinator_gflops: float = 500.0  # the coordinator's own GEMMs (small ones, stranded)
+    # With the cost-model planner, the coordinator computes the tiles it would finish
+    # first (LivePlanning's share), as `serve --coordinator-gflops` does.
+    coordinator_share: bool = True
     coordinator_egress_bps: float = 1.25e9  # 10 Gbit/s, shared by every download
     min_offload_flops: int = 1_000_000
     heartbeat_interval_s: float = 1.0
@@ -132,6 +138,13 @@ class Simulation:
             )
         )
         self.stages = step_stages(MODELS[config.model], config.batch, config.seq, config.itemsize)
+        # The live offload's planner; the simulated coordinator has no per-tile cost.
+        self._planning = LivePlanning(
+            coordinator_flops_per_s=config.coordinator_gflops * 1e9 * config.coordinator_share,
+            window=config.window,
+            tile_overhead_s=0.0,
+            egress_bps=config.coordinator_egress_bps,
+        )
         self.devices = {
             d.device_id: _DeviceState(
                 d,
@@ -151,6 +164,7 @@ class Simulation:
         self._seq = 0
         self._coord_link_free = 0.0
         self._coord_comp_free = 0.0
+        self._commitments = Commitments()
         self._tickets: dict[str, TileTicket] = {}
         self._block_bytes: dict[str, tuple[int, int]] = {}  # tile id -> A, B block bytes
         # What the coordinator knows: when it sent each tile a worker holds, in order.
@@ -324,13 +338,17 @@ class Simulation:
         tickets: list[TileTicket] = []
         for name, shape in self.stages[step.stage]:
             gemm_id = f"s{step.index}.{name}"
-            plan = self._plan(shape)
-            if plan is None:
+            plan, local = self._plan(shape)
+            if plan is None or len(local) == len(plan.tiles):
                 step.waiting_local += 1
                 self._run_locally(shape.flops, None)
                 continue
             step.gemm_ids.append(gemm_id)
             for tile in plan.tiles:
+                if tile.index in local:  # the coordinator's share
+                    step.waiting_local += 1
+                    self._run_locally(tile.flops, None)
+                    continue
                 tile_id = f"{gemm_id}.{'.'.join(map(str, tile.index))}"
                 bi, mi, ni, ki = tile.index
                 b, m, n, k = tile.dims
@@ -356,18 +374,29 @@ class Simulation:
     def _live(self) -> list[_DeviceState]:
         return [s for s in self.devices.values() if s.registered and s.alive]
 
-    def _plan(self, shape: GemmShape) -> GemmPlan | None:
+    def _plan(self, shape: GemmShape) -> tuple[GemmPlan | None, frozenset[Index]]:
+        """The grid and the tiles the coordinator keeps, as the live offload plans them."""
         live = self._live()
-        if self.config.planner == "costmodel" and live:
-            estimates = tuple(s.estimate for s in live)
-            return _pool_plan(shape, estimates, self.config)
         caps = [s.device.mem_cap_bytes for s in live]
         config = PlanConfig(
             min_offload_flops=self.config.min_offload_flops,
             target_tiles=max(2, 2 * len(live)),
             tile_mem_cap_bytes=min(min(caps, default=1 << 62), PlanConfig.tile_mem_cap_bytes),
         )
-        return _cached_plan(shape, config)
+        if self.config.planner == "costmodel" and live:
+            # Work already planned (earlier GEMMs of this stage, the coordinator's share
+            # of them) is still to do: plan this GEMM after it, as the live offload does.
+            ids = [s.device.device_id for s in live]
+            ready = self._commitments.ready_at(self.now, ids)
+            ready[LOCAL] = max(0.0, self._coord_comp_free - self.now)
+            try:
+                chosen = self._planning.pool_plan(shape, [s.estimate for s in live], config, ready)
+            except ValueError:  # no tile fits any device: the coordinator computes it
+                return None, frozenset()
+            if chosen is not None:
+                self._commitments.add(self.now, chosen)
+                return chosen.plan, frozenset(t.index for t in chosen.local_tiles)
+        return _cached_plan(shape, config), frozenset()
 
     def _run_locally(self, flops: int, tile_id: str | None) -> None:
         start = max(self.now, self._coord_comp_free)
@@ -547,19 +576,6 @@ def _config_json(config: SimConfig) -> dict[str, Any]:
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(shape: GemmShape, config: PlanConfig) -> GemmPlan | None:
     return plan_gemm(shape, config)
-
-
-@functools.lru_cache(maxsize=512)
-def _pool_plan(
-    shape: GemmShape, estimates: tuple[DeviceEstimate, ...], config: SimConfig
-) -> GemmPlan | None:
-    # updated_at does not change a plan: drop it so that the cache hits across a step.
-    estimates = tuple(replace(e, updated_at=0.0) for e in estimates)
-    base = PlanConfig(min_offload_flops=config.min_offload_flops)
-    pool = plan_for_pool(
-        shape, estimates, local_flops_per_s=config.coordinator_gflops * 1e9, base=base
-    )
-    return pool.plan
 
 
 def simulate(config: SimConfig, devices: list[Device]) -> dict[str, Any]:

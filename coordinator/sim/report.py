@@ -214,11 +214,17 @@ def section_step_time(out: list[str], svgs: dict[str, str]) -> None:
         row: list[Any] = [n]
         for label, spec in (("campus", CAMPUS), ("home", HOME)):
             if label == "home" and n > 256:
-                row += ["-"] * 5
+                row += ["-"] * 7
                 continue
             r = _run(n, spec, **base)
             plain = _run(n, spec, operand_cache=False, **base)
             t, t_plain = r["step_times_s"][0], plain["step_times_s"][0]
+            if n <= 256:
+                cost = _run(n, spec, planner="costmodel", steps=2, **base)["step_times_s"]
+                row += [f"{cost[0]:.1f}", f"{cost[1]:.1f}"]
+                series.setdefault(f"{label}, cost planner", []).append((n, cost[1]))
+            else:
+                row += ["-", "-"]
             local_s = r["flops_per_step"] / (SimConfig().coordinator_gflops * 1e9)
             row += [
                 f"{t:.1f}",
@@ -240,18 +246,27 @@ def section_step_time(out: list[str], svgs: dict[str, str]) -> None:
         "cache (each device keeps blocks up to its memory cap; the scheduler's affinity "
         "rule) and, for comparison, without it (every tile carries both operands). "
         "Utilisation (with the cache) = useful tile FLOPs / (pool FLOP/s x step time); "
-        "MB/dev = downlink MB per device per step. N=1024 on home links is left out to "
-        "keep the report run short.",
+        "MB/dev = downlink MB per device per step. 'cost' columns: the live default planner "
+        "(`costmodel.LivePlanning`: grids from the cost model of the devices as estimated "
+        "so far, placed as the pull scheduler will hand them out, the coordinator "
+        "computing the share it would finish first), its first step (estimates from the "
+        "devices' claims, links assumed fast until measured) and its second. N=1024 on "
+        "home links, and the cost planner at N=1024, are left out to keep the report run "
+        "short.",
         "",
         _table(
             [
                 "N",
-                "campus step s",
+                "campus cost s, step 1",
+                "step 2",
+                "campus plan_gemm s",
                 "no cache",
                 "campus util",
                 "campus MB/dev",
                 "no cache",
-                "home step s",
+                "home cost s, step 1",
+                "step 2",
+                "home plan_gemm s",
                 "no cache",
                 "home util",
                 "home MB/dev",
@@ -355,6 +370,7 @@ def planner_row(
     ]
     links = LinkModel(window=2, egress_bps=egress)
     total = {"planner": 0.0, "bound": 0.0, "pull": 0.0, "local": 0.0, "worst": 0.0}
+    total["live"] = 0.0
     total.update(kept=0.0, tiles=0.0)
     for shape in shapes.values():
         pool = plan_for_pool(
@@ -372,6 +388,17 @@ def planner_row(
         total["worst"] = max(total["worst"], pool.makespan / pool.lower_bound)
         total["kept"] += len(pool.local_tiles)
         total["tiles"] += len(pool.placements)
+        live = plan_for_pool(
+            shape,
+            ests,
+            local_flops_per_s=COORDINATOR_FLOPS,
+            links=links,
+            share_local=True,
+            tiles_per_device=4,
+            configs=candidate_configs(PlanConfig()),
+            rule="pull",
+        )
+        total["live"] += live.makespan
         # What the server did before the cost model: plan_gemm's grid for the pool size,
         # each tile to whichever worker has a free slot, nothing kept here.
         cap = min(min(d.mem_cap_bytes for d in devices), PlanConfig.tile_mem_cap_bytes)
@@ -405,6 +432,7 @@ def section_planner(out: list[str], svgs: dict[str, str]) -> None:
                         f"{t['planner'] / bound:.2f}",
                         f"{t['worst']:.2f}",
                         f"{t['kept']:.0f} / {t['tiles']:.0f}",
+                        f"{t['live'] / bound:.2f}",
                         f"{t['pull'] / bound:.2f}",
                         f"{t['local'] / bound:.2f}",
                     ]
@@ -425,9 +453,11 @@ def section_planner(out: list[str], svgs: dict[str, str]) -> None:
         "workers pipelined with the server's prefetch window of 2, and the coordinator "
         f"({COORDINATOR_FLOPS / 1e9:.0f} GFLOP/s, no link) taking a share. True speeds "
         "serve as the estimates. Bound = total FLOPs / (sum of the devices' FLOP/s + the "
-        "coordinator's), summed over the four GEMMs. 'pull' is the server's old plan: "
-        "`plan_gemm` for 2N tiles, each tile to the first free worker, nothing computed at "
-        "the coordinator.",
+        "coordinator's), summed over the four GEMMs. 'live plan' is what the server runs "
+        "(`LivePlanning`): the same search, but each grid placed as the pull scheduler "
+        "hands tiles out (to the first worker with a free slot), since that is how they "
+        "will go; 'old' is the server before the cost model: `plan_gemm` for 2N tiles, "
+        "pulled, nothing computed at the coordinator.",
         "",
         _table(
             [
@@ -437,7 +467,8 @@ def section_planner(out: list[str], svgs: dict[str, str]) -> None:
                 "planner / bound",
                 "worst GEMM",
                 "tiles kept at coordinator",
-                "pull / bound",
+                "live plan (pull) / bound",
+                "old (plan_gemm, pull) / bound",
                 "coordinator alone / bound",
             ],
             rows,
