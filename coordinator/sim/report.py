@@ -559,7 +559,11 @@ writes JSON (`--json FILE`).
 
 - A discrete-event loop with a simulated clock drives the **real** `coordinator.scheduler.
   Scheduler` (submit, assign, complete, expire on heartbeat ticks, stranded/take_over,
-  speculate) and the real planners (`planner.plan_gemm`, `costmodel.plan_for_pool`).
+  speculate) and the real planners: `planner.plan_gemm` (the old default, still
+  `serve --planner grid`) and `costmodel.LivePlanning` (the live default: the cost model
+  of the devices as estimated so far, grids placed as the pull scheduler will hand them
+  out, after the work earlier plans committed, the coordinator computing the share it
+  would finish first).
 - A training step is the GEMMs of a real model's shapes (`coordinator/sim/models.py`):
   every linear's forward mm and two backward mm's, the attention bmm's (2 forward, 4
   backward) and the LM head, grouped into stages with a barrier after each (stricter
@@ -574,8 +578,10 @@ writes JSON (`--json FILE`).
   `{gemm}/b/{b}.{k}.{n}`), up to its memory cap, least recently used first out; the
   coordinator mirrors each device's cache, sends only the blocks a device lacks, and
   `Scheduler.assign(prefers=...)` hands a tile to one of the next 16 devices in turn
-  that holds one of its blocks. Blocks are per GEMM and step (weights change every step),
-  so nothing is reused across GEMMs or steps. `SimConfig(operand_cache=False)` (CLI
+  that holds one of its blocks. The live server keys blocks by content (BLAKE3), so a
+  block that recurs in another GEMM of the step is reused too (~10% of a step's block
+  bytes on the built-in job); the simulator has shapes, not contents, so it reuses
+  blocks within a GEMM only and errs high. `SimConfig(operand_cache=False)` (CLI
   `--no-operand-cache`) turns it off: every tile then carries both operands. Misses
   (`missing_block`) do not happen here: the mirror is exact.
 - Bytes per device for N up to 4096 (table a) are counted in closed form from the
