@@ -217,7 +217,7 @@ def _attempt(
     floor: float,
 ) -> tuple[tuple[float, float, float, float], int]:
     """The lane's timeline for the tile, and the operand bytes it would be sent."""
-    if lane.device.down_bps == math.inf:  # the coordinator: no link to cross
+    if lane.device.worker_id == LOCAL:  # the coordinator: no link to cross
         return lane.run(tile.flops, 0, up, links.window, 0.0), 0
     down = sum(nbytes for block, nbytes in blocks if block not in lane.held)
     return lane.run(tile.flops, down, up, links.window, floor + down / links.egress_bps), down
@@ -291,7 +291,7 @@ def place_tiles(
     # Pull: workers by their next free slot, so each tile costs log(devices), not devices.
     # The coordinator (no link) pulls nothing: it keeps a tile when it would finish it
     # before the worker that would pull it.
-    here = [i for i, lane in enumerate(lanes) if lane.device.down_bps == math.inf]
+    here = [i for i, lane in enumerate(lanes) if lane.device.worker_id == LOCAL]
     slots = [(lane.slot(links.window), i) for i, lane in enumerate(lanes) if i not in here]
     heapq.heapify(slots)
     placements: list[Placement] = []
@@ -334,7 +334,7 @@ def place_tiles(
         lane = lanes[chosen]
         start, lane.down_free, lane.comp_free, finish = best_run
         sent += best_down
-        remote += lane.device.down_bps != math.inf
+        remote += lane.device.worker_id != LOCAL
         lane.up_free = finish
         lane.finishes.append(finish)
         lane.held.update(block for block, _ in blocks)

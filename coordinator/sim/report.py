@@ -607,19 +607,30 @@ writes JSON (`--json FILE`).
   changes only after an `assign` call, so tiles dealt in one call to idle workers are
   never matched to blocks the same call hands out, and later calls mostly find one
   device ready (the one that just freed a slot), which then takes the next tile anyway.
-- (b) In fp32 over real links the pool is bandwidth-bound: utilisation is ~1% or less,
-  and past ~16 devices the coordinator's shared 10 Gbit/s egress, carrying the re-sent
-  operands of ever smaller tiles, makes steps slower again. A small model is faster on
-  the coordinator alone. The operand cache makes steps 3-6% faster up to 16 devices
-  (11-31% fewer bytes per device) and changes almost nothing from 64 on (1-2% fewer
-  bytes, where the egress is the limit). Lower-precision wire formats, grids planned for
-  block reuse and larger batches are what would move this; the simulator is the place to
-  measure them.
+- (b) In fp32 over real links the pool is bandwidth-bound: with the old planner
+  (`plan_gemm`, every GEMM sent) utilisation is ~1% or less, steps take 25-2500 s, and
+  past ~16 devices the coordinator's shared 10 Gbit/s egress makes them slower again.
+  The cost planner (the live default) sees this in its estimates and keeps what the
+  links cannot feed at the coordinator: 3.1-3.3 s per step on campus links up to 16
+  devices (the coordinator alone: 3.3 s), 3.3 s on home links from the second step (the
+  first step pays for assuming unmeasured links are fast: 4.1-5.4 s). It is not faster
+  than a 500 GFLOP/s coordinator for this small model, and at 64-256 campus devices it
+  is 5-20% slower (3.5-4.0 s: tiles pulled by slow devices). The operand cache makes the
+  old planner's steps 3-6% faster up to 16 devices.
 - (c) A disconnect costs almost nothing (the tiles re-queue at once); a silent failure
   costs about the heartbeat timeout. Both are >= 100x below the restart baseline.
-- (d) The planner is NOT within 1.25x of total work / total speed on these shapes: that
-  bound ignores communication, and even at 10 Gbit/s the fp32 operands of one GEMM cost
-  more than its compute on the fast devices (worst for attention's bmm, K = 64).
+- (d) Placed by earliest estimated finish, the planner's makespan is within 1.01-1.06x
+  of total work / total speed (the coordinator's included) wherever compute is what
+  binds ('unlimited' links: CPU pools with a 100x speed spread and pools with GPUs, 2 to
+  64 devices): the 1.25x goal is met there. On a 10 Gbit/s LAN it is 1.2-1.9x for CPU
+  pools up to 16 devices and 1.5-7.3x with GPUs (the bound ignores communication, and
+  attention's scores bmm, K = 64, moves more bytes than FLOPs: worst GEMM 2.2-15.7x);
+  on home links the coordinator does nearly everything and the ratio is the coordinator
+  alone's. BUT the live server hands tiles out by pull (first free slot), not by
+  earliest finish, so the live planner places grids that way ('live plan'): as good up
+  to 4 devices, and 1.8-37x of the bound where slow devices pull tiles a fast one would
+  have finished sooner (GPU pools of 16-64). Assigning by earliest finish in the live
+  scheduler is what closes that gap; it is not built yet.
 - (e) With a pull scheduler and a window of 2, 10x stragglers in a bandwidth-bound pool
   cost little; speculative copies shave a fraction of a second here (the cache another
   ~1.7 s). Their benefit shows in compute-bound pools (see
