@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -101,6 +102,11 @@ class SchedulerConfig:
     # future: then a copy is worth its bytes. Ratios near 1 burn bandwidth on ties.
     speculate_after: float | None = None
     max_holders: int = 2  # a tile is never held by more workers than this at once
+    # Earliest finish: a worker with a free slot leaves a tile in the queue when another
+    # worker (busy now, perhaps) is predicted to return it more than this many times
+    # sooner; None: off. Needs assign()'s predictions. Fresh tiles only: a re-issued or
+    # refused one goes to whoever is free.
+    leave_for_faster: float | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 0 or self.tile_timeout_s <= 0:
@@ -109,6 +115,8 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.speculate_after must be >= 1 or None")
         if self.max_holders < 1:
             raise ValueError("SchedulerConfig.max_holders must be >= 1")
+        if self.leave_for_faster is not None and self.leave_for_faster < 1.0:
+            raise ValueError("SchedulerConfig.leave_for_faster must be >= 1 or None")
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,11 @@ class Scheduler:
         self._bump("submitted", len(batch))
 
     def assign(
-        self, now: float, prefers: Callable[[str, TileTicket], bool] | None = None
+        self,
+        now: float,
+        prefers: Callable[[str, TileTicket], bool] | None = None,
+        finish_at: Callable[[str, str], float] | None = None,
+        run_time: Callable[[str, TileTicket], float] | None = None,
     ) -> list[Assignment]:
         """Fill free window slots from the queue, FIFO, one slot per worker in turn.
 
@@ -268,9 +280,16 @@ class Scheduler:
         ``prefers(worker_id, ticket)`` (optional): a worker among the next few in turn for
         which it is true (one that already holds an operand block of the tile, say) takes
         the tile ahead of its turn.
+
+        With `SchedulerConfig.leave_for_faster` and the caller's predictions (as for
+        speculate: `finish_at(worker_id, tile_id)` for tiles a worker holds,
+        `run_time(worker_id, ticket)` from handing it over to its result), a worker passes
+        on a fresh tile that another worker would return that many times sooner, counting
+        from when each is free of what it holds; the tile waits for that worker.
         """
         if self._queued == 0 or not self._ready:
             return []
+        slower = self._slower_filter(now, finish_at, run_time)
         ring = deque(self._workers[worker_id] for worker_id in self._ready)
         largest_cap = _largest_cap(ring)
         assignments: list[Assignment] = []
@@ -282,7 +301,7 @@ class Scheduler:
                 continue
             worker = None
             if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
-                worker = _next_taker(ring, tile, prefers)
+                worker = _next_taker(ring, tile, prefers, slower)
             if worker is None:
                 passed_over.append(entry)
                 continue
@@ -293,6 +312,41 @@ class Scheduler:
         # Workers still in the ring keep their turn order for the next call.
         self._ready = dict.fromkeys(worker.worker_id for worker in ring)
         return assignments
+
+    def _slower_filter(
+        self,
+        now: float,
+        finish_at: Callable[[str, str], float] | None,
+        run_time: Callable[[str, TileTicket], float] | None,
+    ) -> Callable[[_Worker, _Tile], bool] | None:
+        """`slower(worker, tile)` for one assign call: True when another worker would
+        return the fresh tile `leave_for_faster` times sooner. Each worker's free time is
+        predicted once per call, the soonest return once per tile size."""
+        ratio = self._config.leave_for_faster
+        if ratio is None or finish_at is None or run_time is None:
+            return None
+        active = [w for w in self._workers.values() if not w.paused]
+        free = {
+            w.worker_id: max([now, *(finish_at(w.worker_id, t) for t in w.in_flight)])
+            for w in active
+        }
+        soonest: dict[tuple[int, int, int], float] = {}
+
+        def eta(worker: _Worker, ticket: TileTicket) -> float:
+            return free[worker.worker_id] - now + run_time(worker.worker_id, ticket)
+
+        def slower(worker: _Worker, tile: _Tile) -> bool:
+            ticket = tile.ticket
+            if tile.times_assigned or tile.refused_by or worker.worker_id not in free:
+                return False
+            size = (ticket.flops, ticket.down_bytes, ticket.up_bytes)
+            if size not in soonest:
+                soonest[size] = min(
+                    (eta(w, ticket) for w in active if w.can_hold(ticket)), default=math.inf
+                )
+            return eta(worker, ticket) > ratio * soonest[size]
+
+        return slower
 
     def complete(self, worker_id: str, tile_id: str, now: float) -> Completion:
         """A result passed verification. The first one for a tile wins.
@@ -686,19 +740,25 @@ def _next_taker(
     ring: deque[_Worker],
     tile: _Tile,
     prefers: Callable[[str, TileTicket], bool] | None = None,
+    slower: Callable[[_Worker, _Tile], bool] | None = None,
 ) -> _Worker | None:
     """The next worker in turn that may take the tile (or a preferred one among the next
-    few); rotates the ring past it. A worker that fills its window leaves the ring."""
+    few), unless `slower` says another would return it much sooner; rotates the ring
+    past it. A worker that fills its window leaves the ring."""
+
+    def may(worker: _Worker) -> bool:
+        return _may_take(worker, tile) and (slower is None or not slower(worker, tile))
+
     if prefers is not None:
         for i, worker in enumerate(itertools.islice(ring, PREFERENCE_LOOKAHEAD)):
-            if _may_take(worker, tile) and prefers(worker.worker_id, tile.ticket):
+            if prefers(worker.worker_id, tile.ticket) and may(worker):
                 del ring[i]
                 if worker.free_slots() > 1:
                     ring.append(worker)
                 return worker
     for _ in range(len(ring)):
         worker = ring.popleft()
-        if not _may_take(worker, tile):
+        if not may(worker):
             ring.append(worker)
             continue
         if worker.free_slots() > 1:

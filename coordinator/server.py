@@ -80,6 +80,7 @@ CLOSE_TIMEOUT = 4000  # application code: missed heartbeats
 # A link speed to start from until a worker's first tiles measure its own: a modest
 # home connection, so early estimates err on the slow side.
 LINK_GUESS_BYTES_PER_S = 10e6
+MAX_PREDICTED_WORKERS = 256
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,15 @@ class CoordinatorServer:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for assignment in self.scheduler.assign(self.clock(), prefers=self._holds_a_block):
+        # Earliest-finish holds (SchedulerConfig.leave_for_faster) cost a prediction per
+        # worker per call: past a few hundred workers the pull order alone decides.
+        predict = len(self.conns) <= MAX_PREDICTED_WORKERS
+        for assignment in self.scheduler.assign(
+            self.clock(),
+            prefers=self._holds_a_block,
+            finish_at=self._predicted_finish if predict else None,
+            run_time=self._run_time if predict else None,
+        ):
             self._send(assignment)
 
     def _holds_a_block(self, worker_id: str, ticket: TileTicket) -> bool:

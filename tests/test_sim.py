@@ -161,3 +161,13 @@ def test_svg_and_cli(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     assert main([*args, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["saved_bytes"] == 0
     assert '"step_times_s"' in capsys.readouterr().out
+
+
+def test_earliest_finish_holds_lose_no_tile() -> None:
+    # With holds on (SchedulerConfig.leave_for_faster), tiles wait in the queue for a
+    # faster worker: every one must still be done, by the pool or the coordinator.
+    lan = PoolSpec(median_down_mbit=10000.0, down_sigma=0.01, up_ratio=(1.0, 1.0))
+    devices = make_pool(6, seed=5, spec=lan)
+    r = simulate(replace(SMALL, steps=2, coordinator_gflops=1.0, leave_for_faster=2.0), devices)
+    assert r["steps_done"] == 2 and r["scheduler"]["pending"] == 0
+    assert r["tile_flops_done"] + r["local_flops"] == 2 * r["flops_per_step"]

@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--stragglers", type=int, default=0, help="devices 10x slower than claimed")
     run.add_argument("--speculate-after", type=float, default=None)
     run.add_argument(
+        "--leave-for-faster",
+        type=float,
+        default=None,
+        help="SchedulerConfig.leave_for_faster: earliest-finish holds in assign()",
+    )
+    run.add_argument(
         "--no-operand-cache",
         action="store_true",
         help="every tile carries both operands (workers keep no blocks)",
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         planner=args.planner,
         speculate_after=args.speculate_after,
+        leave_for_faster=args.leave_for_faster,
         operand_cache=not args.no_operand_cache,
     )
     result = simulate(config, pool_for_cli(args.devices, args.seed, spec, args.stragglers))

@@ -65,6 +65,7 @@ class SimConfig:
     heartbeat_timeout_s: float = 10.0
     tile_timeout_s: float = 120.0
     speculate_after: float | None = None
+    leave_for_faster: float | None = None  # SchedulerConfig.leave_for_faster
     # Workers keep the operand blocks they were sent (budget: their memory cap, LRU) and
     # the coordinator sends only the blocks a worker does not hold, preferring a worker
     # that holds one of a tile's blocks (coordinator/server.py `_frame_for`).
@@ -135,6 +136,7 @@ class Simulation:
                 heartbeat_timeout_s=config.heartbeat_timeout_s,
                 tile_timeout_s=config.tile_timeout_s,
                 speculate_after=config.speculate_after,
+                leave_for_faster=config.leave_for_faster,
             )
         )
         self.stages = step_stages(MODELS[config.model], config.batch, config.seq, config.itemsize)
@@ -303,7 +305,9 @@ class Simulation:
 
     def _dispatch(self) -> None:
         prefers = self._holds_a_block if self.config.operand_cache else None
-        for a in self.scheduler.assign(self.now, prefers=prefers):
+        for a in self.scheduler.assign(
+            self.now, prefers=prefers, finish_at=self._finish_at, run_time=self._run_time
+        ):
             self._start_run(self.devices[a.worker_id], a.tile_id)
 
     def _holds_a_block(self, worker_id: str, ticket: TileTicket) -> bool:
