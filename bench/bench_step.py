@@ -68,7 +68,7 @@ def eager_seconds(steps: int) -> list[float]:
     return times
 
 
-def cleave_seconds(steps: int, workers: int) -> list[float]:
+def cleave_seconds(steps: int, workers: int, planner: str) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         env = {
@@ -95,6 +95,8 @@ def cleave_seconds(steps: int, workers: int) -> list[float]:
                 str(Path(tmp) / "state"),
                 "--metrics-out",
                 str(metrics),
+                "--planner",
+                planner,
             ],
             env=env,
             check=True,
@@ -112,13 +114,17 @@ def main() -> None:
     args = parser.parse_args()
     skip = 2
     eager = statistics.median(eager_seconds(args.steps)[skip:])
-    ours = statistics.median(cleave_seconds(args.steps, args.workers)[skip:])
     gflop = 2 * BATCH * (2 * WIDTH * WIDTH + WIDTH * 16) * 3 / 1e9
-    print(f"{'model':>28} {'GFLOP/step':>11} {'eager s':>8} {'cleave s':>9} {'ratio':>6}")
     print(
-        f"{f'MLP {WIDTH}x{WIDTH}, batch {BATCH}':>28} {gflop:>11.1f} {eager:>8.3f} "
-        f"{ours:>9.3f} {ours / eager:>6.2f}"
+        f"{'model':>28} {'GFLOP/step':>11} {'planner':>8} {'eager s':>8} {'cleave s':>9} "
+        f"{'ratio':>6}"
     )
+    for planner in ("cost", "grid"):
+        ours = statistics.median(cleave_seconds(args.steps, args.workers, planner)[skip:])
+        print(
+            f"{f'MLP {WIDTH}x{WIDTH}, batch {BATCH}':>28} {gflop:>11.1f} {planner:>8} "
+            f"{eager:>8.3f} {ours:>9.3f} {ours / eager:>6.2f}"
+        )
     print(
         f"(cleave: coordinator + {args.workers} local workers on {os.cpu_count()} cores; "
         f"medians of steps {skip}..{args.steps - 1})"
