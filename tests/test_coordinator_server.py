@@ -737,10 +737,11 @@ class MLP(nn.Module):
         return self.out(torch.tanh(self.fc2(F.relu(self.fc1(x)))))
 
 
-def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = MLP()
-    x, y = torch.randn(32, 48), torch.randint(0, 6, (32,))
+def traced_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Any, list[Any], list[torch.Tensor]]:
+    """A cross-entropy step traced for the executor, its flat inputs, and what eager
+    autograd computes for it (gradients, then the loss)."""
     job = Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), [(x, y)])
     traced = trace_step(job, x, y)
     loss = F.cross_entropy(model(x), y)
@@ -748,6 +749,12 @@ def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Pa
     want = [p.grad.clone() for p in model.parameters()] + [loss.detach()]
     flat = [p.detach() for p in model.parameters()] + list(model.buffers())
     flat += pytree.tree_leaves((x, y))
+    return traced, flat, want
+
+
+def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    traced, flat, want = traced_step(MLP(), torch.randn(32, 48), torch.randint(0, 6, (32,)))
 
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):
@@ -803,15 +810,8 @@ def test_the_cost_planner_shares_a_step_with_the_coordinator(tmp_path: Path) -> 
     the coordinator (as fast as each of them) keeping a share. Gradients match eager, and
     tiles kept here plus tiles verified are exactly the planned tiles."""
     torch.manual_seed(0)
-    model = WideMLP()
     x, y = torch.randn(512, 256), torch.randint(0, 8, (512,))
-    job = Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), [(x, y)])
-    traced = trace_step(job, x, y)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    want = [p.grad.clone() for p in model.parameters()] + [loss.detach()]
-    flat = [p.detach() for p in model.parameters()] + list(model.buffers())
-    flat += pytree.tree_leaves((x, y))
+    traced, flat, want = traced_step(WideMLP(), x, y)
     plans: list[tuple[int, int]] = []  # (tiles, kept here) of each GEMM sent as tiles
 
     class Recording(LivePlanning):

@@ -8,6 +8,7 @@ and --coordinator-gflops.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from coordinator.costmodel import (
     DeviceEstimate,
     LinkModel,
     LivePlanning,
+    PoolPlan,
     candidate_configs,
     fastest,
     for_planning,
@@ -63,32 +65,31 @@ def test_a_big_pool_is_planned_for_its_fastest_workers() -> None:
     assert few.plan(BIG, crowd, CONFIG) == few.plan(BIG, crowd[3:1:-1], CONFIG)
 
 
-def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() -> None:
-    plan, local = LivePlanning().plan(BIG, GUESSED, CONFIG)
-    optimistic = [for_planning(e, 1.25e9) for e in GUESSED]
-    assert {e.down_bps for e in optimistic} == {1.25e9}
-    want = plan_for_pool(
+def direct(estimates: Sequence[DeviceEstimate]) -> PoolPlan:
+    """plan_for_pool as LivePlanning() calls it, on these estimates as they are."""
+    return plan_for_pool(
         BIG,
-        optimistic,
+        estimates,
         local_flops_per_s=0.0,
         base=CONFIG,
         links=LinkModel(window=2, tile_overhead_s=4e-3),
         configs=candidate_configs(CONFIG),
+        rule="pull",
     )
+
+
+def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() -> None:
+    plan, local = LivePlanning().plan(BIG, GUESSED, CONFIG)
+    optimistic = [for_planning(e, 1.25e9) for e in GUESSED]
+    assert {e.down_bps for e in optimistic} == {1.25e9}
+    want = direct(optimistic)
     assert want.plan is not None and (plan, local) == (want.plan, frozenset())
     assert plan.grid == (1, 2, 1, 1)  # one tile per worker: a 4 ms tile costs more than it saves
     # Measured links (one sample is enough) are planned as measured: at 10 MB/s the
     # transfers dominate, and four tiles overlap them better (window 2) than two.
     slow = tuple(replace(e, link_samples=1) for e in GUESSED)
     plan, _ = LivePlanning().plan(BIG, slow, CONFIG)
-    want = plan_for_pool(
-        BIG,
-        slow,
-        local_flops_per_s=0.0,
-        base=CONFIG,
-        links=LinkModel(window=2, tile_overhead_s=4e-3),
-        configs=candidate_configs(CONFIG),
-    )
+    want = direct(slow)
     assert plan == want.plan and plan is not None and plan.grid == (1, 2, 2, 1)
 
 

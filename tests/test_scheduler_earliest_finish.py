@@ -4,22 +4,12 @@ predictions (`SchedulerConfig.leave_for_faster`)."""
 from __future__ import annotations
 
 import pytest
+from test_scheduler_speculation import run_times, ticket
+from test_scheduler_speculation import table as finishing
 
-from coordinator.scheduler import Assignment, Scheduler, SchedulerConfig, TileTicket
+from coordinator.scheduler import Assignment, Scheduler, SchedulerConfig
 
 LEAVE = SchedulerConfig(heartbeat_timeout_s=10.0, tile_timeout_s=300.0, leave_for_faster=2.0)
-
-
-def ticket(tile_id: str, wire: int = 100) -> TileTicket:
-    return TileTicket(tile_id, "g", flops=1000, down_bytes=wire - 10, up_bytes=10)
-
-
-def finishing(table: dict[tuple[str, str], float]):  # type: ignore[no-untyped-def]
-    return lambda worker_id, tile_id: table[(worker_id, tile_id)]
-
-
-def run_times(seconds: dict[str, float]):  # type: ignore[no-untyped-def]
-    return lambda worker_id, _ticket: seconds[worker_id]
 
 
 def pairs(assignments: list[Assignment]) -> list[tuple[str, str]]:

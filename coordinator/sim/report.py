@@ -13,6 +13,8 @@ from typing import Any
 from coordinator.costmodel import (
     DeviceEstimate,
     LinkModel,
+    LivePlanning,
+    PoolPlan,
     candidate_configs,
     place_tiles,
     plan_for_pool,
@@ -369,36 +371,30 @@ def planner_row(
         for d in devices
     ]
     links = LinkModel(window=2, egress_bps=egress)
-    total = {"planner": 0.0, "bound": 0.0, "pull": 0.0, "local": 0.0, "worst": 0.0}
-    total["live"] = 0.0
+    total = dict.fromkeys(("planner", "bound", "pull", "live", "local", "worst"), 0.0)
     total.update(kept=0.0, tiles=0.0)
-    for shape in shapes.values():
-        pool = plan_for_pool(
+
+    def planned(shape: GemmShape, rule: str, tiles_per_device: int) -> PoolPlan:
+        return plan_for_pool(
             shape,
             ests,
             local_flops_per_s=COORDINATOR_FLOPS,
             links=links,
             share_local=True,
-            tiles_per_device=8,
+            tiles_per_device=tiles_per_device,
             configs=candidate_configs(PlanConfig()),
+            rule=rule,
         )
+
+    for shape in shapes.values():
+        pool = planned(shape, "finish", 8)
         total["planner"] += pool.makespan
         total["bound"] += pool.lower_bound
         total["local"] += pool.local_seconds
         total["worst"] = max(total["worst"], pool.makespan / pool.lower_bound)
         total["kept"] += len(pool.local_tiles)
         total["tiles"] += len(pool.placements)
-        live = plan_for_pool(
-            shape,
-            ests,
-            local_flops_per_s=COORDINATOR_FLOPS,
-            links=links,
-            share_local=True,
-            tiles_per_device=4,
-            configs=candidate_configs(PlanConfig()),
-            rule="pull",
-        )
-        total["live"] += live.makespan
+        total["live"] += planned(shape, "pull", LivePlanning.tiles_per_device).makespan
         # What the server did before the cost model: plan_gemm's grid for the pool size,
         # each tile to whichever worker has a free slot, nothing kept here.
         cap = min(min(d.mem_cap_bytes for d in devices), PlanConfig.tile_mem_cap_bytes)
