@@ -66,7 +66,7 @@ def on_battery() -> bool | None:
     """True on battery, False on mains, None without a battery (a desktop) or unknown."""
     try:
         battery = psutil.sensors_battery()
-    except Exception as exc:  # NotImplementedError on some platforms, OSError on others
+    except Exception as exc:  # psutil has no battery reading on some platforms (it raises)
         log.debug("battery unavailable: %s", exc)
         return None
     if battery is None or battery.power_plugged is None:

@@ -281,9 +281,9 @@ def place_tiles(
         raise ValueError(f"unknown rule {rule!r}")
     lanes = []
     for d in devices:
-        t0 = (ready_at or {}).get(d.worker_id, 0.0)
+        ready = (ready_at or {}).get(d.worker_id, 0.0)
         have = set((held or {}).get(d.worker_id, frozenset()))
-        lanes.append(_Lane(d, t0, t0, t0, [], have))
+        lanes.append(_Lane(d, ready, ready, ready, [], have))
     order = sorted(tiles, key=lambda t: (-t.flops, t.index)) if rule == "finish" else tiles
     t0 = min((lane.down_free for lane in lanes), default=0.0)
     sent = 0  # bytes through the coordinator's uplink so far (a shared fluid pipe)
@@ -480,6 +480,29 @@ def fastest(
     return sorted(devices, key=seconds)[:count]
 
 
+class Commitments:
+    """When the plans made so far expect each worker to be done with its tiles, so that a
+    GEMM planned while others are in flight is planned after them (independent GEMMs
+    of a step are handed out together). Times are the caller's clock."""
+
+    def __init__(self) -> None:
+        self._free: dict[str, float] = {}
+
+    def ready_at(self, now: float, worker_ids: Iterable[str]) -> dict[str, float]:
+        """Seconds from `now` until each worker is free of planned work."""
+        return {w: max(0.0, self._free.get(w, now) - now) for w in worker_ids}
+
+    def add(self, now: float, chosen: PoolPlan) -> None:
+        for p in chosen.placements:
+            if p.worker_id != LOCAL:
+                self._free[p.worker_id] = max(self._free.get(p.worker_id, now), now + p.finish)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop workers that left (the caller passes those still there)."""
+        alive = set(keep)
+        self._free = {w: t for w, t in self._free.items() if w in alive}
+
+
 @dataclass(frozen=True)
 class LivePlanning:
     """How live GEMMs are planned (coordinator/offload.py; the simulator's cost-model
@@ -522,14 +545,24 @@ class LivePlanning:
         shape: GemmShape,
         estimates: Sequence[DeviceEstimate],
         config: PlanConfig,
-        ready_at: Mapping[str, float] | None = None,
+        commitments: Commitments | None = None,
+        *,
+        now: float = 0.0,
+        coordinator_busy_s: float = 0.0,
     ) -> tuple[GemmPlan | None, frozenset[tuple[int, int, int, int]]]:
-        """The grid for one GEMM and the tiles kept at the coordinator. `ready_at`: seconds
-        until a worker (or LOCAL) is free of work it already has. Raises ValueError (from
-        plan_gemm) when not even a one-element tile fits the grid planner's limits."""
-        chosen = self.pool_plan(shape, estimates, config, ready_at)
+        """The grid for one GEMM and the tiles kept at the coordinator, planned after the
+        work `commitments` hold (and the coordinator's `coordinator_busy_s`), which then
+        hold this plan's too. Raises ValueError (from plan_gemm) when not even a
+        one-element tile fits the grid planner's limits."""
+        ready = None
+        if commitments is not None:
+            ready = commitments.ready_at(now, [e.worker_id for e in estimates])
+            ready[LOCAL] = coordinator_busy_s
+        chosen = self.pool_plan(shape, estimates, config, ready)
         if chosen is None:
             return plan_gemm(shape, config), frozenset()
+        if commitments is not None:
+            commitments.add(now, chosen)
         return chosen.plan, frozenset(t.index for t in chosen.local_tiles)
 
     def pool_plan(
@@ -559,26 +592,3 @@ class LivePlanning:
             configs=candidate_configs(config),
             rule=self.rule,
         )
-
-
-class Commitments:
-    """When the plans made so far expect each worker to be done with its tiles, so that a
-    GEMM planned while others are in flight is planned after them (independent GEMMs
-    of a step are handed out together). Times are the caller's clock."""
-
-    def __init__(self) -> None:
-        self._free: dict[str, float] = {}
-
-    def ready_at(self, now: float, worker_ids: Iterable[str]) -> dict[str, float]:
-        """Seconds from `now` until each worker is free of planned work."""
-        return {w: max(0.0, self._free.get(w, now) - now) for w in worker_ids}
-
-    def add(self, now: float, chosen: PoolPlan) -> None:
-        for p in chosen.placements:
-            if p.worker_id != LOCAL:
-                self._free[p.worker_id] = max(self._free.get(p.worker_id, now), now + p.finish)
-
-    def forget(self, keep: Iterable[str]) -> None:
-        """Drop workers that left (the caller passes those still there)."""
-        alive = set(keep)
-        self._free = {w: t for w, t in self._free.items() if w in alive}

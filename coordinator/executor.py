@@ -102,7 +102,7 @@ class DataflowExecutor:
             for dep in d:
                 dependents[dep].append(node)
         uses_left = {node: len(node.users) for node in nodes}
-        placeholders = iter(flat_args)
+        graph_inputs = iter(flat_args)  # fed to the graph's input nodes, in order
         env: dict[Node, Any] = {}
         completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]] = (
             queue.SimpleQueue()
@@ -135,7 +135,7 @@ class DataflowExecutor:
             while ready:
                 _, node = heapq.heappop(ready)
                 if node.op == "placeholder":
-                    complete(node, next(placeholders))
+                    complete(node, next(graph_inputs))
                 elif node.op == "get_attr":
                     complete(node, getattr(traced.graph_module, str(node.target)))
                 elif node.op == "output":

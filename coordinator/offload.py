@@ -17,13 +17,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from common.tensors import DTYPE_NAMES
 from coordinator.costmodel import Commitments, LivePlanning
 from coordinator.executor import GemmDone
-from coordinator.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.planner import GemmShape, PlanConfig
 from coordinator.server import CoordinatorServer
 from coordinator.tiling import TiledGemm
 
 log = logging.getLogger("cleave.coordinator")
 DEFAULT_PLANNING = LivePlanning()
-Index = tuple[int, int, int, int]
 
 
 class TileOffload:
@@ -53,20 +52,13 @@ class TileOffload:
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
         pool = self._server.pool  # an immutable snapshot: safe to read from this thread
         config = self._plan_config(pool.active, pool.memory_cap)
-        now = self._clock()
-        workers = [e.worker_id for e in pool.estimates]
-        self._commitments.forget(workers)
+        self._commitments.forget(e.worker_id for e in pool.estimates)
         try:
-            # GEMMs already out keep their workers busy for a while: plan this one after
-            # them (the coordinator's share of them is done: start() computes it).
-            chosen = self._planning.pool_plan(
-                shape, pool.estimates, config, self._commitments.ready_at(now, workers)
+            # GEMMs already out keep their workers busy for a while: this one is planned
+            # after them (the coordinator's share of them is done: start() computed it).
+            plan, local = self._planning.plan(
+                shape, pool.estimates, config, self._commitments, now=self._clock()
             )
-            if chosen is None:
-                plan, local = plan_gemm(shape, config), frozenset[Index]()
-            else:
-                self._commitments.add(now, chosen)
-                plan, local = chosen.plan, frozenset(t.index for t in chosen.local_tiles)
         except ValueError as exc:  # no tile of this GEMM fits: the coordinator computes it
             log.warning("running %s locally: %s", name, exc)
             return False

@@ -752,6 +752,35 @@ def traced_step(
     return traced, flat, want
 
 
+async def run_offloaded(
+    server: CoordinatorServer, planning: LivePlanning, traced: Any, flat: list[Any], label: str
+) -> tuple[list[Any], Any]:
+    """Run a traced step through a TileOffload on ``server`` (about two tiles per worker
+    where the grid planner decides); returns the outputs and the executor's stats."""
+    offload = TileOffload(
+        server,
+        asyncio.get_running_loop(),
+        server.key,
+        lambda workers, *_: replace(PLAN, target_tiles=2 * workers),
+        planning,
+    )
+    cancel = threading.Event()
+    try:
+        return await within(
+            asyncio.to_thread(
+                DataflowExecutor(offload, poll_s=0.01).run, traced, flat, cancel, label
+            ),
+            30,
+        )
+    finally:
+        cancel.set()
+
+
+def assert_outputs_match(got: list[Any], want: list[torch.Tensor]) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"output {i}")
+
+
 def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Path) -> None:
     torch.manual_seed(0)
     traced, flat, want = traced_step(MLP(), torch.randn(32, 48), torch.randint(0, 6, (32,)))
@@ -767,26 +796,11 @@ def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_path: Pa
                 submit(jobs)
 
             server.submit = recording_submit  # type: ignore[method-assign]
-            offload = TileOffload(
-                server,
-                asyncio.get_running_loop(),
-                server.key,
-                lambda workers, *_: replace(PLAN, target_tiles=2 * workers),
-                LivePlanning(cost_model=False),
+            got, stats = await run_offloaded(
+                server, LivePlanning(cost_model=False), traced, flat, "s3"
             )
-            cancel = threading.Event()
-            try:
-                got, stats = await within(
-                    asyncio.to_thread(
-                        DataflowExecutor(offload, poll_s=0.01).run, traced, flat, cancel, "s3"
-                    ),
-                    30,
-                )
-            finally:
-                cancel.set()
             assert stats.gemms_offloaded == len(traced.gemm_nodes()) and stats.gemms_local == 0
-            for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"output {i}")
+            assert_outputs_match(got, want)
             assert server.counters.tiles_verified > stats.gemms_offloaded  # several per GEMM
             assert {c.name for c in coord.ledger.all()} == {"w1", "w2"}
             assert len(submitted) == server.counters.tiles_verified
@@ -825,25 +839,9 @@ def test_the_cost_planner_shares_a_step_with_the_coordinator(tmp_path: Path) -> 
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):
             server = coord.server
-            offload = TileOffload(
-                server,
-                asyncio.get_running_loop(),
-                server.key,
-                lambda workers, *_: replace(PLAN, target_tiles=2 * workers),
-                Recording(coordinator_flops_per_s=PROFILE.gflops * 1e9),
-            )
-            cancel = threading.Event()
-            try:
-                got, stats = await within(
-                    asyncio.to_thread(
-                        DataflowExecutor(offload, poll_s=0.01).run, traced, flat, cancel, "s4"
-                    ),
-                    30,
-                )
-            finally:
-                cancel.set()
-            for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"output {i}")
+            planning = Recording(coordinator_flops_per_s=PROFILE.gflops * 1e9)
+            got, stats = await run_offloaded(server, planning, traced, flat, "s4")
+            assert_outputs_match(got, want)
             assert stats.gemms_offloaded == len(plans) > 0
             counters = server.counters
             await until(lambda: server.jobs == {}, "every tile to be delivered")

@@ -18,6 +18,7 @@ import torch
 from common.signing import generate_private_key
 from coordinator.cli import _coordinator_gflops
 from coordinator.costmodel import (
+    Commitments,
     DeviceEstimate,
     LinkModel,
     LivePlanning,
@@ -159,3 +160,15 @@ def test_coordinator_gflops_auto_measures_this_machine() -> None:
 def test_coordinator_gflops_rejects_nonsense(value: str) -> None:
     with pytest.raises(SystemExit, match="--coordinator-gflops"):
         _coordinator_gflops(value, 0)
+
+
+def test_plans_commit_their_workers_and_the_next_plan_waits_for_them() -> None:
+    commitments = Commitments()
+    share = LivePlanning(coordinator_flops_per_s=10e9)
+    first = share.plan(BIG, GUESSED, CONFIG, commitments, now=100.0)
+    assert first == share.plan(BIG, GUESSED, CONFIG)  # nothing committed before it
+    busy = commitments.ready_at(100.0, ["w1", "w2"])
+    assert busy["w1"] > 0 and busy["w2"] > 0  # both got tiles; the coordinator is not kept
+    # The same GEMM again at once: both workers are busy, so the coordinator keeps more.
+    _, second_local = share.plan(BIG, GUESSED, CONFIG, commitments, now=100.0)
+    assert len(second_local) > len(first[1])

@@ -29,7 +29,6 @@ from typing import Any
 
 from common.block_cache import BlockCache
 from coordinator.costmodel import (
-    LOCAL,
     Commitments,
     DeviceEstimate,
     LivePlanning,
@@ -390,16 +389,17 @@ class Simulation:
         if self.config.planner == "costmodel" and live:
             # Work already planned (earlier GEMMs of this stage, the coordinator's share
             # of them) is still to do: plan this GEMM after it, as the live offload does.
-            ids = [s.device.device_id for s in live]
-            ready = self._commitments.ready_at(self.now, ids)
-            ready[LOCAL] = max(0.0, self._coord_comp_free - self.now)
             try:
-                chosen = self._planning.pool_plan(shape, [s.estimate for s in live], config, ready)
+                return self._planning.plan(
+                    shape,
+                    [s.estimate for s in live],
+                    config,
+                    self._commitments,
+                    now=self.now,
+                    coordinator_busy_s=max(0.0, self._coord_comp_free - self.now),
+                )
             except ValueError:  # no tile fits any device: the coordinator computes it
                 return None, frozenset()
-            if chosen is not None:
-                self._commitments.add(self.now, chosen)
-                return chosen.plan, frozenset(t.index for t in chosen.local_tiles)
         return _cached_plan(shape, config), frozenset()
 
     def _run_locally(self, flops: int, tile_id: str | None) -> None:
