@@ -51,6 +51,12 @@ class DeviceEstimate:
     def tile_seconds(self, flops: int, down_bytes: int, up_bytes: int) -> float:
         return down_bytes / self.down_bps + flops / self.flops_per_s + up_bytes / self.up_bps
 
+    def pipelined_seconds(self, flops: int, down_bytes: int, up_bytes: int) -> float:
+        """What a tile adds to a busy worker's queue when its transfers overlap the
+        compute of the tiles around it (a prefetch window of 2 or more): its slowest
+        phase."""
+        return max(down_bytes / self.down_bps, flops / self.flops_per_s, up_bytes / self.up_bps)
+
     def can_hold(self, tile_bytes: int) -> bool:
         return self.mem_cap_bytes is None or tile_bytes <= self.mem_cap_bytes
 
@@ -125,6 +131,14 @@ def for_planning(estimate: DeviceEstimate, optimistic_bps: float) -> DeviceEstim
         down_bps=max(estimate.down_bps, optimistic_bps),
         up_bps=max(estimate.up_bps, optimistic_bps),
     )
+
+
+def queued_start(sent_at: float, last_result_at: float) -> float:
+    """When a held tile's round trip effectively began, for overdue_finish: its send
+    time, or the worker's last result if that came later. A worker computes one tile at
+    a time, so a tile sent while another was computing waited until that one was back;
+    counting from its send time would call it nearly done when it has barely begun."""
+    return max(sent_at, last_result_at)
 
 
 def overdue_finish(start: float, expected_s: float, now: float) -> float:
@@ -409,6 +423,7 @@ def plan_for_pool(
     tiles_per_device: int = 4,
     configs: Sequence[PlanConfig] | None = None,
     rule: str = "finish",
+    grids: Sequence[GemmPlan] | None = None,
 ) -> PoolPlan:
     """Offload vs local and the tile grid with the smallest estimated makespan.
 
@@ -418,7 +433,8 @@ def plan_for_pool(
     what the links cannot feed. Its speed then counts in the lower bound too.
 
     `configs` are the tile limits whose grids are tried (default: base's alone;
-    `candidate_configs(base)` adds bigger tiles and K splits for long K).
+    `candidate_configs(base)` adds bigger tiles and K splits for long K); `grids`, if
+    given, are the only grids tried.
 
     `local_flops_per_s` 0 means the coordinator computes no GEMM of its own (local takes
     forever), unless no worker can.
@@ -439,9 +455,10 @@ def plan_for_pool(
     best = PoolPlan(None, (), local, bound, local)
     if not devices:
         return best
-    grids = candidate_plans(
-        shape, devices, base, tiles_per_device=tiles_per_device, configs=configs
-    )
+    if grids is None:
+        grids = candidate_plans(
+            shape, devices, base, tiles_per_device=tiles_per_device, configs=configs
+        )
     for plan in grids:
         placed = place_tiles(
             shape, plan.tiles, everyone, ready_at=ready_at, held=held, links=links, rule=rule
@@ -504,6 +521,22 @@ class Commitments:
 
 
 @dataclass(frozen=True)
+class LiveChoice:
+    """What LivePlanning decided for one GEMM."""
+
+    plan: GemmPlan | None  # None: the coordinator computes the whole GEMM
+    local: frozenset[tuple[int, int, int, int]] = frozenset()  # tiles kept here
+    # The worker each remote tile was placed on (TileTicket.planned_for); empty when the
+    # grid planner decided (no cost model, no estimates): tiles go to whoever is free.
+    owners: Mapping[tuple[int, int, int, int], str] = dataclasses.field(default_factory=dict)
+    makespan: float | None = None  # the cost model's estimate, seconds from planning
+
+    @property
+    def all_here(self) -> bool:
+        return self.plan is None or len(self.local) == len(self.plan.tiles)
+
+
+@dataclass(frozen=True)
 class LivePlanning:
     """How live GEMMs are planned (coordinator/offload.py; the simulator's cost-model
     planner runs the same code).
@@ -533,12 +566,26 @@ class LivePlanning:
     # plan_gemm's tiles first (all of them still pull tiles; copies cover the tail).
     max_workers: int = 256
     tiles_per_device: int = 4
-    # How the plan is placed: "pull", as the server's scheduler will hand the tiles out
-    # (each to the first worker with a free slot, however slow). Placing them by earliest
-    # finish ("finish") predicts a schedule the server does not run: in the simulator
-    # (opt-125m, 16 campus devices, after a step of learning) those plans made steps 25%
-    # slower than pull plans, 4.08 s vs 3.27 s.
-    rule: str = "pull"
+    # How the plan is placed. "finish": each tile on the worker that would return it
+    # first; the tickets name that worker (TileTicket.planned_for) and the scheduler hands
+    # the tile to it, or to one that would return it clearly sooner (a steal). "pull":
+    # placed as plain pull hands tiles out (each to the first free slot, however slow),
+    # and the tickets name nobody. "auto": "finish" where compute binds (the plan is
+    # within `follow_within` of total work / total speed, so the cost model has little
+    # to get wrong), "pull" where links bind: there the plans mispredict transfers, and
+    # in the simulator binding them made steps slower (opt-125m, 64 campus devices:
+    # 4.9 s vs 3.8 s per step), while in compute-bound pools of 16-64 devices following
+    # them took GEMMs from 1.8-85x of the bound to 1.01-1.12x (simulation table d)...
+    rule: str = "auto"
+    follow_within: float = 1.5
+    # ...or where the plan promises to beat pull by this factor even so: a gain that big
+    # survives the mispredicted transfers (simulation table d: 64 GPUs and CPUs on a
+    # 10 Gbit/s LAN, 11.6x of the bound followed vs 80x pulled).
+    follow_gain: float = 2.0
+    # Placing by earliest finish costs tiles x workers per grid: ~0.07 s per GEMM at 64
+    # workers in Python (the simulator, opt-125m), too much for the training thread
+    # beyond that. Larger pools are pulled (their copies cover the tail).
+    follow_max_workers: int = 64
 
     def plan(
         self,
@@ -549,21 +596,66 @@ class LivePlanning:
         *,
         now: float = 0.0,
         coordinator_busy_s: float = 0.0,
-    ) -> tuple[GemmPlan | None, frozenset[tuple[int, int, int, int]]]:
-        """The grid for one GEMM and the tiles kept at the coordinator, planned after the
-        work `commitments` hold (and the coordinator's `coordinator_busy_s`), which then
-        hold this plan's too. Raises ValueError (from plan_gemm) when not even a
-        one-element tile fits the grid planner's limits."""
+    ) -> LiveChoice:
+        """The grid for one GEMM, the tiles kept at the coordinator and the worker each
+        other tile is planned for, planned after the work `commitments` hold (and the
+        coordinator's `coordinator_busy_s`), which then hold this plan's too. Raises
+        ValueError (from plan_gemm) when not even a one-element tile fits the grid
+        planner's limits."""
         ready = None
         if commitments is not None:
             ready = commitments.ready_at(now, [e.worker_id for e in estimates])
             ready[LOCAL] = coordinator_busy_s
-        chosen = self.pool_plan(shape, estimates, config, ready)
+        if self.rule == "auto":
+            chosen, follow = self._auto(shape, estimates, config, ready)
+        else:
+            chosen, follow = self.pool_plan(shape, estimates, config, ready), self.rule == "finish"
         if chosen is None:
-            return plan_gemm(shape, config), frozenset()
+            return LiveChoice(plan_gemm(shape, config))
         if commitments is not None:
             commitments.add(now, chosen)
-        return chosen.plan, frozenset(t.index for t in chosen.local_tiles)
+        return LiveChoice(
+            chosen.plan,
+            frozenset(t.index for t in chosen.local_tiles),
+            {p.tile.index: p.worker_id for p in chosen.placements if p.worker_id != LOCAL}
+            if follow
+            else {},
+            chosen.makespan,
+        )
+
+    def _auto(
+        self,
+        shape: GemmShape,
+        estimates: Sequence[DeviceEstimate],
+        config: PlanConfig,
+        ready: Mapping[str, float] | None,
+    ) -> tuple[PoolPlan | None, bool]:
+        """The "auto" rule: the grid whose tiles, as pull would hand them out, finish
+        first; then that grid or the finest one (up to `tiles_per_device` per worker)
+        placed by earliest finish, to be followed where that
+        is worth it: every worker's links measured (a plan that binds tiles to workers
+        only the optimistic guess made fast could hold a GEMM behind a slow link), and
+        compute binding (within `follow_within` of the bound) or a gain over pull of
+        `follow_gain`. Placing by earliest finish costs tiles x workers, so it is done
+        for two grids, not for every candidate."""
+        pulled = self.pool_plan(shape, estimates, config, ready, rule="pull")
+        if pulled is None or pulled.plan is None:
+            return pulled, False
+        if len(estimates) > self.follow_max_workers or any(not e.link_samples for e in estimates):
+            return pulled, False
+        # Pull's grid, and the finest grid (earliest finish balances many small tiles).
+        grids = candidate_plans(shape, estimates[: self.max_workers], config)
+        finest = max(grids, key=lambda g: len(g.tiles), default=pulled.plan)
+        finish = self.pool_plan(
+            shape, estimates, config, ready, rule="finish", grids=[pulled.plan, finest]
+        )
+        if finish is None or finish.plan is None:  # placed so, the coordinator would win
+            return pulled, False
+        waited = min((ready or {}).values(), default=0.0)  # earlier plans' work, not this
+        own, pull_own = finish.makespan - waited, pulled.makespan - waited
+        if own <= self.follow_within * finish.lower_bound or pull_own > self.follow_gain * own:
+            return finish, True
+        return pulled, False
 
     def pool_plan(
         self,
@@ -571,9 +663,13 @@ class LivePlanning:
         estimates: Sequence[DeviceEstimate],
         config: PlanConfig,
         ready_at: Mapping[str, float] | None = None,
+        *,
+        rule: str | None = None,
+        grids: Sequence[GemmPlan] | None = None,
     ) -> PoolPlan | None:
-        """The cost model's whole plan (placements included), or None where the grid
-        planner decides (no cost model, or no estimates yet)."""
+        """The cost model's whole plan (placements included; `rule`: place_tiles', by
+        default this planning's, "finish" for "auto"), or None where the grid planner
+        decides (no cost model, or no estimates yet)."""
         if not self.cost_model or not estimates:
             return None
         devices = [for_planning(e, self.optimistic_link_bps) for e in estimates]
@@ -590,5 +686,6 @@ class LivePlanning:
             share_local=share,
             tiles_per_device=self.tiles_per_device,
             configs=candidate_configs(config),
-            rule=self.rule,
+            rule="finish" if (rule or self.rule) == "auto" else (rule or self.rule),
+            grids=grids,
         )

@@ -56,15 +56,16 @@ class TileOffload:
         try:
             # GEMMs already out keep their workers busy for a while: this one is planned
             # after them (the coordinator's share of them is done: start() computed it).
-            plan, local = self._planning.plan(
+            choice = self._planning.plan(
                 shape, pool.estimates, config, self._commitments, now=self._clock()
             )
         except ValueError as exc:  # no tile of this GEMM fits: the coordinator computes it
             log.warning("running %s locally: %s", name, exc)
             return False
-        if plan is None or len(local) == len(plan.tiles):
+        if choice.plan is None or choice.all_here:
             return False  # all of it here: one GEMM is cheaper than its tiles
-        gemm = TiledGemm(name, plan, a, b, on_done=done, local=local)
+        local = choice.local
+        gemm = TiledGemm(name, choice.plan, a, b, on_done=done, local=local, owners=choice.owners)
         for job in gemm.iter_jobs(self._key):
             self._loop.call_soon_threadsafe(self._server.submit, [job])
         if local:

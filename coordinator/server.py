@@ -56,6 +56,7 @@ from coordinator.costmodel import (
     from_profile,
     observe,
     overdue_finish,
+    queued_start,
 )
 from coordinator.ledger import Ledger
 from coordinator.reputation import (
@@ -130,6 +131,9 @@ class WorkerConn:
     # kept in the same order and budget as the worker keeps it (client_app.session).
     blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
     sent_bytes: dict[str, int] = field(default_factory=dict)  # tile id -> bytes it cost
+    # When its last result arrived: a tile sent while another was computing starts its
+    # own compute no earlier (costmodel.queued_finish).
+    last_result_at: float = 0.0
 
     @property
     def fingerprint(self) -> str:
@@ -293,14 +297,16 @@ class CoordinatorServer:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        # Earliest-finish holds (SchedulerConfig.leave_for_faster) cost a prediction per
-        # worker per call: past a few hundred workers the pull order alone decides.
+        # Steals of planned tiles and earliest-finish holds (leave_for_faster) cost a
+        # prediction per worker per call: past a few hundred workers, the planned workers
+        # first, then the pull order, decide.
         predict = len(self.conns) <= MAX_PREDICTED_WORKERS
         for assignment in self.scheduler.assign(
             self.clock(),
             prefers=self._holds_a_block,
             finish_at=self._predicted_finish if predict else None,
             run_time=self._run_time if predict else None,
+            busy_time=self._busy_time if predict else None,
         ):
             self._send(assignment)
 
@@ -373,19 +379,29 @@ class CoordinatorServer:
             return float("inf")
         return conn.estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
 
+    def _busy_time(self, worker_id: str, ticket: TileTicket) -> float:
+        """Seconds ``ticket`` adds behind a worker's other tiles (its prefetch window
+        overlaps transfers with compute)."""
+        conn = self.conns.get(worker_id)
+        if conn is None or conn.estimate is None:
+            return float("inf")
+        if conn.window < 2:
+            return self._run_time(worker_id, ticket)
+        return conn.estimate.pipelined_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
+
     def _predicted_finish(self, worker_id: str, tile_id: str) -> float:
         """When ``worker_id`` will return ``tile_id``: after the tiles sent to it before
         this one (it computes one at a time), later once it is overdue."""
         conn = self.conns.get(worker_id)
-        start = conn.sent_at.get(tile_id) if conn is not None else None
-        if conn is None or start is None:
+        sent = conn.sent_at.get(tile_id) if conn is not None else None
+        if conn is None or sent is None:
             return float("inf")
         expected = 0.0
         for held in self.scheduler.in_flight(worker_id):
             job = self.jobs.get(held)
-            if job is not None and conn.sent_at.get(held, start) <= start:
+            if job is not None and conn.sent_at.get(held, sent) <= sent:
                 expected += self._run_time(worker_id, job.ticket)
-        return overdue_finish(start, expected, self.clock())
+        return overdue_finish(queued_start(sent, conn.last_result_at), expected, self.clock())
 
     # ---- connections -----------------------------------------------------------------
 
@@ -670,6 +686,7 @@ class CoordinatorServer:
             conn.verifying.discard(msg.tile_id)
 
     async def _on_result(self, conn: WorkerConn, msg: Result, received: Received) -> None:
+        conn.last_result_at = self.clock()
         job = self.jobs.get(msg.tile_id)
         if job is None:
             # Done already (a slower copy, or a result after a cancel): nothing to do.

@@ -9,7 +9,7 @@ so the result does not depend on which worker answered first.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import blake3
@@ -65,10 +65,13 @@ class TiledGemm:
         on_done: Callable[[torch.Tensor], None],
         *,
         local: Collection[tuple[int, int, int, int]] = (),
+        owners: Mapping[tuple[int, int, int, int], str] | None = None,
     ) -> None:
         self.gemm_id = gemm_id
         # Tile indices the coordinator computes itself (compute_local) instead of sending.
         self.local = frozenset(local)
+        # The worker the planner placed each tile on (TileTicket.planned_for).
+        self.owners = dict(owners or {})
         self.plan = plan
         self.op = plan.shape.op
         self._a = a
@@ -123,6 +126,7 @@ class TiledGemm:
                 down_bytes=region.down_bytes(itemsize),
                 up_bytes=region.up_bytes(itemsize),
                 blocks=blocks,
+                planned_for=self.owners.get(region.index),
             )
             yield TileJob(tile_id, self, region, bundle, a, b, ticket, blocks)
         if not self.local:

@@ -829,12 +829,11 @@ def test_the_cost_planner_shares_a_step_with_the_coordinator(tmp_path: Path) -> 
     plans: list[tuple[int, int]] = []  # (tiles, kept here) of each GEMM sent as tiles
 
     class Recording(LivePlanning):
-        def pool_plan(self, *args: Any) -> Any:
-            chosen = super().pool_plan(*args)
-            tiles, kept = len(chosen.placements), len(chosen.local_tiles)
-            if chosen.plan is not None and kept < tiles:
-                plans.append((tiles, kept))
-            return chosen
+        def plan(self, *args: Any, **kwargs: Any) -> Any:
+            choice = super().plan(*args, **kwargs)
+            if choice.plan is not None and not choice.all_here:
+                plans.append((len(choice.plan.tiles), len(choice.local)))
+            return choice
 
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):

@@ -244,9 +244,12 @@ def test_the_coordinators_share_can_finish_the_gemm() -> None:
     plan = plan_gemm(GemmShape("mm", 1, 40, 20, 30, 4), PlanConfig(**SMALL, target_tiles=4))
     assert plan is not None and len(plan.tiles) == 6
     done = Done()
-    gemm = TiledGemm("g", plan, a, b, done, local={plan.tiles[-1].index})
+    owners = {t.index: f"w{i % 2}" for i, t in enumerate(plan.tiles[:-1])}
+    gemm = TiledGemm("g", plan, a, b, done, local={plan.tiles[-1].index}, owners=owners)
     jobs = list(gemm.iter_jobs(KEY))
     assert len(jobs) == 5
+    # Each ticket names the worker the planner placed its tile on.
+    assert {j.region.index: j.ticket.planned_for for j in jobs} == owners
     for job in jobs:
         assert not gemm.deliver(job.region, product(job))
     assert gemm.compute_local() and len(done.calls) == 1

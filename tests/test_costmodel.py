@@ -29,6 +29,7 @@ from coordinator.costmodel import (
     overdue_finish,
     place_tiles,
     plan_for_pool,
+    queued_start,
 )
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 
@@ -90,6 +91,20 @@ def test_observe_learns_a_straggler() -> None:
 def test_overdue_finish(now: float, finish: float) -> None:
     # Started at 10 and expected to take 4 s; at 20 it has run 10 s: assume 10 more.
     assert overdue_finish(10.0, 4.0, now) == finish
+
+
+def test_a_tile_sent_behind_another_starts_when_that_one_is_back() -> None:
+    # Sent at 10 behind a tile that came back at 12: its 4 s count from 12, so at 14 it
+    # is due at 16, not overdue since 14.
+    assert queued_start(10.0, 12.0) == 12.0 and queued_start(10.0, 3.0) == 10.0
+    assert overdue_finish(queued_start(10.0, 12.0), 4.0, 14.0) == 16.0
+
+
+def test_pipelined_seconds_is_the_slowest_phase() -> None:
+    # FAST, a 16-FLOP tile with 8 bytes down and 4 up: 1 s down, 2 s compute, 1 s up.
+    assert FAST.tile_seconds(16, 8, 4) == 4.0
+    assert FAST.pipelined_seconds(16, 8, 4) == 2.0
+    assert FAST.pipelined_seconds(16, 80, 4) == 10.0
 
 
 def test_lower_bound() -> None:

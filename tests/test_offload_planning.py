@@ -21,6 +21,7 @@ from coordinator.costmodel import (
     Commitments,
     DeviceEstimate,
     LinkModel,
+    LiveChoice,
     LivePlanning,
     PoolPlan,
     candidate_configs,
@@ -35,6 +36,7 @@ from coordinator.server import PoolView
 CONFIG = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
 BIG = GemmShape("mm", 1, 512, 512, 512, 4)
 SMALL = GemmShape("mm", 1, 96, 80, 72, 4)
+HUGE = GemmShape("mm", 1, 2048, 2048, 2048, 4)
 # Two workers as the server first knows them: 10 GFLOP/s claimed, links guessed (10 MB/s).
 GUESSED = (
     DeviceEstimate("w1", 10e9, 10e6, 10e6, 1 << 28),
@@ -45,8 +47,8 @@ POOL = PoolView(workers=2, active=2, memory_cap=1 << 28, estimates=GUESSED)
 
 def test_without_the_cost_model_or_estimates_the_grid_planner_decides() -> None:
     want = plan_gemm(BIG, CONFIG)
-    assert LivePlanning(cost_model=False).plan(BIG, GUESSED, CONFIG) == (want, frozenset())
-    assert LivePlanning().plan(BIG, (), CONFIG) == (want, frozenset())
+    assert LivePlanning(cost_model=False).plan(BIG, GUESSED, CONFIG) == LiveChoice(want)
+    assert LivePlanning().plan(BIG, (), CONFIG) == LiveChoice(want)
 
 
 def test_a_big_pool_is_planned_for_its_fastest_workers() -> None:
@@ -79,8 +81,12 @@ def direct(estimates: Sequence[DeviceEstimate]) -> PoolPlan:
     )
 
 
+PULL = LivePlanning(rule="pull")
+
+
 def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() -> None:
-    plan, local = LivePlanning().plan(BIG, GUESSED, CONFIG)
+    choice = PULL.plan(BIG, GUESSED, CONFIG)
+    plan, local = choice.plan, choice.local
     optimistic = [for_planning(e, 1.25e9) for e in GUESSED]
     assert {e.down_bps for e in optimistic} == {1.25e9}
     want = direct(optimistic)
@@ -89,16 +95,17 @@ def test_the_cost_model_plans_with_optimistic_links_until_they_are_measured() ->
     # Measured links (one sample is enough) are planned as measured: at 10 MB/s the
     # transfers dominate, and four tiles overlap them better (window 2) than two.
     slow = tuple(replace(e, link_samples=1) for e in GUESSED)
-    plan, _ = LivePlanning().plan(BIG, slow, CONFIG)
+    plan = PULL.plan(BIG, slow, CONFIG).plan
     want = direct(slow)
     assert plan == want.plan and plan is not None and plan.grid == (1, 2, 2, 1)
 
 
 def test_a_coordinator_share_keeps_tiles_here_or_the_whole_gemm() -> None:
     share = LivePlanning(coordinator_flops_per_s=10e9)
-    plan, local = share.plan(BIG, GUESSED, CONFIG)
-    assert plan is not None and plan.grid == (1, 2, 2, 1) and len(local) == 2
-    assert share.plan(SMALL, GUESSED, CONFIG) == (None, frozenset())  # faster here, whole
+    choice = share.plan(BIG, GUESSED, CONFIG)
+    assert choice.plan is not None and choice.plan.grid == (1, 2, 2, 1)
+    assert len(choice.local) == 2
+    assert share.plan(SMALL, GUESSED, CONFIG).all_here  # faster here, whole
 
 
 class FakeServer:
@@ -170,5 +177,36 @@ def test_plans_commit_their_workers_and_the_next_plan_waits_for_them() -> None:
     busy = commitments.ready_at(100.0, ["w1", "w2"])
     assert busy["w1"] > 0 and busy["w2"] > 0  # both got tiles; the coordinator is not kept
     # The same GEMM again at once: both workers are busy, so the coordinator keeps more.
-    _, second_local = share.plan(BIG, GUESSED, CONFIG, commitments, now=100.0)
-    assert len(second_local) > len(first[1])
+    second = share.plan(BIG, GUESSED, CONFIG, commitments, now=100.0)
+    assert len(second.local) > len(first.local)
+
+
+def test_auto_follows_earliest_finish_where_compute_binds_and_links_are_known() -> None:
+    # One fast and one slow worker, measured 10 GB/s links: compute binds. "auto" is
+    # the earliest-finish plan, each remote tile naming the worker it was placed on.
+    fast = DeviceEstimate("fast", 100e9, 1e10, 1e10, link_samples=3)
+    slow = DeviceEstimate("slow", 20e9, 1e10, 1e10, link_samples=3)
+    choice = LivePlanning().plan(HUGE, (fast, slow), CONFIG)
+    assert choice.plan is not None and len(choice.owners) == len(choice.plan.tiles)
+    finish = LivePlanning(rule="finish").pool_plan(HUGE, (fast, slow), CONFIG, grids=[choice.plan])
+    assert finish is not None and finish.plan == choice.plan
+    assert choice.owners == {p.tile.index: p.worker_id for p in finish.placements}
+    assert choice.makespan == finish.makespan <= 1.5 * finish.lower_bound
+    assert set(choice.owners.values()) == {"fast", "slow"}
+    # Links not measured yet: planned on the optimistic guess, so nothing is bound and
+    # pull's plan is used.
+    unmeasured = [replace(e, link_samples=0) for e in (fast, slow)]
+    guessed = LivePlanning().plan(HUGE, unmeasured, CONFIG)
+    assert guessed.owners == {} and guessed.plan == PULL.plan(HUGE, unmeasured, CONFIG).plan
+
+
+def test_auto_pulls_where_links_bind_and_following_gains_little() -> None:
+    # Measured 10 MB/s links: transfers dominate (far beyond 1.5x the bound) and two
+    # equal workers leave pull little to lose: pull's plan, nobody named.
+    slow_links = tuple(replace(e, link_samples=1) for e in GUESSED)
+    choice = LivePlanning().plan(BIG, slow_links, CONFIG)
+    assert choice.owners == {}
+    assert choice.plan == PULL.plan(BIG, slow_links, CONFIG).plan
+    # Always following, the same pool gets every tile named.
+    named = LivePlanning(rule="finish").plan(BIG, slow_links, CONFIG)
+    assert named.plan is not None and len(named.owners) == len(named.plan.tiles)

@@ -12,7 +12,7 @@ from coordinator.sim.baselines import (
     ring_allreduce_bytes,
     tensor_parallel_step_bytes,
 )
-from coordinator.sim.engine import SimConfig, Simulation, simulate
+from coordinator.sim.engine import SimConfig, Simulation, gemm_makespans, simulate
 from coordinator.sim.models import MODELS, step_flops, step_stages
 from coordinator.sim.population import PoolSpec, make_pool, with_stragglers
 from coordinator.sim.report import cleave_step_bytes
@@ -171,3 +171,20 @@ def test_earliest_finish_holds_lose_no_tile() -> None:
     r = simulate(replace(SMALL, steps=2, coordinator_gflops=1.0, leave_for_faster=2.0), devices)
     assert r["steps_done"] == 2 and r["scheduler"]["pending"] == 0
     assert r["tile_flops_done"] + r["local_flops"] == 2 * r["flops_per_step"]
+
+
+def test_followed_plans_run_as_predicted_on_a_compute_bound_pool() -> None:
+    # A 100x speed spread, links that cost nothing: the live planner places tiles by
+    # earliest finish, the scheduler follows the placement, and the GEMMs finish near
+    # total work / total speed (1.19x here). Plain pull (tiles to the first free slot) hands big
+    # tiles to slow devices and waits for them.
+    devices = [replace(d, down_bps=1e15, up_bps=1e15) for d in make_pool(12, seed=4)]
+    shapes = [GemmShape("mm", 1, 4096, 2048, 2048, 4), GemmShape("bmm", 64, 1024, 1024, 64, 4)]
+    config = SimConfig(planner="costmodel", coordinator_gflops=100.0, coordinator_egress_bps=1e15)
+    speed = 100e9 + sum(d.true_flops for d in devices)
+    bound = sum(s.flops for s in shapes) / speed
+    followed = sum(gemm_makespans(config, devices, shapes))
+    pull = replace(config, placement="pull", follow_plan=False)
+    pulled = sum(gemm_makespans(pull, devices, shapes))
+    assert followed < 1.25 * bound  # the goal of issue 6
+    assert pulled > 1.5 * followed

@@ -35,6 +35,17 @@ def main(argv: list[str] | None = None) -> int:
         help="SchedulerConfig.leave_for_faster: earliest-finish holds in assign()",
     )
     run.add_argument(
+        "--placement",
+        choices=("auto", "finish", "pull"),
+        default="auto",
+        help="how the cost-model planner places tiles (LivePlanning.rule)",
+    )
+    run.add_argument(
+        "--pull",
+        action="store_true",
+        help="tiles name no planned worker: each goes to the first free slot",
+    )
+    run.add_argument(
         "--no-operand-cache",
         action="store_true",
         help="every tile carries both operands (workers keep no blocks)",
@@ -66,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         speculate_after=args.speculate_after,
         leave_for_faster=args.leave_for_faster,
         operand_cache=not args.no_operand_cache,
+        placement=args.placement,
+        follow_plan=not args.pull,
     )
     result = simulate(config, pool_for_cli(args.devices, args.seed, spec, args.stragglers))
     if args.json:

@@ -31,10 +31,12 @@ from common.block_cache import BlockCache
 from coordinator.costmodel import (
     Commitments,
     DeviceEstimate,
+    LiveChoice,
     LivePlanning,
     TileObservation,
     observe,
     overdue_finish,
+    queued_start,
 )
 from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm
 from coordinator.scheduler import Scheduler, SchedulerConfig, TileTicket, Verdict
@@ -42,7 +44,6 @@ from coordinator.sim.models import MODELS, Stage, step_flops, step_stages
 from coordinator.sim.population import Device
 
 PLANNERS = ("plan_gemm", "costmodel")
-Index = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class SimConfig:
     tile_timeout_s: float = 120.0
     speculate_after: float | None = None
     leave_for_faster: float | None = None  # SchedulerConfig.leave_for_faster
+    # The cost-model planner's placement rule (LivePlanning.rule) and whether tickets name
+    # the worker each tile was placed on (TileTicket.planned_for), as the live offload's
+    # do; without, every tile goes to the first free slot (pull).
+    placement: str = "auto"
+    follow_plan: bool = True
     # Workers keep the operand blocks they were sent (budget: their memory cap, LRU) and
     # the coordinator sends only the blocks a worker does not hold, preferring a worker
     # that holds one of a tile's blocks (coordinator/server.py `_frame_for`).
@@ -115,6 +121,7 @@ class _DeviceState:
     blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
     useful_flops: int = 0
     wasted_flops: int = 0  # computed, then cancelled or lost
+    last_result_at: float = 0.0  # what the coordinator saw last from it (queued_start)
 
 
 @dataclass
@@ -125,10 +132,21 @@ class _Step:
     waiting_tiles: set[str] = field(default_factory=set)
     waiting_local: int = 0
     gemm_ids: list[str] = field(default_factory=list)
+    stage_start: float = 0.0
 
 
 class Simulation:
-    def __init__(self, config: SimConfig, devices: list[Device]) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        devices: list[Device],
+        *,
+        stages: list[Stage] | None = None,
+        known_pool: bool = False,
+    ) -> None:
+        """`stages` replaces the model's step (each stage's GEMMs are independent, the
+        stages run in order); with `known_pool` the coordinator starts out knowing every
+        device's true speed and links, as if it had learnt them."""
         self.config = config
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -138,13 +156,16 @@ class Simulation:
                 leave_for_faster=config.leave_for_faster,
             )
         )
-        self.stages = step_stages(MODELS[config.model], config.batch, config.seq, config.itemsize)
+        self.stages = stages or step_stages(
+            MODELS[config.model], config.batch, config.seq, config.itemsize
+        )
         # The live offload's planner; the simulated coordinator has no per-tile cost.
         self._planning = LivePlanning(
             coordinator_flops_per_s=config.coordinator_gflops * 1e9 * config.coordinator_share,
             window=config.window,
             tile_overhead_s=0.0,
             egress_bps=config.coordinator_egress_bps,
+            rule=config.placement,
         )
         self.devices = {
             d.device_id: _DeviceState(
@@ -160,6 +181,12 @@ class Simulation:
             )
             for d in devices
         }
+        if known_pool:
+            for state in self.devices.values():
+                d = state.device
+                state.estimate = DeviceEstimate(
+                    d.device_id, d.true_flops, d.down_bps, d.up_bps, d.mem_cap_bytes, 0.0, 1
+                )
         self.now = 0.0
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
@@ -172,6 +199,7 @@ class Simulation:
         self._sent: dict[str, dict[str, float]] = {}
         self._step: _Step | None = None
         self.step_times: list[float] = []
+        self.stage_times: list[float] = []  # each stage, from planning to its last result
         self.step_bounds: list[tuple[float, float]] = []
         self.local_flops = 0
         self.taken_over = 0
@@ -265,6 +293,7 @@ class Simulation:
         if run is None or run.token != token or not state.alive:
             return
         del state.runs[tile_id]
+        state.last_result_at = self.now
         state.up_bytes += run.ticket.up_bytes
         completion = self.scheduler.complete(device_id, tile_id, self.now)
         if completion.verdict is Verdict.ACCEPTED:
@@ -305,7 +334,11 @@ class Simulation:
     def _dispatch(self) -> None:
         prefers = self._holds_a_block if self.config.operand_cache else None
         for a in self.scheduler.assign(
-            self.now, prefers=prefers, finish_at=self._finish_at, run_time=self._run_time
+            self.now,
+            prefers=prefers,
+            finish_at=self._finish_at,
+            run_time=self._run_time,
+            busy_time=self._busy_time if self.config.window > 1 else None,
         ):
             self._start_run(self.devices[a.worker_id], a.tile_id)
 
@@ -326,6 +359,7 @@ class Simulation:
         for gemm_id in step.gemm_ids:
             self._cancel_pairs(self.scheduler.forget_gemm(gemm_id))
         step.gemm_ids.clear()
+        self.stage_times.append(self.now - step.stage_start)
         step.stage += 1
         if step.stage < len(self.stages):
             self._submit_stage()
@@ -338,17 +372,19 @@ class Simulation:
     def _submit_stage(self) -> None:
         step = self._step
         assert step is not None
+        step.stage_start = self.now
         tickets: list[TileTicket] = []
         for name, shape in self.stages[step.stage]:
             gemm_id = f"s{step.index}.{name}"
-            plan, local = self._plan(shape)
-            if plan is None or len(local) == len(plan.tiles):
+            choice = self._plan(shape)
+            if choice.plan is None or choice.all_here:
                 step.waiting_local += 1
                 self._run_locally(shape.flops, None)
                 continue
             step.gemm_ids.append(gemm_id)
-            for tile in plan.tiles:
-                if tile.index in local:  # the coordinator's share
+            owners = choice.owners if self.config.follow_plan else {}
+            for tile in choice.plan.tiles:
+                if tile.index in choice.local:  # the coordinator's share
                     step.waiting_local += 1
                     self._run_locally(tile.flops, None)
                     continue
@@ -362,6 +398,7 @@ class Simulation:
                     tile.down_bytes(shape.itemsize),
                     tile.up_bytes(shape.itemsize),
                     blocks=(f"{gemm_id}/a/{bi}.{mi}.{ki}", f"{gemm_id}/b/{bi}.{ki}.{ni}"),
+                    planned_for=owners.get(tile.index),
                 )
                 self._tickets[tile_id] = ticket
                 self._block_bytes[tile_id] = (
@@ -377,7 +414,7 @@ class Simulation:
     def _live(self) -> list[_DeviceState]:
         return [s for s in self.devices.values() if s.registered and s.alive]
 
-    def _plan(self, shape: GemmShape) -> tuple[GemmPlan | None, frozenset[Index]]:
+    def _plan(self, shape: GemmShape) -> LiveChoice:
         """The grid and the tiles the coordinator keeps, as the live offload plans them."""
         live = self._live()
         caps = [s.device.mem_cap_bytes for s in live]
@@ -399,8 +436,8 @@ class Simulation:
                     coordinator_busy_s=max(0.0, self._coord_comp_free - self.now),
                 )
             except ValueError:  # no tile fits any device: the coordinator computes it
-                return None, frozenset()
-        return _cached_plan(shape, config), frozenset()
+                return LiveChoice(None)
+        return LiveChoice(_cached_plan(shape, config))
 
     def _run_locally(self, flops: int, tile_id: str | None) -> None:
         start = max(self.now, self._coord_comp_free)
@@ -505,11 +542,16 @@ class Simulation:
             ahead += state.estimate.tile_seconds(self._tickets[other_id].flops, 0, 0)
         ticket = self._tickets[tile_id]
         expected = state.estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
-        return overdue_finish(sent.get(tile_id, self.now), expected + ahead, self.now)
+        start = queued_start(sent.get(tile_id, self.now), state.last_result_at)
+        return overdue_finish(start, expected + ahead, self.now)
 
     def _run_time(self, worker_id: str, ticket: TileTicket) -> float:
         estimate = self.devices[worker_id].estimate
         return estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
+
+    def _busy_time(self, worker_id: str, ticket: TileTicket) -> float:
+        estimate = self.devices[worker_id].estimate
+        return estimate.pipelined_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
 
     # --- results ------------------------------------------------------------------------
 
@@ -584,6 +626,19 @@ def _cached_plan(shape: GemmShape, config: PlanConfig) -> GemmPlan | None:
 
 def simulate(config: SimConfig, devices: list[Device]) -> dict[str, Any]:
     return Simulation(config, devices).run()
+
+
+def gemm_makespans(
+    config: SimConfig, devices: list[Device], shapes: list[GemmShape]
+) -> list[float]:
+    """Each GEMM alone, one after another, planned and scheduled by the live code on a
+    pool the coordinator already knows: seconds from planning to its last result (the
+    makespan as executed, not as predicted). The simulated clock carries on between
+    them, so each starts where the last one's stragglers left the pool."""
+    stages = [[(f"g{i}", shape)] for i, shape in enumerate(shapes)]
+    sim = Simulation(config, devices, stages=stages, known_pool=True)
+    sim.run()
+    return sim.stage_times
 
 
 def stage_count(config: SimConfig) -> int:
