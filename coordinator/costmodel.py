@@ -573,14 +573,14 @@ class LivePlanning:
     # and the tickets name nobody. "auto": "finish" where compute binds (the plan is
     # within `follow_within` of total work / total speed, so the cost model has little
     # to get wrong), "pull" where links bind: there the plans mispredict transfers, and
-    # in the simulator binding them made steps slower (opt-125m, 64 campus devices:
+    # in the simulator binding them all made steps slower (opt-125m, 64 campus devices:
     # 4.9 s vs 3.8 s per step), while in compute-bound pools of 16-64 devices following
     # them took GEMMs from 1.8-85x of the bound to 1.01-1.12x (simulation table d)...
     rule: str = "auto"
     follow_within: float = 1.5
     # ...or where the plan promises to beat pull by this factor even so: a gain that big
     # survives the mispredicted transfers (simulation table d: 64 GPUs and CPUs on a
-    # 10 Gbit/s LAN, 11.6x of the bound followed vs 80x pulled).
+    # 10 Gbit/s LAN, 13x of the bound followed vs 81x pulled).
     follow_gain: float = 2.0
     # Placing by earliest finish costs tiles x workers per grid: ~0.07 s per GEMM at 64
     # workers in Python (the simulator, opt-125m), too much for the training thread
@@ -632,19 +632,19 @@ class LivePlanning:
     ) -> tuple[PoolPlan | None, bool]:
         """The "auto" rule: the grid whose tiles, as pull would hand them out, finish
         first; then that grid or the finest one (up to `tiles_per_device` per worker)
-        placed by earliest finish, to be followed where that
-        is worth it: every worker's links measured (a plan that binds tiles to workers
-        only the optimistic guess made fast could hold a GEMM behind a slow link), and
-        compute binding (within `follow_within` of the bound) or a gain over pull of
-        `follow_gain`. Placing by earliest finish costs tiles x workers, so it is done
-        for two grids, not for every candidate."""
+        placed by earliest finish, to be followed where that is worth it: every
+        worker's links measured (a plan that binds tiles to workers only the optimistic
+        guess made fast could hold a GEMM behind a slow link), at most
+        `follow_max_workers` of them, and compute binding (within `follow_within` of the
+        bound) or a gain over pull of `follow_gain`. Placing by earliest finish costs
+        tiles x workers, so it is done for two grids, not for every candidate."""
         pulled = self.pool_plan(shape, estimates, config, ready, rule="pull")
         if pulled is None or pulled.plan is None:
             return pulled, False
         if len(estimates) > self.follow_max_workers or any(not e.link_samples for e in estimates):
             return pulled, False
         # Pull's grid, and the finest grid (earliest finish balances many small tiles).
-        grids = candidate_plans(shape, estimates[: self.max_workers], config)
+        grids = candidate_plans(shape, estimates, config)
         finest = max(grids, key=lambda g: len(g.tiles), default=pulled.plan)
         finish = self.pool_plan(
             shape, estimates, config, ready, rule="finish", grids=[pulled.plan, finest]
@@ -672,6 +672,7 @@ class LivePlanning:
         decides (no cost model, or no estimates yet)."""
         if not self.cost_model or not estimates:
             return None
+        rule = rule or self.rule
         devices = [for_planning(e, self.optimistic_link_bps) for e in estimates]
         if len(devices) > self.max_workers:
             devices = fastest(shape, devices, config, self.max_workers)
@@ -686,6 +687,6 @@ class LivePlanning:
             share_local=share,
             tiles_per_device=self.tiles_per_device,
             configs=candidate_configs(config),
-            rule="finish" if (rule or self.rule) == "auto" else (rule or self.rule),
+            rule="finish" if rule == "auto" else rule,
             grids=grids,
         )
