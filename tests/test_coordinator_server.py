@@ -852,6 +852,36 @@ def test_the_cost_planner_shares_a_step_with_the_coordinator(tmp_path: Path) -> 
     asyncio.run(scenario())
 
 
+def test_tiles_that_name_their_worker_go_through_the_server(tmp_path: Path) -> None:
+    """Earliest-finish placement, followed: every tile sent names the worker it was
+    placed on (TileTicket.planned_for), the scheduler hands it to that worker or lets
+    the other steal it, and the step still matches eager with nothing left behind."""
+    torch.manual_seed(1)
+    x, y = torch.randn(512, 256), torch.randint(0, 8, (512,))
+    traced, flat, want = traced_step(WideMLP(), x, y)
+    named: list[int] = []  # tiles that named a worker, per GEMM sent
+
+    class Recording(LivePlanning):
+        def plan(self, *args: Any, **kwargs: Any) -> Any:
+            choice = super().plan(*args, **kwargs)
+            if choice.plan is not None and not choice.all_here:
+                assert set(choice.owners.values()) <= {"w1", "w2"}
+                named.append(len(choice.owners))
+            return choice
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):
+            server = coord.server
+            got, stats = await run_offloaded(server, Recording(rule="finish"), traced, flat, "s6")
+            assert_outputs_match(got, want)
+            await until(lambda: server.jobs == {}, "every tile to be delivered")
+            assert stats.gemms_offloaded == len(named) > 0
+            assert server.counters.tiles_verified == sum(named) > 0
+            assert server.scheduler.pending() == 0 and server.scheduler.queued_count() == 0
+
+    asyncio.run(scenario())
+
+
 def test_the_offload_declines_what_it_cannot_tile(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord:
