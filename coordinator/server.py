@@ -132,7 +132,7 @@ class WorkerConn:
     blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
     sent_bytes: dict[str, int] = field(default_factory=dict)  # tile id -> bytes it cost
     # When its last result arrived: a tile sent while another was computing starts its
-    # own compute no earlier (costmodel.queued_finish).
+    # own compute no earlier (costmodel.queued_start).
     last_result_at: float = 0.0
 
     @property
