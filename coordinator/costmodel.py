@@ -529,7 +529,6 @@ class LiveChoice:
     # The worker each remote tile was placed on (TileTicket.planned_for); empty when the
     # grid planner decided (no cost model, no estimates): tiles go to whoever is free.
     owners: Mapping[tuple[int, int, int, int], str] = dataclasses.field(default_factory=dict)
-    makespan: float | None = None  # the cost model's estimate, seconds from planning
 
     @property
     def all_here(self) -> bool:
@@ -620,7 +619,6 @@ class LivePlanning:
             {p.tile.index: p.worker_id for p in chosen.placements if p.worker_id != LOCAL}
             if follow
             else {},
-            chosen.makespan,
         )
 
     def _auto(

@@ -21,6 +21,10 @@ from torch.fx.node import map_arg
 
 from coordinator.tracing import GEMM_OPS, TracedStep
 
+# torch.fx names the nodes that stand for the graph's inputs by this op; the executor
+# feeds them the step's flattened arguments and keeps their values for the whole step.
+FX_GRAPH_INPUT = "placeholder"
+
 GemmDone = Callable[[torch.Tensor | BaseException], None]
 
 
@@ -117,7 +121,7 @@ class DataflowExecutor:
         def release(node: Node) -> None:
             for inp in node.all_input_nodes:
                 uses_left[inp] -= 1
-                if uses_left[inp] == 0 and inp.op != "placeholder":
+                if uses_left[inp] == 0 and inp.op != FX_GRAPH_INPUT:
                     env.pop(inp, None)
 
         def complete(node: Node, value: Any) -> None:
@@ -134,7 +138,7 @@ class DataflowExecutor:
                 raise StepCancelled("step cancelled")
             while ready:
                 _, node = heapq.heappop(ready)
-                if node.op == "placeholder":
+                if node.op == FX_GRAPH_INPUT:
                     complete(node, next(graph_inputs))
                 elif node.op == "get_attr":
                     complete(node, getattr(traced.graph_module, str(node.target)))

@@ -392,38 +392,36 @@ class Scheduler:
             return run_time(worker_id, ticket) if run_time is not None else 1.0
 
         def added(worker_id: str, ticket: TileTicket) -> float:
-            """What a tile adds behind others: transfers overlap compute then."""
-            return (busy_time or seconds)(worker_id, ticket)
+            """What a tile adds behind others: transfers overlap compute then. Without
+            predictions every tile counts 1, so backlogs are queue lengths."""
+            return (busy_time or seconds)(worker_id, ticket) if predict else 1.0
 
-        # backlog: when each planned worker would return its last planned tile (seconds
-        # from now); without predictions, how many tiles it has planned. Stale entries
-        # are dropped on the way.
-        backlog: dict[str, float] = {}
+        # When each planned worker would return its last planned tile (seconds from
+        # now), latest first; stale entries are dropped here, so none are met below.
+        heap: list[tuple[float, str]] = []
         for owner in list(self._planned):
             live = [e for e in self._planned[owner] if self._live_queue_entry(e) is not None]
             if not live:
                 del self._planned[owner]
                 continue
             self._planned[owner] = deque(live)
-            if not predict:
-                backlog[owner] = len(live)
-                continue
             tickets = [self._tiles[tile_id].ticket for tile_id, _ in live]
-            backlog[owner] = max(
-                free_in(owner) + sum(added(owner, t) for t in tickets),
-                seconds(owner, tickets[-1]),
-            )
-        heap = [(-end, owner) for owner, end in backlog.items()]
+            end = sum(added(owner, t) for t in tickets)
+            if predict:
+                end = max(free_in(owner) + end, seconds(owner, tickets[-1]))
+            heap.append((-end, owner))
         heapq.heapify(heap)
         assignments: list[Assignment] = []
         takers = deque(ring)
         while takers and heap:
             worker = takers[0]
             neg_end, owner = heap[0]
-            tile = self._last_planned(owner)
-            if tile is None:  # only stale entries were left
+            queue = self._planned[owner]
+            if not queue:
+                del self._planned[owner]
                 heapq.heappop(heap)
                 continue
+            tile = self._tiles[queue[-1][0]]
             took = False
             if owner != worker.worker_id and _may_take(worker, tile):
                 theirs = -neg_end
@@ -434,11 +432,10 @@ class Scheduler:
                         seconds(worker.worker_id, tile.ticket),
                     )
                 if not predict or mine * STEAL_MARGIN < theirs:
-                    self._planned[owner].pop()
+                    queue.pop()
                     assignments.append(self._dequeue_to(tile, worker, now))
                     free[worker.worker_id] = mine
-                    backlog[owner] = theirs - (added(owner, tile.ticket) if predict else 1)
-                    heapq.heapreplace(heap, (-backlog[owner], owner))
+                    heapq.heapreplace(heap, (added(owner, tile.ticket) - theirs, owner))
                     took = True
             if not took or worker.free_slots() == 0:
                 takers.popleft()
@@ -447,17 +444,6 @@ class Scheduler:
             for worker in full:
                 ring.remove(worker)
         return assignments
-
-    def _last_planned(self, owner: str) -> _Tile | None:
-        """The last live tile in `owner`'s planned queue (stale entries at the back go)."""
-        queue = self._planned.get(owner)
-        while queue:
-            tile = self._live_queue_entry(queue[-1])
-            if tile is not None:
-                return tile
-            queue.pop()
-        self._planned.pop(owner, None)
-        return None
 
     def _dequeue_to(self, tile: _Tile, worker: _Worker, now: float) -> Assignment:
         tile.queue_token = None
