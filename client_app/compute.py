@@ -9,6 +9,7 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,37 @@ def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     except OSError:
         pass  # not Linux: fall through to platform's answer
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def pin_full_precision() -> None:
+    """Make every backend compute fp32 tiles at full fp32 and accumulate bf16/fp16 tiles
+    in fp32: what the coordinator's check models as honest rounding.
+
+    Left to their defaults some backends trade precision for speed: TF32 on NVIDIA GPUs
+    (10 mantissa bits, as coarse as fp16's), bf16 for fp32 matmuls on CPUs with AMX once
+    ``torch.set_float32_matmul_precision("medium")`` has been called, reduced-precision
+    reductions in cuBLAS. A worker that returned such products would fail the check. It
+    also keeps subnormal numbers (no flush to zero), which the check's model assumes.
+    """
+    if hasattr(torch.backends, "fp32_precision"):
+        # torch >= 2.9 sets precision per backend; mixing this with the older switches
+        # below makes torch raise, so only one of the two is used.
+        torch.backends.fp32_precision = "ieee"
+        backends: tuple[Any, ...] = (
+            torch.backends.cuda.matmul,
+            torch.backends.cudnn,
+            torch.backends.mkldnn,
+            torch.backends.mkldnn.matmul,  # type: ignore[attr-defined]
+        )
+        for backend in backends:
+            backend.fp32_precision = "ieee"
+    else:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.set_flush_denormal(False)
 
 
 class TileComputer:
@@ -47,11 +79,7 @@ class TileComputer:
         self.threads = threads
         self.device = torch.device("cuda" if use_gpu and cuda_available() else "cpu")
         self._scratch: dict[int, torch.Tensor] = {}
-        if self.device.type == "cuda":
-            # The coordinator's Freivalds check assumes fp32 accumulation for bf16/fp16
-            # tiles; reduced-precision reductions would make honest tiles fail it.
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        pin_full_precision()
 
     @property
     def device_name(self) -> str:

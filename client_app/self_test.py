@@ -7,6 +7,11 @@ bundle is parsed, its signature checked (``verify_task``) and its operands decod
 ``TileComputer`` multiplies, the ``Result`` is framed and parsed back the way the
 coordinator parses it. A tampered copy of the bundle must be refused on the way.
 No network, no config files: the signing key is thrown away afterwards.
+
+It also measures the precision the device computes fp32 tiles at: the coordinator's
+check accepts full fp32 rounding only, so a device that multiplies at TF32 or bf16
+precision (some GPU and AMX defaults, which ``TileComputer`` switches off) would have
+every tile rejected.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ from common.signing import generate_private_key
 # with u = 2^-24. Any honest kernel stays well inside it; a wrong element, a
 # transposed or truncated operand does not.
 FP32_UNIT_ROUNDOFF = 2.0**-24
+
+# The precision tile: a 1024-term sum, deep enough that the rounding of its operands
+# (TF32, fp16 or bf16 arithmetic) shows far above fp32's accumulated rounding.
+PRECISION_SHAPES = ((64, 1024), (1024, 64))
+# Relative (Frobenius) error of the precision tile at full fp32 is ~4e-7; with operands
+# rounded to 10 mantissa bits (TF32, fp16) it is ~3e-4, to 7 bits (bf16) ~2e-3.
+FULL_FP32 = 1e-5
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,30 @@ class TileCheck:
 
 
 @dataclass(frozen=True)
+class PrecisionCheck:
+    """The relative error of an fp32 product the device computed, against float64."""
+
+    relative_error: float
+
+    @property
+    def ok(self) -> bool:
+        return self.relative_error <= FULL_FP32  # NaN fails too
+
+    def line(self) -> str:
+        depth = PRECISION_SHAPES[0][1]
+        if self.ok:
+            level = "full fp32"
+        elif self.relative_error < 1e-3:
+            level = "REDUCED, like TF32 or fp16 arithmetic (10 mantissa bits)"
+        else:
+            level = "REDUCED, like bf16 arithmetic or worse"
+        return (
+            f"fp32 precision: relative error {self.relative_error:.1e} on a {depth}-term "
+            f"sum: {level}" + ("" if self.ok else "; the coordinator would reject every tile")
+        )
+
+
+@dataclass(frozen=True)
 class SelfTestReport:
     torch_version: str
     device: str
@@ -72,6 +108,7 @@ class SelfTestReport:
     gflops: float = 0.0
     tampered_refused: bool = False
     tiles: tuple[TileCheck, ...] = ()
+    precision: PrecisionCheck | None = None
     failure: str = ""  # why the path broke before a comparison could be made
 
     @property
@@ -81,6 +118,8 @@ class SelfTestReport:
             and self.tampered_refused
             and bool(self.tiles)
             and all(t.ok for t in self.tiles)
+            and self.precision is not None
+            and self.precision.ok
         )
 
     def lines(self) -> list[str]:
@@ -98,6 +137,8 @@ class SelfTestReport:
                 f"tile {t.case.op} {shapes}: {verdict}, max |error| {t.max_abs_error:.2e} "
                 f"= {t.worst_bound_ratio:.3f} x fp32 bound, {t.compute_ms:.1f} ms"
             )
+        if self.precision is not None:
+            out.append(self.precision.line())
         if self.failure:
             out.append(f"failed: {self.failure}")
         return out
@@ -121,9 +162,23 @@ def run_self_test(
     try:
         gflops = measure_gflops(computer, target_s=0.1)
         tampered_refused, tiles = _run_tiles(computer, cases, seed, clock)
+        precision = measure_precision(computer, seed)
     except Exception as exc:  # the report, not a traceback, is what a volunteer sees
         return replace(base, failure=f"{type(exc).__name__}: {exc}")
-    return replace(base, gflops=gflops, tampered_refused=tampered_refused, tiles=tiles)
+    return replace(
+        base, gflops=gflops, tampered_refused=tampered_refused, tiles=tiles, precision=precision
+    )
+
+
+def measure_precision(computer: TileComputer, seed: int = 0) -> PrecisionCheck:
+    """The relative error of one fp32 product of Gaussian operands, as computed."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    a = torch.randn(PRECISION_SHAPES[0], generator=generator)
+    b = torch.randn(PRECISION_SHAPES[1], generator=generator)
+    c = computer.compute("mm", a, b).double()
+    exact = a.double() @ b.double()
+    error = torch.linalg.matrix_norm(c - exact) / torch.linalg.matrix_norm(exact)
+    return PrecisionCheck(float(error))
 
 
 def _run_tiles(

@@ -111,6 +111,11 @@ class PlanConfig:
     # FLOP, a near-cubic K-split tile of the default FLOP limit ~1/680: below ~256 the
     # re-sent operands cost more than the partial sums K splitting adds.
     min_tile_side: int = 256
+    # A tile's result check needs enough output entries: in a tile of one or a few, an
+    # entry that happens to be near zero (its terms cancel) has rounding larger than
+    # any error relative to it, so a wrong value can pass. GEMMs whose tiles would be
+    # smaller stay at the coordinator (coordinator.verify; bench/calibrate_verify.py).
+    min_tile_outputs: int = 16
 
     def __post_init__(self) -> None:
         for name in (
@@ -120,6 +125,7 @@ class PlanConfig:
             "target_tiles",
             "min_tile_flops",
             "min_tile_side",
+            "min_tile_outputs",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -163,7 +169,10 @@ def plan_gemm(shape: GemmShape, config: PlanConfig = PlanConfig()) -> GemmPlan |
     if min(shape.dims) == 0 or shape.flops < config.min_offload_flops:
         return None
     _check_feasible(shape, config)
-    grid = _grow_to_target(shape, config, _grid_for_limits(shape, config))
+    grid = _grid_for_limits(shape, config)
+    if _smallest_tile_outputs(shape, grid) < config.min_tile_outputs:
+        return None  # too few outputs per tile to check: computed here
+    grid = _grow_to_target(shape, config, grid)
     return GemmPlan(shape=shape, grid=grid, tiles=_tiles(shape, grid))
 
 
@@ -191,6 +200,11 @@ def _fits(shape: GemmShape, config: PlanConfig, grid: Grid) -> bool:
 def _smallest_tile_flops(shape: GemmShape, grid: Grid) -> int:
     b, m, n, k = (size // parts for size, parts in zip(shape.dims, grid, strict=True))
     return 2 * b * m * n * k
+
+
+def _smallest_tile_outputs(shape: GemmShape, grid: Grid) -> int:
+    b, m, n, _ = (size // parts for size, parts in zip(shape.dims, grid, strict=True))
+    return b * m * n
 
 
 def _tile_count(grid: Grid) -> int:
@@ -265,13 +279,18 @@ def _next_mn_split(shape: GemmShape, grid: Grid, max_gm: int, max_gn: int) -> Gr
 
 
 def _grow_to_target(shape: GemmShape, config: PlanConfig, grid: Grid) -> Grid:
-    """Cut further until target_tiles is reached, as long as tiles keep min_tile_flops.
+    """Cut further until target_tiles is reached, as long as tiles keep min_tile_flops
+    and min_tile_outputs.
 
     Never splits K: more tiles are for more workers, and K parts cost extra output traffic.
     """
     while _tile_count(grid) < config.target_tiles:
         step = _next_target_split(shape, grid)
-        if step is None or _smallest_tile_flops(shape, step) < config.min_tile_flops:
+        if (
+            step is None
+            or _smallest_tile_flops(shape, step) < config.min_tile_flops
+            or _smallest_tile_outputs(shape, step) < config.min_tile_outputs
+        ):
             break
         grid = step
     return grid

@@ -1,26 +1,54 @@
-"""Freivalds' check of a returned tile: is ``c ≈ a @ b``?
+"""Freivalds' check of a returned tile: is ``c`` the product ``a @ b`` up to honest rounding?
 
-For a random vector r, ``c r`` and ``a (b r)`` cost O(mk + kn + mn) instead of the
-O(mkn) of the GEMM. Honest results differ from the check only by rounding, which is
-bounded relative to ``|a| (|b| |r|)``; the tolerance scales with sqrt(k) (rounding
-errors of a length-k dot product add up like a random walk) and the unit roundoff of
-the tile's dtype. A wrong tile is off by far more than that for any random r.
+For secret vectors ρ, ``c ρ`` and ``a (b ρ)`` cost O(mk + kn + mn) instead of the
+O(mkn) of the GEMM. The check makes one statistic per output row (and, on wide tiles,
+per column chunk): ``d = c[i, chunk] ρ - a_i (b[:, chunk] ρ)``, for one or a few vectors
+ρ. Each is compared with a threshold from ``coordinator.honest_error``: a model of the
+rounding any honest kernel makes, built from row norms of ``a``, ``b`` and ``c``, set so
+that an honest tile is rejected with probability below 1e-9.
+
+The honest noise in a statistic grows with K and with the square root of the entries
+it sums, so on large tiles (K times the chunk's width above ``SPLIT_ABOVE``) one wrong
+entry would hide in a whole row: there each row is cut into column chunks (up to one
+per 128 columns, at most 32; the reference ``a (b ρ)`` then has a column per chunk, which
+costs about the same pass over ``a`` as two), and the check's own fp32 chains are kept
+short so that their rounding stays small next to the worker's: ``c ρ`` and ``b ρ`` sum
+one chunk, ``a (b ρ)`` is summed in blocks of K whose partial sums are added in
+float64. Smaller tiles have margin to spare, and take the plain matrix-vector products,
+which are faster.
+
+Every matrix is read at memory speed with no float64 copy: ``c`` twice (``c ρ`` and its
+row norms), ``a`` and ``b`` twice each. What depends only on an operand block (row
+norms, ``b ρ`` and the ρ it used) can be kept in a ``CheckCache`` and shared by every
+tile that block takes part in.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-UNIT_ROUNDOFF = {
-    torch.float32: 2.0**-24,
-    torch.float16: 2.0**-11,
-    torch.bfloat16: 2.0**-8,
-    torch.float64: 2.0**-53,
-}
-SAFETY = 4.0
+from coordinator.honest_error import (
+    ORDER_MARGIN,
+    UNIT_ROUNDOFF,
+    EntryRounding,
+    accumulation_dtype,
+    subnormal_spacing,
+    threshold,
+)
+
+SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
+MAX_CHUNKS = 32  # column chunks per row, and at most one per 128 columns (below)
+K_BLOCK = 256  # longest fp32 chain of the reference a (b ρ) on split tiles
+LOOKS = 64  # statistics a tile gets at least, where its shape allows (more vectors)
+MAX_VECTORS = 8
 
 
 def new_generator() -> torch.Generator:
@@ -33,63 +61,298 @@ def new_generator() -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63))
 
 
-def check_vector(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """A secret [n, 1] vector with entries of random sign and magnitude in [1, 2).
+def check_vectors(
+    width: int, count: int, dtype: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
+    """``count`` secret vectors of ``width`` entries, as columns: random sign, magnitude
+    uniform in [1, 2).
 
-    Bounded away from zero, so an error in any single entry of c moves ``c r`` by at
-    least its own size: a wrong entry larger than the rounding tolerance is caught on
-    every check, not just with high probability (a Gaussian r would sometimes put a
-    near-zero weight on exactly the entry that is wrong).
+    Bounded away from zero, so one wrong entry moves its statistic by at least its own
+    error; continuous magnitudes, so errors in two entries cancel only by chance.
     """
-    magnitude = 1.0 + torch.rand(n, 1, dtype=dtype, generator=generator)
-    sign = torch.randint(0, 2, (n, 1), generator=generator).to(dtype) * 2.0 - 1.0
-    return magnitude * sign
+    signed = torch.rand(width, count, dtype=dtype, generator=generator).mul_(2.0).sub_(1.0)
+    return signed.add_(torch.ones_like(signed).copysign_(signed))  # [-1, 1) -> ±[1, 2)
+
+
+def _fewest_parts(size: int, longest: int, most: int) -> int:
+    """The fewest equal parts of ``size`` no longer than ``longest``, at most ``most``;
+    ``most`` parts (or the nearest count that divides ``size``) when none is short enough."""
+    for parts in range(-(-size // longest), most + 1):
+        if size % parts == 0:
+            return parts
+    return next(p for p in range(min(size, most), 0, -1) if size % p == 0)
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    """How the check cuts one tile shape: ``rows`` output rows (all batches), each cut
+    into ``chunks`` column chunks of ``width``, ``vectors`` statistics per chunk, and
+    the reference summed over K in ``k_blocks`` blocks."""
+
+    rows: int
+    chunks: int
+    width: int
+    vectors: int
+    k_blocks: int
+
+    @classmethod
+    def for_shape(cls, batch: int, m: int, k: int, n: int) -> CheckPlan:
+        rows = batch * m
+        # The reference's cost grows with its columns: chunks per 128 columns of the
+        # tile add under 1% to the GEMM's FLOPs.
+        most = max(1, min(MAX_CHUNKS, n // 128))
+        chunks = _fewest_parts(n, max(1, SPLIT_ABOVE // k), most)
+        width = n // chunks
+        # A tile with few rows gets more vectors (independent looks at a dense error),
+        # up to the chunk's width: beyond it the statistics repeat one another.
+        vectors = max(1, min(MAX_VECTORS, width, -(-LOOKS // (rows * chunks))))
+        # Large tiles also sum the reference in short blocks of K (below, the plain
+        # product is faster and its rounding is modelled as it is).
+        k_blocks = _fewest_parts(k, K_BLOCK, 4 * -(-k // K_BLOCK)) if chunks > 1 else 1
+        if k_blocks > 1 and (k // k_blocks) * 4 < K_BLOCK:
+            k_blocks = 1  # K has no divisor near the block length: one chain
+        return cls(rows, chunks, width, vectors, k_blocks)
+
+    @property
+    def statistics(self) -> int:
+        return self.rows * self.chunks * self.vectors
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict on one tile. ``margin`` is the largest statistic over its threshold:
+    at most 1 passes, and honest products stay far below it (the calibration reports
+    how far)."""
+
+    ok: bool
+    margin: float
+    statistics: int = 0
+    reason: str = ""  # why a tile failed: "shape", "dtype", "non-finite", "mismatch"
+
+
+@dataclass(frozen=True)
+class LeftSummary:
+    """What the check needs of ``a`` besides ``a`` itself: its squared row norms."""
+
+    row_sq: torch.Tensor  # [batch, m] float64
+
+
+@dataclass(frozen=True)
+class RightSummary:
+    """What the check needs of ``b`` for one plan: the vectors it drew, ``b ρ``, and the
+    row norms of each column chunk: their largest (squared), and the norms themselves
+    where they are so uneven that the bound on the terms built from the largest would be
+    loose (None otherwise)."""
+
+    vectors: torch.Tensor  # ρ, [width, V]
+    projected: torch.Tensor  # b ρ, [batch, k, chunks * V]
+    largest_row_sq: torch.Tensor  # max_l ||b[l, chunk]||², [batch, chunks] float64
+    uneven_row_sq: torch.Tensor | None  # ||b[l, chunk]||², [batch, k, chunks] float64
+
+
+UNEVEN = 4.0  # largest over mean squared row norm of b beyond which terms are summed exactly
+RHO_SQ = 4.0  # the largest square of a check vector's entry: |ρ| < 2
+
+
+def summarize_left(a3: torch.Tensor) -> LeftSummary:
+    return LeftSummary(torch.linalg.vector_norm(a3, dim=-1).to(torch.float64).square_())
+
+
+def summarize_right(b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator) -> RightSummary:
+    batch, k, _ = b3.shape
+    rho = check_vectors(plan.width, plan.vectors, b3.dtype, generator)
+    b4 = b3.reshape(batch, k, plan.chunks, plan.width)
+    projected = (b4 @ rho).reshape(batch, k, plan.chunks * plan.vectors)  # chains of a chunk
+    norms = torch.linalg.vector_norm(b4, dim=-1)  # [batch, k, chunks]
+    largest = norms.amax(dim=1)
+    # The mean square over l is the norm of the norms over sqrt(k).
+    uneven = bool((largest > math.sqrt(UNEVEN / k) * torch.linalg.vector_norm(norms, dim=1)).any())
+    row_sq = norms.to(torch.float64).square_() if uneven else None
+    return RightSummary(rho, projected, largest.to(torch.float64).square_(), row_sq)
+
+
+_Summary = TypeVar("_Summary", LeftSummary, RightSummary)
+
+
+class CheckCache:
+    """Operand summaries shared by the tiles of one operand block (by its content id),
+    so a block's row norms and ``b ρ`` are computed once, not once per tile. Reusing ρ
+    across the tiles of a block is as sound as a fresh one: workers never see it.
+    Thread-safe; keeps the ``capacity`` most recently used summaries."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[Hashable, LeftSummary | RightSummary] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def left(self, key: Hashable, a3: torch.Tensor) -> LeftSummary:
+        found = self._get(("a", key))
+        if not isinstance(found, LeftSummary):
+            found = self._put(("a", key), summarize_left(a3))
+        return found
+
+    def right(
+        self, key: Hashable, b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator
+    ) -> RightSummary:
+        full_key = ("b", key, plan.chunks, plan.vectors)
+        found = self._get(full_key)
+        if not isinstance(found, RightSummary):
+            found = self._put(full_key, summarize_right(b3, plan, generator))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _get(self, key: Hashable) -> LeftSummary | RightSummary | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def _put(self, key: Hashable, summary: _Summary) -> _Summary:
+        with self._lock:
+            self._entries[key] = summary
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return summary
+
+
+def check_product(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    cache: CheckCache | None = None,
+    blocks: tuple[Hashable, Hashable] | None = None,
+) -> CheckResult:
+    """Is ``c`` an honest ``a @ b`` (2-D) or ``torch.bmm(a, b)`` (3-D)?
+
+    With a ``cache`` and the operands' content ids (``blocks``), what depends only on
+    ``a`` or only on ``b`` is taken from (or left in) the cache.
+    """
+    if c.shape != a.shape[:-1] + b.shape[-1:] or a.dim() not in (2, 3) or a.dim() != b.dim():
+        return CheckResult(False, math.inf, reason="shape")
+    if c.dtype != a.dtype or b.dtype != a.dtype or a.dtype not in UNIT_ROUNDOFF:
+        return CheckResult(False, math.inf, reason="dtype")
+    if c.numel() == 0:
+        return CheckResult(True, 0.0)
+    k = a.shape[-1]
+    if k == 0:
+        ok = bool((c == 0).all())  # an empty sum is exactly zero
+        return CheckResult(ok, 0.0 if ok else math.inf, reason="" if ok else "mismatch")
+    work = accumulation_dtype(a.dtype)
+    verdict = _check(a, b, c, work, generator, cache, blocks)
+    if verdict is not None:
+        return verdict
+    # Something was not finite. Only a step that has already blown up (inf/NaN
+    # operands) has honest non-finite products; such a tile cannot be checked, and it
+    # does not matter. Finite operands whose sums leave fp32's range are checked again
+    # in float64.
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return CheckResult(True, 0.0)
+    if work != torch.float64:
+        verdict = _check(a, b, c, torch.float64, generator, None, None)
+    return verdict or CheckResult(False, math.inf, reason="non-finite")
+
+
+def _check(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    work: torch.dtype,
+    generator: torch.Generator,
+    cache: CheckCache | None,
+    blocks: tuple[Hashable, Hashable] | None,
+) -> CheckResult | None:
+    """The check in arithmetic of ``work``; None where a value on its way is not finite."""
+    # No copies for fp32 and fp64 tiles.
+    a3, b3, c3 = (t if t.dtype == work else t.to(work) for t in (a, b, c))
+    if a.dim() == 2:
+        a3, b3, c3 = a3.unsqueeze(0), b3.unsqueeze(0), c3.unsqueeze(0)
+    batch, m, n = c3.shape
+    plan = CheckPlan.for_shape(batch, m, a.shape[-1], n)
+    if cache is not None and blocks is not None:
+        left, right = cache.left(blocks[0], a3), cache.right(blocks[1], b3, plan, generator)
+    else:
+        left, right = summarize_left(a3), summarize_right(b3, plan, generator)
+    c4 = c3.reshape(batch, m, plan.chunks, plan.width)
+    claimed = (c4 @ right.vectors).to(torch.float64)  # [batch, m, chunks, V]
+    reference = _reference(a3, right.projected, plan).view(claimed.shape)
+    variance = _honest_variance(a3, c4, left, right, plan, a.dtype)
+    if not math.isfinite(float(variance.max())):
+        return None  # a norm left the range of the work dtype
+    excess = claimed.sub_(reference).square_().div_(variance)
+    worst = float(excess.max())  # NaN or inf where c, a or b is not finite
+    if not math.isfinite(worst):
+        return None
+    limit = threshold(plan.statistics)
+    ok = worst <= limit * limit
+    return CheckResult(ok, math.sqrt(worst) / limit, plan.statistics, "" if ok else "mismatch")
 
 
 def freivalds_ok(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, generator: torch.Generator
 ) -> bool:
-    """True when ``c`` equals ``a @ b`` up to rounding. Works for 2-D and batched 3-D.
+    """True when ``c`` equals ``a @ b`` up to honest rounding (see ``check_product``)."""
+    return check_product(a, b, c, generator).ok
 
-    Honest tiles accumulate in at least fp32 (CPU kernels do for bf16/fp16 too) and
-    round once to the tile's dtype at the end, so the tolerance has three parts: fp32
-    accumulation error growing like sqrt(k) relative to ``|a| (|b| |r|)``, one output
-    rounding relative to ``|c| |r|``, and the dtype's smallest spacing for products
-    that land among subnormals.
 
-    The check is memory-bound (matrix-vector products), so it reads each matrix as few
-    times as it can: the tolerance uses row 2-norms, which need no ``|a|`` copy, and
-    bounds ``|a| (|b| |r|)`` by Cauchy-Schwarz, ``||a_i|| * ||2 sqrt(n) ||b_l|| ||``
-    (``|r| <= 2``). On weight-like data that is ~2x the exact sum: wrong entries must
-    be ~2x larger to be caught than with the exact bound, at a third of the cost.
+def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
+    """``a (b ρ)`` in float64, ``[batch, m, chunks * V]``: one fp32 product, or partial
+    products over K blocks (short chains) added in float64."""
+    if plan.k_blocks == 1:
+        return (a3 @ projected).to(torch.float64)
+    batch, m, k = a3.shape
+    block = k // plan.k_blocks
+    # [batch, blocks, m, block]: strided views of a, so nothing is copied for mm tiles.
+    a_blocks = a3.reshape(batch, m, plan.k_blocks, block).transpose(1, 2)
+    partials = a_blocks @ projected.reshape(batch, plan.k_blocks, block, -1)
+    return partials.to(torch.float64).sum(dim=1)
+
+
+def _honest_variance(
+    a3: torch.Tensor,
+    c4: torch.Tensor,
+    left: LeftSummary,
+    right: RightSummary,
+    plan: CheckPlan,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Variance of each statistic for an honest ``c``, ``[batch, m, chunks, 1]``: the
+    worker's rounding plus the check's own, both linear in two sums per row chunk.
+
+    ``Σ_j Σ_l (a_il b_lj)²`` over a chunk is bounded by ``||a_i||² max_l ||b_l,chunk||²``,
+    or summed exactly (a pass over a squared copy of ``a``) where ``b``'s rows are so
+    uneven that the bound would be loose. The check's own chains, as expectations over
+    the random signs of ρ: ``c ρ`` and ``b ρ`` are walks over a chunk, whose ``Σ_t S_t²``
+    is at most the chunk's width times the sum of the squared terms in any order;
+    ``a (b ρ)`` restarts at every K block, and each block is an honest partial sum of its
+    own: the worker's model over the block, whose end points share c (drift) and the
+    terms' spread (walk).
     """
-    if c.shape != a.shape[:-1] + b.shape[-1:] or c.dtype != a.dtype:
-        return False
-    if c.numel() == 0:
-        return True
-    work = torch.float64 if a.dtype == torch.float64 else torch.float32
-    a_w, b_w, c_w = a.to(work), b.to(work), c.to(work)  # no copies for fp32
-    r = check_vector(b.shape[-1], work, generator)  # [n, 1], |r| in [1, 2)
-    lhs = c_w @ r  # [.., m, 1]
-    if not torch.isfinite(lhs).all():
-        # Only a step that has already blown up (inf/NaN operands) has honest
-        # non-finite products; such a tile cannot be checked, and it does not matter.
-        return bool(not torch.isfinite(a_w).all() or not torch.isfinite(b_w).all())
-    rhs = a_w @ (b_w @ r)  # [.., m, 1]
-    # Only 2-norms: torch's row 2-norm runs at memory speed, its 1-norm ~4x slower.
-    # ||x||_1 <= sqrt(len) ||x||_2, and |r| <= 2.
-    n = b.shape[-1]
-    root_n = math.sqrt(n)
-    b_rows = 2.0 * root_n * torch.linalg.vector_norm(b_w, dim=-1)  # [.., k] >= |b| |r|
-    a_rows = torch.linalg.vector_norm(a_w, dim=-1)  # [.., m]
-    accumulation = (
-        (math.sqrt(a.shape[-1]) + 2.0)
-        * UNIT_ROUNDOFF[work]
-        * a_rows
-        * torch.linalg.vector_norm(b_rows, dim=-1, keepdim=True)
-    )  # [.., m] >= the same bound on |a| (|b| |r|)
-    u_out = UNIT_ROUNDOFF[a.dtype]
-    output_rounding = u_out * 2.0 * root_n * torch.linalg.vector_norm(c_w, dim=-1)  # [.., m]
-    tiny = torch.finfo(a.dtype).smallest_normal * u_out * 2.0 * n
-    tol = SAFETY * (accumulation + output_rounding + tiny)
-    return bool(((lhs - rhs).abs().squeeze(-1) <= tol).all())
+    k = a3.shape[-1]
+    u2 = UNIT_ROUNDOFF[a3.dtype] ** 2 / 3.0
+    rho_sq = RHO_SQ
+    c_sq = torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()  # [batch, m, chunks]
+    if right.uneven_row_sq is not None:
+        terms = a3.to(torch.float64).square() @ right.uneven_row_sq  # [batch, m, chunks]
+    else:
+        terms = left.row_sq.unsqueeze(-1) * right.largest_row_sq.unsqueeze(1)
+    rounding = EntryRounding.of(dtype)
+    width, block = plan.width, k // plan.k_blocks
+    share = block / k  # a block's share of K
+    own_walk = u2 * (width + 1)  # c ρ on c's sum; b ρ, carried through ||a_i||², on the terms
+    on_c = rounding.c_coefficient(k) + own_walk + u2 * ORDER_MARGIN * block * share / 3.0
+    on_terms = (
+        rounding.terms_coefficient(k)
+        + own_walk
+        + u2 * (ORDER_MARGIN * block * ((1.0 - share) / 3.0 + 1.0 / 6.0) + 1.0)
+    )
+    # The worker's steps on subnormals, and the reference's own k steps.
+    floor = (
+        width * rounding.absolute_per_entry(k) + (k + 1) * subnormal_spacing(a3.dtype) ** 2 / 12.0
+    )
+    variance = c_sq.mul_(rho_sq * on_c).add_(terms, alpha=rho_sq * on_terms).add_(rho_sq * floor)
+    return variance.unsqueeze(-1)

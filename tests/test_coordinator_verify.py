@@ -1,9 +1,11 @@
-"""Freivalds' check of returned tiles (coordinator.verify.freivalds_ok).
+"""Freivalds' check of returned tiles (coordinator.verify).
 
 Honest products must pass for every wire dtype, mm and bmm, across shapes up to K=8192
 and large magnitudes; wrong products (one element off, transposed, shuffled, NaN, zeros,
-wrong shape or dtype) must fail. Every call gets its own seeded generator, so each case
-is deterministic.
+wrong shape or dtype) must fail. Then how the check cuts tiles, its threshold, its cache
+of operand summaries and magnitudes beyond fp32's range. Every call gets its own seeded
+generator, so each case is deterministic. The detection floor and the honest kernels
+are in test_result_check_floor.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import random
 import pytest
 import torch
 
-from coordinator.verify import freivalds_ok, new_generator
+from coordinator.honest_error import threshold
+from coordinator.verify import CheckCache, CheckPlan, check_product, freivalds_ok, new_generator
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Largest |value| used per dtype: fp16 overflows at 65504, so its products stay small.
@@ -268,3 +271,91 @@ def test_a_single_wrong_entry_is_caught_on_every_check() -> None:
         wrong[i, j] += 0.05 * float(c.abs().max()) * (1 if trial % 2 else -1)
         missed += freivalds_ok(a, b, wrong, checks)
     assert missed == 0
+
+
+# ---- how the check cuts a tile, and what it keeps ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "plan"),
+    [
+        # (batch, m, k, n) -> rows, chunks, width, vectors, K blocks
+        ((1, 1, 16, 1), CheckPlan(1, 1, 1, 1, 1)),
+        ((1, 16, 16, 16), CheckPlan(16, 1, 16, 4, 1)),  # few rows: four vectors
+        ((1, 256, 256, 256), CheckPlan(256, 1, 256, 1, 1)),
+        ((16, 256, 64, 256), CheckPlan(4096, 1, 256, 1, 1)),
+        # K x width above 2^18: rows are cut into chunks, the reference summed in blocks.
+        ((1, 1024, 1024, 1024), CheckPlan(1024, 4, 256, 1, 4)),
+        ((1, 2048, 2048, 2048), CheckPlan(2048, 16, 128, 1, 8)),
+        ((1, 4096, 16384, 4096), CheckPlan(4096, 32, 128, 1, 64)),
+        ((1, 1, 4096, 256), CheckPlan(1, 2, 128, 8, 16)),
+        ((1, 256, 1031, 2048), CheckPlan(256, 16, 128, 1, 1)),  # prime K: one chain
+    ],
+)
+def test_check_plan_table(shape: tuple[int, int, int, int], plan: CheckPlan) -> None:
+    assert CheckPlan.for_shape(*shape) == plan
+
+
+def test_threshold_grows_with_the_statistics_and_covers_an_exponential_tail() -> None:
+    values = [threshold(n) for n in (1, 64, 4096, 1 << 17)]
+    assert values == sorted(values)
+    # One statistic at 1e-9: the Gaussian quantile is 6.1; the exponential tail of a
+    # statistic one chain dominates needs more.
+    assert 8.5 < threshold(1) < 9.0
+    assert 13.5 < threshold(1 << 17) < 14.5
+
+
+def grid_tiles(gm: int, gn: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    a, b = operands(None, 64 * gm, 512, 64 * gn, torch.float32, 1.0, seed)
+    return list(a.split(64)), list(b.split(64, dim=1))
+
+
+def test_a_cache_shares_operand_summaries_and_gives_the_same_verdicts() -> None:
+    rows, cols = grid_tiles(3, 2, 21)
+    cache = CheckCache()
+    for i, a in enumerate(rows):
+        for j, b in enumerate(cols):
+            c = honest(a, b)
+            bad = c.clone()
+            bad[5, 7] += 1e-3 * float(c.abs().max())
+            for result, expected in ((c, True), (bad, False)):
+                cached = check_product(a, b, result, gen(i), cache=cache, blocks=(f"a{i}", f"b{j}"))
+                assert cached.ok is expected
+                assert check_product(a, b, result, gen(i)).ok is expected
+    assert len(cache) == 3 + 2  # one summary per row block and per column block
+
+
+def test_a_cache_keeps_only_its_capacity() -> None:
+    rows, cols = grid_tiles(4, 1, 22)
+    cache = CheckCache(capacity=2)
+    for i, a in enumerate(rows):
+        assert check_product(a, cols[0], honest(a, cols[0]), gen(i), cache=cache, blocks=(i, 0)).ok
+    assert len(cache) == 2
+
+
+def test_magnitudes_beyond_fp32_norms_are_checked_in_float64() -> None:
+    # Row norms of these overflow fp32 (|c| ~ 1e21): the check is redone in float64.
+    a, b = operands(None, 16, 64, 8, torch.float32, 1e10, 23)
+    c = honest(a, b)
+    assert freivalds_ok(a, b, c, gen(1))
+    wrong = c.clone()
+    wrong[3, 4] *= 1.001
+    assert not freivalds_ok(a, b, wrong, gen(1))
+    # A cheat cannot inflate the tolerance by sending huge values.
+    assert not freivalds_ok(a, b, torch.full_like(c, 3e38), gen(1))
+    assert not freivalds_ok(a, b, c * 1e17, gen(1))
+
+
+def test_the_margin_reports_how_close_a_result_came() -> None:
+    a, b = operands(None, 64, 256, 64, torch.float32, 1.0, 24)
+    c = honest(a, b)
+    honest_result = check_product(a, b, c, gen(1))
+    assert honest_result.ok and 0 < honest_result.margin < 0.5
+    assert honest_result.statistics == 64
+    wrong = check_product(a, b, c * (1 + 1e-4), gen(1))
+    assert not wrong.ok and wrong.margin > 1 and wrong.reason == "mismatch"
+    assert check_product(a, b, c.double(), gen(1)).reason == "dtype"
+    assert check_product(a, b, c[:-1], gen(1)).reason == "shape"
+    poisoned = c.clone()
+    poisoned[0, 0] = math.nan
+    assert check_product(a, b, poisoned, gen(1)).reason == "non-finite"

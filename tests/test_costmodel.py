@@ -35,14 +35,16 @@ from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 
 # C[4, 4] = A[4, 2] @ B[2, 4], one byte per element: 64 FLOPs.
 SHAPE = GemmShape("mm", 1, 4, 4, 2, 1)
-TINY = PlanConfig(min_offload_flops=1, min_tile_flops=1)
+TINY = PlanConfig(min_offload_flops=1, min_tile_flops=1, min_tile_outputs=1)
 # fast: compute 8 FLOP/s; slow 4. Both: downlink 8 B/s, uplink 4 B/s (2x asymmetry).
 FAST = DeviceEstimate("fast", 8.0, 8.0, 4.0)
 SLOW = DeviceEstimate("slow", 4.0, 8.0, 4.0)
 
 
 def four_tiles() -> list:  # type: ignore[type-arg]
-    plan = plan_gemm(SHAPE, PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4))
+    plan = plan_gemm(
+        SHAPE, PlanConfig(min_offload_flops=1, min_tile_flops=1, min_tile_outputs=1, target_tiles=4)
+    )
     assert plan is not None and plan.grid == (1, 2, 2, 1)
     return list(plan.tiles)  # each 2x2x2: 16 FLOPs, operands 4 + 4 bytes, result 4 bytes
 

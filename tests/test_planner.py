@@ -121,7 +121,9 @@ def test_even_split_is_contiguous_and_balanced(size: int, parts: int) -> None:
         # A cap of 3 fp32 values leaves single-element tiles only.
         (
             mm(8, 8, 8),
-            PlanConfig(min_offload_flops=1, tile_mem_cap_bytes=12, min_tile_flops=1),
+            PlanConfig(
+                min_offload_flops=1, tile_mem_cap_bytes=12, min_tile_flops=1, min_tile_outputs=1
+            ),
             (1, 8, 8, 8),
         ),
     ],
@@ -180,6 +182,23 @@ def test_shape_properties() -> None:
 )
 def test_small_or_empty_gemms_run_locally(shape: GemmShape) -> None:
     assert plan_gemm(shape, DEFAULT) is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "grid"),
+    [
+        (mm(1, 1, 1 << 20), None),  # 2 MFLOP, one output entry: too few to check
+        (mm(3, 5, 1 << 17), None),  # 15 outputs
+        (mm(4, 4, 1 << 16), (1, 1, 1, 1)),  # 16 outputs: one tile, not cut further
+        # Four outputs per batch entry: tiles keep four entries each (16 outputs).
+        (bmm(64, 2, 2, 1 << 16), (16, 1, 1, 1)),
+    ],
+)
+def test_tiles_keep_enough_outputs_to_be_checked(
+    shape: GemmShape, grid: tuple[int, ...] | None
+) -> None:
+    plan = plan_gemm(shape, PlanConfig(target_tiles=64))
+    assert (plan.grid if plan else None) == grid
 
 
 def test_threshold_is_inclusive() -> None:
@@ -274,6 +293,7 @@ def shapes_and_configs(draw: st.DrawFn) -> tuple[GemmShape, PlanConfig]:
         target_tiles=draw(st.integers(1, 16)),
         min_tile_flops=draw(st.integers(1, max(1, shape.flops // 4))),
         min_tile_side=draw(st.integers(1, 32)),
+        min_tile_outputs=draw(st.integers(1, 8)),
     )
     return shape, config
 
@@ -286,9 +306,15 @@ def test_plans_partition_the_gemm_within_limits(case: tuple[GemmShape, PlanConfi
     if shape.flops < config.min_offload_flops:
         assert plan is None
         return
-    assert plan is not None
+    if plan is None:
+        # Only tiles too small to check keep a GEMM here: the whole output is, or the
+        # limits force cuts below it.
+        outputs = shape.batch * shape.m * shape.n
+        assert outputs < config.min_tile_outputs or not fits(shape, config, shape.dims)
+        return
     assert_partition(plan)
     assert_within_limits(plan, config)
+    assert min(t.dims[0] * t.dims[1] * t.dims[2] for t in plan.tiles) >= config.min_tile_outputs
 
 
 @settings(max_examples=300, deadline=None)
@@ -321,11 +347,16 @@ def test_target_tiles_and_min_tile_flops(case: tuple[GemmShape, PlanConfig]) -> 
     if plan is None:
         return
     smallest = min(t.flops for t in plan.tiles)
+    fewest_outputs = min(t.dims[0] * t.dims[1] * t.dims[2] for t in plan.tiles)
     if len(plan.tiles) < config.target_tiles:
         fully_cut = plan.grid[:3] == shape.dims[:3]
-        # One more cut would have gone below min_tile_flops (a cut shrinks the smallest
-        # tile at most 3x: floor(3/2) = 1).
-        assert fully_cut or smallest < 3 * config.min_tile_flops
+        # One more cut would have gone below min_tile_flops or min_tile_outputs (a cut
+        # shrinks the smallest tile at most 3x: floor(3/2) = 1).
+        assert (
+            fully_cut
+            or smallest < 3 * config.min_tile_flops
+            or fewest_outputs < 3 * config.min_tile_outputs
+        )
     if fits(shape, config, shape.dims) and len(plan.tiles) > 1:
         # Nothing forced a cut: every cut was for target_tiles, so min_tile_flops holds.
         assert smallest >= config.min_tile_flops

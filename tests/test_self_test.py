@@ -12,10 +12,13 @@ import pytest
 import torch
 
 import client_app.self_test as self_test
-from client_app.compute import TileComputer
+from bench.tile_cases import tf32
+from client_app.compute import TileComputer, pin_full_precision
 from client_app.self_test import (
     FP32_UNIT_ROUNDOFF,
+    FULL_FP32,
     TileCase,
+    measure_precision,
     print_self_test,
     run_self_test,
 )
@@ -126,6 +129,57 @@ def test_cleave_app_self_test_command_exits_0(tmp_path: Path) -> None:
     out = proc.stdout
     assert "signature check: tampered bundle refused" in out
     assert "tile mm [256, 384] @ [384, 192]: ok" in out
+    assert "fp32 precision: relative error" in out and ": full fp32" in out
     assert "platform offscreen: main window built and closed" in out
     assert out.rstrip().endswith("self-test passed")
     assert not config.exists()  # the owner's settings, pins and history are untouched
+
+
+class ReducedPrecisionComputer(TileComputer):
+    """Multiplies as TF32 tensor cores or bf16 AMX kernels do: operands rounded first."""
+
+    def __init__(self, to: torch.dtype | None) -> None:
+        super().__init__(threads=1, use_gpu=False)
+        self.to = to
+
+    def compute(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.to is None:  # TF32: 10 mantissa bits with fp32's range
+            a, b = tf32(a), tf32(b)
+        else:
+            a, b = a.to(self.to).float(), b.to(self.to).float()
+        return super().compute(op, a, b)
+
+
+@pytest.mark.parametrize(
+    ("to", "level"),
+    [(None, "like TF32 or fp16"), (torch.float16, "like TF32 or fp16"), (torch.bfloat16, "bf16")],
+)
+def test_a_device_computing_at_reduced_precision_fails_and_says_so(
+    to: torch.dtype | None, level: str
+) -> None:
+    report = run_self_test(ReducedPrecisionComputer(to), cases=SMALL_CASES)
+    status, printed = lines_of(report)
+    assert status == 1 and report.precision is not None and not report.precision.ok
+    line = next(p for p in printed if p.startswith("fp32 precision:"))
+    assert "REDUCED" in line and level in line and "reject every tile" in line
+
+
+def test_the_honest_path_reports_full_fp32_precision() -> None:
+    report = run_self_test(TileComputer(threads=1, use_gpu=False), cases=SMALL_CASES)
+    assert report.precision is not None and report.precision.ok
+    assert report.precision.relative_error < FULL_FP32 / 10
+    assert any(line.endswith(": full fp32") for line in report.lines())
+
+
+def test_the_worker_pins_full_precision_on_every_backend() -> None:
+    # What a library or a user script may have switched on before the worker starts:
+    # bf16 for fp32 matmuls on AMX CPUs, TF32 on GPUs.
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # type: ignore[attr-defined]
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        computer = TileComputer(threads=1, use_gpu=False)
+        assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"  # type: ignore[attr-defined]
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert measure_precision(computer).ok
+    finally:
+        pin_full_precision()
