@@ -1,11 +1,21 @@
-"""The coordinator's Freivalds check vs the tile's own GEMM, on the same shapes, in one process.
+"""The coordinator's result check vs the tile's own GEMM, on the same shapes, in one process.
 
-For each tile shape: time of ``freivalds_ok(a, b, c)`` (the check the coordinator runs
-on every returned tile, tolerance included) over time of ``torch.matmul(a, b)`` (what
-the worker computed), both on the same thread count, plus the FLOP ratio of the check
-(three matrix-vector products and their absolute-value twins for the tolerance) to
-the GEMM's 2mkn. DESIGN's goal: the check costs <= 2% of the GEMM.
-Run: ``python bench/bench_verify.py [--threads N]``.
+For each tile shape: time of ``check_product(a, b, c)`` (the check the coordinator runs on
+every returned tile, threshold included) over time of ``torch.matmul(a, b)`` (what the
+worker computed), both on the same thread count:
+
+- *single*: one tile on its own, every operand summary computed for it;
+- *in a grid*: the tiles of a 4 x 4 grid checked one after another with the server's
+  ``CheckCache``, so each row block's and column block's summaries (row norms, ``b ρ``)
+  are computed once and shared by the four tiles it is part of, as in a run.
+
+Also: the check's arithmetic over the GEMM's (FLOP ratio), and result bytes checked per
+second of one thread in a grid, to set against the coordinator's result ingress. DESIGN's
+goals: at most 2% of the GEMM at 1024³ fp32 and 10% at 256³ (see the README for what the
+detection floor costs against them).
+
+Run: ``python bench/bench_verify.py [--threads N]``. Profile: ``python -m cProfile -s
+tottime bench/bench_verify.py``; or torch.profiler around ``check_product``.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from coordinator.verify import freivalds_ok, new_generator  # noqa: E402
+from coordinator.verify import CheckCache, CheckPlan, check_product, new_generator  # noqa: E402
 
 SHAPES = [  # (batch or None, m, k, n, dtype)
     (None, 256, 256, 256, torch.float32),
@@ -31,6 +41,7 @@ SHAPES = [  # (batch or None, m, k, n, dtype)
     (None, 1024, 1024, 1024, torch.bfloat16),
     (16, 256, 64, 256, torch.float32),  # attention-like bmm: small k
 ]
+GRID = 4
 
 
 def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -43,9 +54,30 @@ def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def check_flops(m: int, k: int, n: int) -> int:
-    # b r, a (b r), c r, and |b| |r|, |a| (|b||r|), |c| |r| for the tolerance
-    return 2 * (2 * k * n + 2 * m * k + 2 * m * n)
+def check_flops(batch: int, m: int, k: int, n: int) -> int:
+    """c ρ, b ρ, a (b ρ) for each vector, and three sums of squares (row norms)."""
+    plan = CheckPlan.for_shape(batch, m, k, n)
+    per_vector = 2 * (m * n + k * n + m * k * plan.chunks)
+    return batch * (plan.vectors * per_vector + 2 * (m * n + k * n + m * k))
+
+
+def grid_seconds(
+    lead: tuple[int, ...], m: int, k: int, n: int, dtype: torch.dtype, repeat: int
+) -> float:
+    """Seconds per tile to check every tile of a GRID x GRID grid, sharing summaries."""
+    a = torch.randn(*lead, GRID * m, k).to(dtype)
+    b = torch.randn(*lead, k, GRID * n).to(dtype)
+    rows = [a[..., i * m : (i + 1) * m, :].contiguous() for i in range(GRID)]
+    cols = [b[..., j * n : (j + 1) * n].contiguous() for j in range(GRID)]
+    tiles = [(i, j, torch.matmul(rows[i], cols[j])) for i in range(GRID) for j in range(GRID)]
+    gen = new_generator()
+
+    def check_all() -> None:
+        cache = CheckCache()  # a fresh GEMM: nothing cached yet
+        for i, j, c in tiles:
+            assert check_product(rows[i], cols[j], c, gen, cache=cache, blocks=(i, j)).ok
+
+    return _best_seconds(check_all, repeat) / len(tiles)
 
 
 def main() -> None:
@@ -56,24 +88,30 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = new_generator()
     print(
-        f"{'tile (batch x) m x k x n':>28} {'dtype':>9} {'gemm ms':>9} {'check ms':>9} "
-        f"{'time ratio':>10} {'flop ratio':>10}"
+        f"{'tile (batch x) m x k x n':>26} {'dtype':>9} {'gemm ms':>8} {'single ms':>9} "
+        f"{'ratio':>6} {'grid ms':>8} {'ratio':>6} {'flop ratio':>10} {'grid GB/s':>9}"
     )
     for batch, m, k, n, dtype in SHAPES:
         lead = () if batch is None else (batch,)
         a = torch.randn(*lead, m, k).to(dtype)
         b = torch.randn(*lead, k, n).to(dtype)
         c = torch.matmul(a, b)
-        assert freivalds_ok(a, b, c, gen)
+        assert check_product(a, b, c, gen).ok
         gemm_s = _best_seconds(lambda: torch.matmul(a, b), args.repeat)  # noqa: B023
-        check_s = _best_seconds(lambda: freivalds_ok(a, b, c, gen), args.repeat)  # noqa: B023
-        flop_ratio = check_flops(m, k, n) / (2 * m * k * n)
+        single_s = _best_seconds(lambda: check_product(a, b, c, gen), args.repeat)  # noqa: B023
+        grid_s = grid_seconds(lead, m, k, n, dtype, max(1, args.repeat // 2))
+        flop_ratio = check_flops(batch or 1, m, k, n) / (2 * (batch or 1) * m * k * n)
+        result_gb = c.numel() * c.element_size() / 1e9
         label = ("" if batch is None else f"{batch} x ") + f"{m} x {k} x {n}"
         print(
-            f"{label:>28} {str(dtype).removeprefix('torch.'):>9} {gemm_s * 1e3:>9.2f} "
-            f"{check_s * 1e3:>9.2f} {check_s / gemm_s:>10.3f} {flop_ratio:>10.4f}"
+            f"{label:>26} {str(dtype).removeprefix('torch.'):>9} {gemm_s * 1e3:>8.2f} "
+            f"{single_s * 1e3:>9.2f} {single_s / gemm_s:>6.3f} {grid_s * 1e3:>8.2f} "
+            f"{grid_s / gemm_s:>6.3f} {flop_ratio:>10.4f} {result_gb / grid_s:>9.2f}"
         )
-    print(f"(best of {args.repeat}; {args.threads} torch thread(s); check includes its tolerance)")
+    print(
+        f"(best of {args.repeat}; {args.threads} torch thread(s); the check includes its "
+        f"threshold; grid: {GRID}x{GRID} tiles sharing operand summaries)"
+    )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ from coordinator.reputation import (
 )
 from coordinator.scheduler import Assignment, Scheduler, SchedulerConfig, TileTicket, Verdict
 from coordinator.tiling import TileJob
-from coordinator.verify import freivalds_ok, new_generator
+from coordinator.verify import CheckCache, CheckResult, check_product, new_generator
 
 log = logging.getLogger("cleave.coordinator")
 
@@ -211,6 +211,8 @@ class CoordinatorServer:
         # One verify thread, so one private generator needs no lock.
         self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
         self._check_vectors = new_generator()
+        # Row norms and b ρ of operand blocks, shared by the tiles a block is part of.
+        self._check_cache = CheckCache()
         self._server: Server | None = None
         self._handshaking = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -709,17 +711,17 @@ class CoordinatorServer:
             with contextlib.suppress(ConnectionClosed):
                 await conn.ws.send(encode_message(Error(exc.code, exc.message, msg.tile_id)))
         loop = asyncio.get_running_loop()
-        ok = c is not None and await loop.run_in_executor(
-            self._verify_pool, freivalds_ok, job.a, job.b, c, self._check_vectors
-        )
+        verdict = None
+        if c is not None:
+            verdict = await loop.run_in_executor(self._verify_pool, self._check, job, c)
         now = self.clock()
         if conn.worker_id not in self.conns:
             # It left (or was banned) while the check ran: its tiles are already
             # re-issued, and a verdict on it would count twice.
             self.counters.duplicates += 1
             return
-        if not ok:
-            self._failed_check(conn, msg.tile_id, now)
+        if verdict is None or not verdict.ok:
+            self._failed_check(conn, msg.tile_id, now, verdict)
             return
         assert c is not None
         completion = self.scheduler.complete(conn.worker_id, msg.tile_id, now)
@@ -782,7 +784,16 @@ class CoordinatorServer:
         )
         self._estimates_moved = True
 
-    def _failed_check(self, conn: WorkerConn, tile_id: str, now: float) -> None:
+    def _check(self, job: TileJob, c: torch.Tensor) -> CheckResult:
+        """The result check, on the verify thread."""
+        blocks = job.blocks if all(job.blocks) else None
+        return check_product(
+            job.a, job.b, c, self._check_vectors, cache=self._check_cache, blocks=blocks
+        )
+
+    def _failed_check(
+        self, conn: WorkerConn, tile_id: str, now: float, verdict: CheckResult | None = None
+    ) -> None:
         """A wrong result: discard it, re-issue the tile, cut the worker's reputation, and
         ban its key (closing all its connections) once the reputation falls too low."""
         self.counters.rejected += 1
@@ -800,9 +811,10 @@ class CoordinatorServer:
             now=self.wall_clock(),
         )
         log.warning(
-            "tile %s from %s failed verification (reputation %.2f): re-issuing",
+            "tile %s from %s failed verification (%s; reputation %.2f): re-issuing",
             tile_id,
             _who(conn),
+            _why(verdict),
             reputation,
         )
         conn.sent_at.pop(tile_id, None)
@@ -954,6 +966,14 @@ class CoordinatorServer:
 def _compute_and_deliver(job: TileJob) -> bool:
     product = torch.bmm(job.a, job.b) if job.gemm.op == "bmm" else torch.mm(job.a, job.b)
     return job.gemm.deliver(job.region, product)
+
+
+def _why(verdict: CheckResult | None) -> str:
+    if verdict is None:
+        return "undecodable"
+    if verdict.reason == "mismatch":
+        return f"{verdict.margin:.3g}x its rounding threshold"
+    return verdict.reason
 
 
 def _who(conn: WorkerConn) -> str:

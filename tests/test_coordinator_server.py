@@ -979,13 +979,13 @@ def test_a_result_checked_after_the_worker_expired_is_ignored_quietly(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
-    verify = server_module.freivalds_ok
+    verify = server_module.check_product
 
-    def held_verify(*args: Any, **kwargs: Any) -> bool:
+    def held_verify(*args: Any, **kwargs: Any) -> Any:
         gate.wait(10)  # holds the result while the worker expires behind it
         return verify(*args, **kwargs)
 
-    monkeypatch.setattr(server_module, "freivalds_ok", held_verify)
+    monkeypatch.setattr(server_module, "check_product", held_verify)
     now = [1000.0]
 
     async def scenario() -> None:
