@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache, lru_cache
 from statistics import NormalDist
 
 import torch
@@ -91,6 +92,7 @@ class EntryRounding:
     flushed: float  # what an operation may lose to a flushed subnormal (half dtypes)
 
     @classmethod
+    @cache
     def of(cls, dtype: torch.dtype) -> EntryRounding:
         acc = accumulation_dtype(dtype)
         return cls(
@@ -118,6 +120,7 @@ class EntryRounding:
         return (k + 1) * per_operation + self.spacing_out**2 / 12.0
 
 
+@lru_cache(maxsize=4096)
 def threshold(statistics: int) -> float:
     """How many model standard deviations an honest statistic stays below: with
     ``statistics`` of them in a tile, all stay below it but with probability at most

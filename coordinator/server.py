@@ -792,7 +792,7 @@ class CoordinatorServer:
         )
 
     def _failed_check(
-        self, conn: WorkerConn, tile_id: str, now: float, verdict: CheckResult | None = None
+        self, conn: WorkerConn, tile_id: str, now: float, check: CheckResult | None = None
     ) -> None:
         """A wrong result: discard it, re-issue the tile, cut the worker's reputation, and
         ban its key (closing all its connections) once the reputation falls too low."""
@@ -814,7 +814,7 @@ class CoordinatorServer:
             "tile %s from %s failed verification (%s; reputation %.2f): re-issuing",
             tile_id,
             _who(conn),
-            _why(verdict),
+            _why(check),
             reputation,
         )
         conn.sent_at.pop(tile_id, None)
@@ -968,12 +968,12 @@ def _compute_and_deliver(job: TileJob) -> bool:
     return job.gemm.deliver(job.region, product)
 
 
-def _why(verdict: CheckResult | None) -> str:
-    if verdict is None:
+def _why(check: CheckResult | None) -> str:
+    if check is None:
         return "undecodable"
-    if verdict.reason == "mismatch":
-        return f"{verdict.margin:.3g}x its rounding threshold"
-    return verdict.reason
+    if check.reason == "mismatch":
+        return f"{check.margin:.3g}x its rounding threshold"
+    return check.reason
 
 
 def _who(conn: WorkerConn) -> str:

@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TypeVar
 
 import torch
@@ -96,6 +97,7 @@ class CheckPlan:
     k_blocks: int
 
     @classmethod
+    @lru_cache(maxsize=4096)
     def for_shape(cls, batch: int, m: int, k: int, n: int) -> CheckPlan:
         rows = batch * m
         # The reference's cost grows with its columns: chunks per 128 columns of the
