@@ -23,6 +23,7 @@ for a smoke run of a few seconds, ``--part honest|floor`` for one half).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections import defaultdict
@@ -108,7 +109,11 @@ QUICK_RUNS = (
     ShapeRun((2, 16, 64, 8), 2, 5),
     ShapeRun((None, 64, 256, 64), 1, 5),
 )
-FLOOR_DISTRIBUTION_SHAPE: Shape = (None, 256, 256, 256)
+# The floor over value distributions, at a shallow and a deep K (trials per shape).
+FLOOR_DISTRIBUTION_RUNS = (
+    ShapeRun((None, 256, 256, 256), 0, 20),
+    ShapeRun((None, 128, 4096, 128), 0, 10),
+)
 
 
 @dataclass
@@ -192,14 +197,21 @@ def print_honest(report: HonestReport, title: str) -> None:
 @dataclass
 class FloorRow:
     caught: dict[str, tuple[int, int]] = field(default_factory=dict)
+    weakest: dict[str, float] = field(default_factory=dict)  # smallest margin of a cheat
     smallest_scale: float | None = None
     smallest_entry: float | None = None
 
 
-def _caught(a, b, bad, c, checks) -> bool | None:  # type: ignore[no-untyped-def]
+def _margin(a, b, bad, c, checks) -> float | None:  # type: ignore[no-untyped-def]
+    """The check's margin on a cheat (above 1: caught), None if it changed nothing."""
     if torch.equal(bad, c):
         return None  # the cheat changed nothing here: not a trial
-    return not check_product(a, b, bad, checks).ok
+    return check_product(a, b, bad, checks).margin
+
+
+def _caught(a, b, bad, c, checks) -> bool | None:  # type: ignore[no-untyped-def]
+    margin = _margin(a, b, bad, c, checks)
+    return None if margin is None else margin > 1.0
 
 
 def floor_row(
@@ -209,6 +221,7 @@ def floor_row(
     cheat_rng = torch.Generator().manual_seed(seed + 11)
     checks = torch.Generator().manual_seed(seed + 13)
     counts: dict[str, list[int]] = {name: [0, 0] for name in CHEATS}
+    weakest: dict[str, float] = {}
     # Per size of error: [caught, trials]; a size that leaves every tile unchanged
     # (below the dtype's spacing) has no trials and counts for nothing.
     scale_counts = {s: [0, 0] for s in SCALES}
@@ -220,10 +233,11 @@ def floor_row(
         if previous is None:
             previous = product(*operands(distribution, shape, dtype, data))
         for name, cheat in CHEATS.items():
-            verdict = _caught(a, b, cheat(a, b, c, previous, cheat_rng), c, checks)
-            if verdict is not None:
-                counts[name][0] += verdict
+            margin = _margin(a, b, cheat(a, b, c, previous, cheat_rng), c, checks)
+            if margin is not None:
+                counts[name][0] += margin > 1.0
                 counts[name][1] += 1
+                weakest[name] = min(weakest.get(name, math.inf), margin)
         for sizes, make in ((scale_counts, scale_cheat), (entry_counts, entry_cheat)):
             for size, tally in sizes.items():
                 verdict = _caught(a, b, make(size)(a, b, c, previous, cheat_rng), c, checks)
@@ -231,7 +245,7 @@ def floor_row(
                     tally[0] += verdict
                     tally[1] += 1
         previous = c
-    row = FloorRow({name: (got, of) for name, (got, of) in counts.items()})
+    row = FloorRow({name: (got, of) for name, (got, of) in counts.items()}, weakest)
     row.smallest_scale = _smallest_always_caught(scale_counts)
     row.smallest_entry = _smallest_always_caught(entry_counts)
     return row
@@ -264,7 +278,15 @@ def print_floor(rows: dict[str, FloorRow], title: str, key_heading: str) -> None
         scale = f"{row.smallest_scale:.0e}" if row.smallest_scale else "none"
         entry = f"{row.smallest_entry:.0e}" if row.smallest_entry else "none"
         print(f"{key:>24} " + " ".join(f"{cell:>9}" for cell in cells) + f"  {scale:>6} / {entry}")
+    print("weakest margin of each cheat over its trials (statistic / threshold; caught above 1):")
+    for key, row in rows.items():
+        cells = [_compact(row.weakest[n]) if n in row.weakest else "n/a" for n in names]
+        print(f"{key:>24} " + " ".join(f"{cell:>9}" for cell in cells))
     print("columns: " + "; ".join(f"{_short(n)} = {n}" for n in names))
+
+
+def _compact(margin: float) -> str:
+    return f"{margin:.2f}" if margin < 10 else f"{margin:.3g}" if margin < 1e4 else f"{margin:.0e}"
 
 
 def _short(name: str) -> str:
@@ -338,16 +360,16 @@ def main() -> None:
         print_floor(
             rows, "Detection floor, fp32 tiles, Gaussian operands (caught / trials)", "tile shape"
         )
-        shape = QUICK_RUNS[-1].shape if args.quick else FLOOR_DISTRIBUTION_SHAPE
-        by_distribution = {
-            name: floor_row(shape, torch.float32, name, 5 if args.quick else 20, args.seed)
-            for name in DISTRIBUTIONS
-        }
-        print_floor(
-            by_distribution,
-            f"Detection floor over value distributions, fp32 {shapes_label(shape)}",
-            "value distribution",
-        )
+        for run in QUICK_RUNS[-1:] if args.quick else FLOOR_DISTRIBUTION_RUNS:
+            by_distribution = {
+                name: floor_row(run.shape, torch.float32, name, run.floor_trials, args.seed)
+                for name in DISTRIBUTIONS
+            }
+            print_floor(
+                by_distribution,
+                f"Detection floor over value distributions, fp32 {shapes_label(run.shape)}",
+                "value distribution",
+            )
         half_rows = {
             shapes_label(run.shape): floor_row(
                 run.shape, torch.bfloat16, "gaussian", run.floor_trials, args.seed

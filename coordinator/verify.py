@@ -1,21 +1,21 @@
 """Freivalds' check of a returned tile: is ``c`` the product ``a @ b`` up to honest rounding?
 
 For secret vectors ρ, ``c ρ`` and ``a (b ρ)`` cost O(mk + kn + mn) instead of the
-O(mkn) of the GEMM. The check makes one statistic per output row (and, on wide tiles,
-per column chunk): ``d = c[i, chunk] ρ - a_i (b[:, chunk] ρ)``, for one or a few vectors
-ρ. Each is compared with a threshold from ``coordinator.honest_error``: a model of the
-rounding any honest kernel makes, built from row norms of ``a``, ``b`` and ``c``, set so
-that an honest tile is rejected with probability below 1e-9.
+O(mkn) of the GEMM. The check makes one statistic per output row (on large tiles, per
+row and column chunk) and vector: ``d = c[i, chunk] ρ - a_i (b[:, chunk] ρ)``. Each is
+compared with a threshold from ``coordinator.honest_error``: a model of the rounding
+any honest kernel makes, built from row norms of ``a``, ``b`` and ``c``, set so that an
+honest tile is rejected with probability below 1e-9.
 
-The honest noise in a statistic grows with K and with the square root of the entries
-it sums, so on large tiles (K times the chunk's width above ``SPLIT_ABOVE``) one wrong
-entry would hide in a whole row: there each row is cut into column chunks (up to one
-per 128 columns, at most 32; the reference ``a (b ρ)`` then has a column per chunk, which
-costs about the same pass over ``a`` as two), and the check's own fp32 chains are kept
-short so that their rounding stays small next to the worker's: ``c ρ`` and ``b ρ`` sum
-one chunk, ``a (b ρ)`` is summed in blocks of K whose partial sums are added in
-float64. Smaller tiles have margin to spare, and take the plain matrix-vector products,
-which are faster.
+At least four vectors: rows are independent looks at a dense error only where the rows
+of c differ, and vectors always are. On large tiles (K x N above ``SPLIT_ABOVE``) one
+wrong entry would hide in the honest noise of a whole row, which grows with K and with
+the entries it sums: there rows are cut into column chunks, as far as the reference
+``a (b ρ)`` stays at one column per chunk and vector and one per 128 columns of the
+tile (about the cost of a second pass over ``a``), and the check's own fp32 chains are
+kept short so that their rounding stays small next to the worker's: ``c ρ`` and
+``b ρ`` sum one chunk, ``a (b ρ)`` is summed in blocks of K whose partial sums are added
+in float64. Smaller tiles have margin to spare and take the plain products.
 
 Every matrix is read at memory speed with no float64 copy: ``c`` twice (``c ρ`` and its
 row norms), ``a`` and ``b`` twice each. What depends only on an operand block (row
@@ -49,6 +49,12 @@ SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
 MAX_CHUNKS = 32  # column chunks per row, and at most one per 128 columns (below)
 K_BLOCK = 256  # longest fp32 chain of the reference a (b ρ) on split tiles
 LOOKS = 64  # statistics a tile gets at least, where its shape allows (more vectors)
+# Rows are independent looks at a dense error only when the rows of c differ; where they
+# share one direction (non-negative activations, a large common mean) every row's c ρ
+# is about the same number, and only the vectors are independent: a uniform scale of
+# 1e-4 on such a 256^3 tile escaped one vector 2 times in 20, and escapes four with a
+# probability near 1e-5.
+MIN_VECTORS = 4
 MAX_VECTORS = 8
 
 
@@ -100,17 +106,17 @@ class CheckPlan:
     @lru_cache(maxsize=4096)
     def for_shape(cls, batch: int, m: int, k: int, n: int) -> CheckPlan:
         rows = batch * m
-        # The reference's cost grows with its columns: chunks per 128 columns of the
-        # tile add under 1% to the GEMM's FLOPs.
-        most = max(1, min(MAX_CHUNKS, n // 128))
+        # A tile with few rows gets more vectors (independent looks at a dense error).
+        vectors = min(MAX_VECTORS, n, max(MIN_VECTORS, -(-LOOKS // rows)))
+        # The reference a (b ρ) has a column per chunk and vector, and its cost grows
+        # with them: one per 128 columns of the tile adds under 1% to the GEMM's FLOPs.
+        most = max(1, min(MAX_CHUNKS, n // 128 // vectors))
         chunks = _fewest_parts(n, max(1, SPLIT_ABOVE // k), most)
         width = n // chunks
-        # A tile with few rows gets more vectors (independent looks at a dense error),
-        # up to the chunk's width: beyond it the statistics repeat one another.
-        vectors = max(1, min(MAX_VECTORS, width, -(-LOOKS // (rows * chunks))))
+        vectors = min(vectors, width)  # beyond the width the statistics repeat one another
         # Large tiles also sum the reference in short blocks of K (below, the plain
         # product is faster and its rounding is modelled as it is).
-        k_blocks = _fewest_parts(k, K_BLOCK, 4 * -(-k // K_BLOCK)) if chunks > 1 else 1
+        k_blocks = _fewest_parts(k, K_BLOCK, 4 * -(-k // K_BLOCK)) if k * n > SPLIT_ABOVE else 1
         if k_blocks > 1 and (k // k_blocks) * 4 < K_BLOCK:
             k_blocks = 1  # K has no divisor near the block length: one chain
         return cls(rows, chunks, width, vectors, k_blocks)

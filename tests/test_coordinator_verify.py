@@ -281,15 +281,17 @@ def test_a_single_wrong_entry_is_caught_on_every_check() -> None:
     [
         # (batch, m, k, n) -> rows, chunks, width, vectors, K blocks
         ((1, 1, 16, 1), CheckPlan(1, 1, 1, 1, 1)),
-        ((1, 16, 16, 16), CheckPlan(16, 1, 16, 4, 1)),  # few rows: four vectors
-        ((1, 256, 256, 256), CheckPlan(256, 1, 256, 1, 1)),
-        ((16, 256, 64, 256), CheckPlan(4096, 1, 256, 1, 1)),
-        # K x width above 2^18: rows are cut into chunks, the reference summed in blocks.
-        ((1, 1024, 1024, 1024), CheckPlan(1024, 4, 256, 1, 4)),
-        ((1, 2048, 2048, 2048), CheckPlan(2048, 16, 128, 1, 8)),
-        ((1, 4096, 16384, 4096), CheckPlan(4096, 32, 128, 1, 64)),
-        ((1, 1, 4096, 256), CheckPlan(1, 2, 128, 8, 16)),
-        ((1, 256, 1031, 2048), CheckPlan(256, 16, 128, 1, 1)),  # prime K: one chain
+        ((1, 16, 16, 16), CheckPlan(16, 1, 16, 4, 1)),
+        ((1, 1, 4096, 256), CheckPlan(1, 1, 256, 8, 16)),  # one row: eight vectors
+        ((1, 256, 256, 256), CheckPlan(256, 1, 256, 4, 1)),
+        ((16, 256, 64, 256), CheckPlan(4096, 1, 256, 4, 1)),
+        # K x N above 2^18: the reference is summed in blocks of K, and rows are cut
+        # into chunks as far as one reference column per 128 columns allows.
+        ((1, 256, 16384, 256), CheckPlan(256, 1, 256, 4, 64)),
+        ((1, 1024, 1024, 1024), CheckPlan(1024, 2, 512, 4, 4)),
+        ((1, 2048, 2048, 2048), CheckPlan(2048, 4, 512, 4, 8)),
+        ((1, 4096, 16384, 4096), CheckPlan(4096, 8, 512, 4, 64)),
+        ((1, 256, 1031, 2048), CheckPlan(256, 4, 512, 4, 1)),  # prime K: one chain
     ],
 )
 def test_check_plan_table(shape: tuple[int, int, int, int], plan: CheckPlan) -> None:
@@ -351,7 +353,7 @@ def test_the_margin_reports_how_close_a_result_came() -> None:
     c = honest(a, b)
     honest_result = check_product(a, b, c, gen(1))
     assert honest_result.ok and 0 < honest_result.margin < 0.5
-    assert honest_result.statistics == 64
+    assert honest_result.statistics == 64 * 4  # a statistic per row and vector
     wrong = check_product(a, b, c * (1 + 1e-4), gen(1))
     assert not wrong.ok and wrong.margin > 1 and wrong.reason == "mismatch"
     assert check_product(a, b, c.double(), gen(1)).reason == "dtype"
