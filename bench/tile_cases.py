@@ -5,7 +5,7 @@ cheating worker of the end-to-end tests:
 
 - ``DISTRIBUTIONS``: operand values met in training (weights, activations after a
   ReLU, softmax probabilities, rows of very different scale, outliers, magnitudes near
-  the subnormal range, exact zeros, sums that cancel);
+  the subnormal range, exact zeros, repeated rows, sums that cancel);
 - ``honest_kernels``: every way an honest worker may compute a tile (torch at one and
   at all threads, ``addmm``/``baddbmm``, transposed and strided operands, float64
   rounded back, numpy's own BLAS, a naive recursive sum, CUDA with TF32 off);
@@ -85,6 +85,14 @@ def _zeros(shape: Shape, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     return a, b
 
 
+def _repeated_rows(shape: Shape, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = _gaussian(shape, g)
+    # A batch padded with one token, or the same sample many times: rows of a repeat,
+    # and honest rounding repeats with them (it is the same computation).
+    pick = torch.randint(0, min(4, a.shape[-2]), (a.shape[-2],), generator=g)
+    return a[..., pick, :].contiguous(), b
+
+
 def _cancelling(shape: Shape, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     a, b = _gaussian(shape, g)
     # Rows of a share a large common value and b's columns sum to zero (as the rows of
@@ -103,6 +111,7 @@ DISTRIBUTIONS: dict[str, Callable[[Shape, torch.Generator], tuple[torch.Tensor, 
     "outliers": _outliers,
     "tiny": _tiny,
     "zeros": _zeros,
+    "repeated rows": _repeated_rows,
     "cancelling": _cancelling,
 }
 

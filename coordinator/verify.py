@@ -8,14 +8,16 @@ any honest kernel makes, built from row norms of ``a``, ``b`` and ``c``, set so 
 honest tile is rejected with probability below 1e-9.
 
 At least four vectors: rows are independent looks at a dense error only where the rows
-of c differ, and vectors always are. On large tiles (K x N above ``SPLIT_ABOVE``) one
-wrong entry would hide in the honest noise of a whole row, which grows with K and with
-the entries it sums: there rows are cut into column chunks, as far as the reference
-``a (b ρ)`` stays at one column per chunk and vector and one per 128 columns of the
-tile (about the cost of a second pass over ``a``), and the check's own fp32 chains are
-kept short so that their rounding stays small next to the worker's: ``c ρ`` and
-``b ρ`` sum one chunk, ``a (b ρ)`` is summed in blocks of K whose partial sums are added
-in float64. Smaller tiles have margin to spare and take the plain products.
+of c differ, and vectors always are. (Nor are rows pooled into one statistic: rows
+that repeat, as padding tokens do, round identically, not independently.) On large
+tiles (K x N above ``SPLIT_ABOVE``) one wrong entry would hide in the honest noise of a
+whole row, which grows with K and with the entries it sums: there rows are cut into
+column chunks, as far as the reference ``a (b ρ)`` stays at one column per chunk and
+vector and one per 128 columns of the tile (about the cost of a second pass over
+``a``), and the check's own fp32 chains are kept short so that their rounding stays
+small next to the worker's: ``c ρ`` and ``b ρ`` sum one chunk, ``a (b ρ)`` is summed in
+blocks of K whose partial sums are added in float64. Smaller tiles have margin to spare
+and take the plain products.
 
 Every matrix is read at memory speed with no float64 copy: ``c`` twice (``c ρ`` and its
 row norms), ``a`` and ``b`` twice each. What depends only on an operand block (row
