@@ -3,10 +3,9 @@
 The coordinator's check (``coordinator.verify``) compares ``c ρ`` with ``a (b ρ)`` for
 secret vectors ρ, one statistic per output row and column chunk. An honest worker's
 result differs from the exact product only by rounding, and this module gives an
-upper estimate of that difference's variance for every statistic, from quantities
-the check reads anyway (row norms of the three matrices, the statistics themselves),
-and the threshold that an honest statistic exceeds with probability below
-``HONEST_REJECTION`` per tile.
+upper estimate of that difference's variance for every statistic, from row norms of
+the three matrices, and the threshold that an honest statistic exceeds with
+probability below ``HONEST_REJECTION`` per tile.
 
 The model, per output entry ``c_ij = Σ_l a_il b_lj`` accumulated by any honest kernel:
 
@@ -27,9 +26,9 @@ The model, per output entry ``c_ij = Σ_l a_il b_lj`` accumulated by any honest 
   every operation may also lose up to fp32's smallest normal number. That only matters
   for results near 1e-37, which are then checked no closer than that.
 
-Row sums of ``Σ_l (a_il b_lj)²`` would cost a pass over a squared copy of ``a``; the
-model bounds them by ``||a_i||² max_l ||b_l||²`` instead, exact when the rows of ``b``
-have equal norms and only loose (never unsafe) otherwise.
+Row sums of ``Σ_l (a_il b_lj)²`` cost a pass over a squared copy of ``a``; where the
+rows of ``b`` have similar norms the check bounds them by ``||a_i||² max_l ||b_l||²``
+instead (exact for equal norms, loose but never unsafe otherwise).
 
 The check's own arithmetic (fp32 for fp32, bf16 and fp16 tiles) rounds too, and it is
 modelled the same way from its own chains: the column chunks and K blocks keep those

@@ -188,11 +188,12 @@ class CheckCache:
     """Operand summaries shared by the tiles of one operand block (by its content id),
     so a block's row norms and ``b ρ`` are computed once, not once per tile. Reusing ρ
     across the tiles of a block is as sound as a fresh one: workers never see it.
-    Thread-safe; keeps the ``capacity`` most recently used summaries."""
+    Thread-safe; keeps the most recently used summaries within ``budget_bytes``."""
 
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
+    def __init__(self, budget_bytes: int = 128 << 20) -> None:
+        self.budget_bytes = budget_bytes
         self._entries: OrderedDict[Hashable, LeftSummary | RightSummary] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def left(self, key: Hashable, a3: torch.Tensor) -> LeftSummary:
@@ -222,10 +223,17 @@ class CheckCache:
 
     def _put(self, key: Hashable, summary: _Summary) -> _Summary:
         with self._lock:
-            self._entries[key] = summary
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            if key not in self._entries:
+                self._entries[key] = summary
+                self._bytes += _nbytes(summary)
+            while self._bytes > self.budget_bytes and len(self._entries) > 1:
+                self._bytes -= _nbytes(self._entries.popitem(last=False)[1])
         return summary
+
+
+def _nbytes(summary: LeftSummary | RightSummary) -> int:
+    tensors = [getattr(summary, name) for name in summary.__dataclass_fields__]
+    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
 
 def check_product(

@@ -327,12 +327,15 @@ def test_a_cache_shares_operand_summaries_and_gives_the_same_verdicts() -> None:
     assert len(cache) == 3 + 2  # one summary per row block and per column block
 
 
-def test_a_cache_keeps_only_its_capacity() -> None:
+def test_a_cache_keeps_only_its_budget_of_bytes() -> None:
     rows, cols = grid_tiles(4, 1, 22)
-    cache = CheckCache(capacity=2)
+    # A row block's summary is 64 float64 row norms (512 bytes); the column block's is
+    # b ρ, the four vectors and its largest row norm: room for it and two row blocks.
+    right = 512 * 4 * 4 + 64 * 4 * 4 + 8
+    cache = CheckCache(budget_bytes=right + 2 * 512)
     for i, a in enumerate(rows):
         assert check_product(a, cols[0], honest(a, cols[0]), gen(i), cache=cache, blocks=(i, 0)).ok
-    assert len(cache) == 2
+    assert len(cache) == 3  # the column block and the last two row blocks
 
 
 def test_magnitudes_beyond_fp32_norms_are_checked_in_float64() -> None:
