@@ -37,11 +37,11 @@ chains short, so they add little next to an honest worker's chain over all of K.
 The threshold: a statistic sums independent rounding errors, but their variance is
 itself random (a random walk's ``Σ S_t²`` fluctuates about its mean with an
 exponential tail), so a statistic that one entry dominates has an exponential, not a
-Gaussian, tail: measured on MKL's recursive fp32 kernel, ``P(|z| > x) ≈ 0.5 e^{-1.9 x}``
-per entry against this model with no margin. The threshold takes the larger of the
-Gaussian quantile and that exponential tail, for the number of statistics in the tile.
-``bench/calibrate_verify.py`` measures how far below it honest products stay, kernel by
-kernel and value distribution by value distribution.
+Gaussian, tail (docs/result-check.md has the measurement on a sequential fp32 kernel).
+The threshold takes the larger of the Gaussian quantile and that exponential tail, for
+the number of statistics in the tile. ``bench/calibrate_verify.py`` measures how far
+below it honest products stay, kernel by kernel and value distribution by value
+distribution.
 """
 
 from __future__ import annotations

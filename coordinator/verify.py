@@ -53,9 +53,9 @@ K_BLOCK = 256  # longest fp32 chain of the reference a (b ρ) on split tiles
 LOOKS = 64  # statistics a tile gets at least, where its shape allows (more vectors)
 # Rows are independent looks at a dense error only when the rows of c differ; where they
 # share one direction (non-negative activations, a large common mean) every row's c ρ
-# is about the same number, and only the vectors are independent: a uniform scale of
-# 1e-4 on such a 256^3 tile escaped one vector 2 times in 20, and escapes four with a
-# probability near 1e-5.
+# is about the same number, so an error along that direction escapes every row at once
+# when the vector happens to be nearly orthogonal to it. Only the vectors are
+# independent: with four, all four must be.
 MIN_VECTORS = 4
 MAX_VECTORS = 8
 
