@@ -7,6 +7,9 @@ pass, each by a wide margin, and every cheat must be caught in every trial.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,6 +22,7 @@ from bench.tile_cases import (
     product,
     scale_cheat,
 )
+from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
 from coordinator.verify import check_product
 
 SHAPES: tuple[Shape, ...] = (
@@ -79,3 +83,57 @@ def test_a_third_of_the_scale_floor_is_still_caught_on_a_deep_tile() -> None:
         a, b = operands("gaussian", shape, torch.float32, data)
         c = product(a, b)
         assert not check_product(a, b, scale_cheat(3e-5)(a, b, c, c, data), checks).ok
+
+
+def training_gemms() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The linear layers' GEMMs of two training steps of the built-in GPT, as the
+    coordinator offloads them: forward x @ Wᵀ, input gradient dY @ W, weight gradient
+    dYᵀ @ x, with the activations and gradients real training produces."""
+    job = make_tiny_gpt()
+    gemms: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    inputs: dict[str, torch.Tensor] = {}
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().reshape(-1, t.shape[-1]).contiguous()
+
+    for name, module in job.model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+
+        def forward(mod: torch.nn.Module, args: Any, out: Any, name: str = name) -> None:
+            inputs[name] = flat(args[0])
+            gemms.append((f"{name} forward", inputs[name], mod.weight.detach().T.contiguous()))
+
+        def backward(mod: torch.nn.Module, gin: Any, gout: Any, name: str = name) -> None:
+            dy = flat(gout[0])
+            gemms.append((f"{name} dX", dy, mod.weight.detach().contiguous()))
+            gemms.append((f"{name} dW", dy.T.contiguous(), inputs[name]))
+
+        module.register_forward_hook(forward)
+        module.register_full_backward_hook(backward)
+    for x, y in itertools.islice(job.batches, 2):
+        job.loss_fn(job.model(x), y).backward()
+        job.optimizer.step()
+        job.optimizer.zero_grad()
+    return gemms
+
+
+def test_real_training_tiles_pass_honestly_and_fail_every_cheat() -> None:
+    # Inputs nobody wrote for the check: the activations and gradients of real training.
+    checks, cheat_rng = torch.Generator().manual_seed(8), torch.Generator().manual_seed(9)
+    kernels = [k for k in honest_kernels() if k.name in ("torch, 1 thread", "recursive sum")]
+    gemms = training_gemms()
+    assert len(gemms) >= 40
+    wrong = []
+    for name, a, b in gemms:
+        c = product(a, b)
+        for kernel in kernels:
+            if kernel.applies((None, a.shape[0], a.shape[1], b.shape[1]), a.dtype):
+                verdict = check_product(a, b, kernel.multiply(a, b), checks)
+                if not verdict.ok or verdict.margin > 0.75:
+                    wrong.append((name, kernel.name, verdict.margin))
+        for cheat_name, cheat in CHEATS.items():
+            bad = cheat(a, b, c, 0.5 * c, cheat_rng)
+            if not torch.equal(bad, c) and check_product(a, b, bad, checks).ok:
+                wrong.append((name, cheat_name))
+    assert not wrong
