@@ -17,7 +17,7 @@ cheating worker of the end-to-end tests:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -330,11 +330,3 @@ def entry_cheat(fraction: float) -> Cheat:
 def shapes_label(shape: Shape) -> str:
     batch, m, k, n = shape
     return ("" if batch is None else f"{batch} x ") + f"{m} x {k} x {n}"
-
-
-def tiles(
-    shape: Shape, dtype: torch.dtype, distribution: str, count: int, seed: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(count):
-        yield operands(distribution, shape, dtype, g)

@@ -197,13 +197,18 @@ def _fits(shape: GemmShape, config: PlanConfig, grid: Grid) -> bool:
     return tile_bytes <= config.tile_mem_cap_bytes and 2 * b * m * n * k <= config.max_tile_flops
 
 
-def _smallest_tile_flops(shape: GemmShape, grid: Grid) -> int:
+def _smallest_tile(shape: GemmShape, grid: Grid) -> tuple[int, int, int, int]:
     b, m, n, k = (size // parts for size, parts in zip(shape.dims, grid, strict=True))
+    return (b, m, n, k)
+
+
+def _smallest_tile_flops(shape: GemmShape, grid: Grid) -> int:
+    b, m, n, k = _smallest_tile(shape, grid)
     return 2 * b * m * n * k
 
 
 def _smallest_tile_outputs(shape: GemmShape, grid: Grid) -> int:
-    b, m, n, _ = (size // parts for size, parts in zip(shape.dims, grid, strict=True))
+    b, m, n, _ = _smallest_tile(shape, grid)
     return b * m * n
 
 

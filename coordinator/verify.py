@@ -310,13 +310,6 @@ def _check(
     return CheckResult(ok, math.sqrt(worst) / limit, plan.statistics, "" if ok else "mismatch")
 
 
-def freivalds_ok(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, generator: torch.Generator
-) -> bool:
-    """True when ``c`` equals ``a @ b`` up to honest rounding (see ``check_product``)."""
-    return check_product(a, b, c, generator).ok
-
-
 def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
     """``a (b ρ)`` in float64, ``[batch, m, chunks * V]``: one fp32 product, or partial
     products over K blocks (short chains) added in float64."""
