@@ -22,6 +22,7 @@ from common.gemm_speed import matmul_gflops
 from common.signing import fingerprint, load_or_create_private_key
 from coordinator.config_file import ConfigError, read_config
 from coordinator.costmodel import LivePlanning
+from coordinator.flops import describe
 from coordinator.job import Job
 from coordinator.ledger import Ledger
 from coordinator.local_workers import LocalWorkers
@@ -392,7 +393,10 @@ async def serve(args: argparse.Namespace) -> int:
         offload,
         # Plain ints and an immutable snapshot: safe to read from the training thread.
         pool_counters=lambda: PoolCounters(
-            server.counters.tiles_verified, server.counters.reissued, server.pool.workers
+            server.counters.tiles_verified,
+            server.counters.reissued,
+            server.pool.workers,
+            server.counters.flops_computed_here,
         ),
         metrics_out=args.metrics_out,
         cancel=cancel,
@@ -421,7 +425,7 @@ async def serve(args: argparse.Namespace) -> int:
     progress.checkpoint_step = trainer.checkpointed_step
 
     def on_step(record: StepRecord) -> None:  # on the training thread
-        progress.add(record, trainer.dag.get("gflop"), trainer.checkpointed_step)
+        progress.add(record, trainer.dag.get("gflop"), trainer.checkpointed_step, trainer.flops)
         _print(
             f"step {record.step:4d}  loss {record.loss:.4f}  {record.seconds:6.2f} s  "
             f"tiles {record.tiles:4d}  reissued {record.reissued:3d}  workers {record.workers}",
@@ -486,6 +490,8 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.to_thread(local.stop)
         await server.close()
         _print_traffic(server)
+        if trainer.flops:
+            _print(f"FLOPs of the last step: {describe(trainer.flops)}", flops=trainer.flops)
         _print_contributions(ledger)
         ledger.close()
     if failed is not None:
@@ -507,6 +513,12 @@ def _print_traffic(server: CoordinatorServer) -> None:
         f"\ntraffic this run: {down / 1e6:.1f} MB to workers ({uncached / 1e6:.1f} MB without "
         f"their operand caches: {saved:.0%} saved), {counters.bytes_up / 1e6:.1f} MB back"
     )
+    if counters.bytes_half:
+        _print(
+            f"bf16/fp16 tiles: {counters.bytes_half / 1e6:.1f} MB of that traffic; as fp32 "
+            f"they would have been {2 * counters.bytes_half / 1e6:.1f} MB "
+            f"({counters.bytes_half / 1e6:.1f} MB saved)"
+        )
     if counters.kept_here:
         _print(
             f"tiles: {counters.tiles_verified} verified from workers, {counters.kept_here} "

@@ -12,13 +12,14 @@ import heapq
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from coordinator.flops import FlopTally, op_name
 from coordinator.tracing import GEMM_OPS, TracedStep
 
 # torch.fx names the nodes that stand for the graph's inputs by this op; the executor
@@ -29,9 +30,10 @@ GemmDone = Callable[[torch.Tensor | BaseException], None]
 
 
 class GemmOffload(Protocol):
-    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> int:
         """Begin computing ``a @ b`` elsewhere ("mm": 2-D, "bmm": 3-D) and call ``done``
-        (from any thread) with the product or an exception. False: run it locally."""
+        (from any thread) with the product or an exception. Returns the FLOPs handed to
+        workers (some tiles may be computed here); 0: nothing started, run it locally."""
         ...
 
 
@@ -44,6 +46,7 @@ class StepStats:
     gemms_offloaded: int = 0
     gemms_local: int = 0
     max_gemms_in_flight: int = 0
+    flops: FlopTally = field(default_factory=FlopTally)
 
 
 def _is_mutating(node: Node) -> bool:
@@ -98,6 +101,7 @@ class DataflowExecutor:
         """Run one step. ``label`` prefixes the names the offload sees ("s3:mm_12"), so
         every GEMM of a run has its own name."""
         nodes = list(traced.graph.nodes)
+        node_flops = traced.flops()
         order = {node: i for i, node in enumerate(nodes)}
         deps = _dependencies(nodes)
         waiting = {node: len(d) for node, d in deps.items()}
@@ -145,13 +149,18 @@ class DataflowExecutor:
                 elif node.op == "output":
                     result = list(map_arg(node.args[0], lambda n: env[n]))  # type: ignore[arg-type]
                     complete(node, None)
-                elif node.target in GEMM_OPS and self._start_gemm(node, env, completions, label):
+                elif node.target in GEMM_OPS and (
+                    sent := self._start_gemm(node, env, completions, label)
+                ):
                     in_flight += 1
                     stats.gemms_offloaded += 1
                     stats.max_gemms_in_flight = max(stats.max_gemms_in_flight, in_flight)
+                    stats.flops.workers += sent
+                    stats.flops.keep(op_name(node.target), node_flops[node] - sent)
                 else:
                     if node.target in GEMM_OPS:
                         stats.gemms_local += 1
+                    stats.flops.keep(op_name(node.target), node_flops[node])
                     args = map_arg(node.args, lambda n: env[n])
                     kwargs = map_arg(node.kwargs, lambda n: env[n])
                     complete(node, node.target(*args, **kwargs))  # type: ignore[operator]
@@ -178,9 +187,9 @@ class DataflowExecutor:
         env: dict[Node, Any],
         completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]],
         label: str,
-    ) -> bool:
+    ) -> int:
         if self._offload is None:
-            return False
+            return 0
         op = GEMM_OPS[node.target]  # type: ignore[index]
         a_node, b_node = (node.args[1], node.args[2]) if op == "addmm" else node.args[:2]
         a, b = env[a_node], env[b_node]  # type: ignore[index]
@@ -193,12 +202,15 @@ class DataflowExecutor:
 
 
 def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> torch.Tensor:
-    """addmm is ``beta * bias + alpha * (a @ b)``; the tiles computed only ``a @ b``."""
     if GEMM_OPS[node.target] != "addmm":  # type: ignore[index]
         return product
-    bias = env[node.args[0]]  # type: ignore[index]
-    beta: Any = node.kwargs.get("beta", 1)
-    alpha: Any = node.kwargs.get("alpha", 1)
+    return finish_addmm(product, env[node.args[0]], node.kwargs)  # type: ignore[index]
+
+
+def finish_addmm(product: torch.Tensor, bias: torch.Tensor, kwargs: Any) -> torch.Tensor:
+    """addmm is ``beta * bias + alpha * (a @ b)``; the tiles computed only ``a @ b``."""
+    beta: Any = kwargs.get("beta", 1)
+    alpha: Any = kwargs.get("alpha", 1)
     if alpha != 1:
         product = product * alpha
     return product + (bias if beta == 1 else bias * beta)

@@ -8,6 +8,7 @@ job before they serve it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,9 @@ class Job:
     optimizer: torch.optim.Optimizer
     batches: Iterable[Batch]
     name: str = "job"
+    # Mixed precision: the forward and the loss run under torch.autocast("cpu", autocast),
+    # as a training script would write it; its GEMMs (and their tiles) are then bf16/fp16.
+    autocast: torch.dtype | None = None
     _iterator: Iterator[Batch] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -32,6 +36,8 @@ class Job:
             raise TypeError(f"Job.model must be a torch.nn.Module, got {type(self.model).__name__}")
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError("Job.optimizer must be a torch.optim.Optimizer")
+        if self.autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError("Job.autocast must be None, torch.bfloat16 or torch.float16")
         if not callable(self.loss_fn):
             raise TypeError("Job.loss_fn must be callable as loss_fn(outputs, targets)")
         params = {id(p) for p in self.model.parameters()}
@@ -41,6 +47,12 @@ class Job:
                     raise ValueError(
                         "Job.optimizer holds a tensor that is not a parameter of Job.model"
                     )
+
+    def autocast_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the forward and the loss run in: autocast, or nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast)
 
     def next_batch(self) -> Batch:
         """The next (inputs, targets); raises StopIteration when the data runs out."""
@@ -56,7 +68,8 @@ def train_locally(job: Job, steps: int) -> list[float]:
     for _ in range(steps):
         inputs, targets = job.next_batch()
         job.optimizer.zero_grad(set_to_none=True)
-        loss = job.loss_fn(job.model(inputs), targets)
+        with job.autocast_context():
+            loss = job.loss_fn(job.model(inputs), targets)
         loss.backward()
         job.optimizer.step()
         losses.append(float(loss.detach()))

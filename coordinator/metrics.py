@@ -127,6 +127,12 @@ def render_metrics(status: Mapping[str, Any]) -> str:
         "Verified result bytes received from workers.",
         traffic.get("bytes_up"),
     )
+    out.add(
+        "cleave_bytes_half_precision_total",
+        "counter",
+        "Bytes of bf16/fp16 tiles, both ways: fp32 would have moved twice as many.",
+        traffic.get("bytes_half"),
+    )
     connections = status.get("connections") or {}
     out.add(
         "cleave_handshakes_refused_total",
@@ -169,6 +175,27 @@ def _training(out: _Exposition, status: Mapping[str, Any]) -> None:
         last.get("seconds"),
     )
     out.add("cleave_step_tiles", "gauge", "Tiles verified in the last step.", last.get("tiles"))
+    flops = status.get("flops") or {}
+    out.add(
+        "cleave_step_gflop",
+        "gauge",
+        "GFLOP of the last step, every op counted (torch.utils.flop_counter conventions).",
+        flops.get("gflop"),
+    )
+    out.add(
+        "cleave_step_workers_flop_share",
+        "gauge",
+        "Share of the last step's FLOPs that workers computed (0 to 1).",
+        flops.get("workers_share"),
+    )
+    for kept in flops.get("kept_here") or []:
+        out.add(
+            "cleave_step_kept_here_gflop",
+            "gauge",
+            "GFLOP of the last step computed at the coordinator, by op.",
+            kept.get("gflop"),
+            {"op": str(kept.get("op", ""))},
+        )
     out.add(
         "cleave_checkpoint_step",
         "gauge",

@@ -44,9 +44,9 @@ class TileOffload:
         self._commitments = Commitments()  # training thread only, as start() is
         self._clock = time.monotonic
 
-    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> bool:
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> int:
         if a.dtype not in DTYPE_NAMES or a.dtype != b.dtype or a.is_complex():
-            return False
+            return 0
         batch, m, k = (a.shape[0], a.shape[1], a.shape[2]) if op == "bmm" else (1, *a.shape)
         n = b.shape[-1]
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
@@ -61,10 +61,11 @@ class TileOffload:
             )
         except ValueError as exc:  # no tile of this GEMM fits: the coordinator computes it
             log.warning("running %s locally: %s", name, exc)
-            return False
+            return 0
         if choice.plan is None or choice.all_here:
-            return False  # all of it here: one GEMM is cheaper than its tiles
+            return 0  # all of it here: one GEMM is cheaper than its tiles
         local = choice.local
+        sent = sum(r.flops for r in choice.plan.tiles if r.index not in local)
         gemm = TiledGemm(name, choice.plan, a, b, on_done=done, local=local, owners=choice.owners)
         for job in gemm.iter_jobs(self._key):
             self._loop.call_soon_threadsafe(self._server.submit, [job])
@@ -73,4 +74,4 @@ class TileOffload:
             self._loop.call_soon_threadsafe(
                 self._server.kept_here, gemm.gemm_id, len(local), finished
             )
-        return True
+        return sent

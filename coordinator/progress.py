@@ -24,11 +24,17 @@ class Progress:
         self.steps = steps
         self.step_gflop: float | None = None  # GEMM work in one step, once traced
         self.checkpoint_step: int | None = None
+        # The last step's FLOPs by who computed them (coordinator.flops.FlopTally.summary).
+        self.flops: dict[str, Any] | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=history_points)
         self._lock = threading.Lock()
 
     def add(
-        self, record: StepRecord, step_gflop: float | None, checkpoint_step: int | None
+        self,
+        record: StepRecord,
+        step_gflop: float | None,
+        checkpoint_step: int | None,
+        flops: dict[str, Any] | None = None,
     ) -> None:
         entry = {
             "step": record.step,
@@ -37,12 +43,15 @@ class Progress:
             "tiles": record.tiles,
             "reissued": record.reissued,
             "workers": record.workers,
+            "workers_flop_share": record.workers_flop_share,
         }
         with self._lock:
             self._history.append(entry)
             self.step = record.step + 1
             self.step_gflop = step_gflop
             self.checkpoint_step = checkpoint_step
+            if flops:
+                self.flops = flops
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -53,6 +62,7 @@ class Progress:
                 "steps": self.steps,
                 "step_gflop": self.step_gflop,
                 "checkpoint_step": self.checkpoint_step,
+                "flops": self.flops,
                 "history": history,
                 "losses": [entry["loss"] for entry in history[-LOSSES_POINTS:]],
             }

@@ -151,12 +151,15 @@ class Counters:
     duplicates: int = 0
     not_assigned: int = 0  # results for tiles the sender does not hold (replays, forgeries)
     computed_here: int = 0  # tiles no connected worker could take
+    flops_computed_here: int = 0  # their FLOPs: offloaded, yet computed at the coordinator
     kept_here: int = 0  # tiles the planner kept at the coordinator (its own share)
     banned: int = 0  # workers banned in this run
     refused_handshakes: int = 0  # connections that failed to authenticate
     bytes_down: int = 0
     bytes_down_uncached: int = 0  # what bytes_down would be without operand caches
     bytes_up: int = 0
+    # Bytes (down and up) of bf16/fp16 tiles: as fp32 they would have been twice as many.
+    bytes_half: int = 0
 
 
 @dataclass(frozen=True)
@@ -345,6 +348,8 @@ class CoordinatorServer:
         self.counters.reissued += assignment.reissue
         self.counters.bytes_down += len(frame)
         self.counters.bytes_down_uncached += len(job.bundle)
+        if job.a.element_size() == 2:
+            self.counters.bytes_half += len(frame)
 
     def _frame_for(self, conn: WorkerConn, job: TileJob) -> bytes | bytearray:
         """The task frame for this worker: the shared bundle, or (for a worker with an
@@ -734,6 +739,8 @@ class CoordinatorServer:
         conn.tiles_session += 1
         self.counters.tiles_verified += 1
         self.counters.bytes_up += len(received.frame.payload)
+        if job.a.element_size() == 2:
+            self.counters.bytes_half += len(received.frame.payload)
         before = self.ledger.get(conn.key)
         reputation = after_verified(before.reputation, self.config.reputation)
         up, compute_s = len(received.frame.payload), min(msg.compute_s, held_s)
@@ -865,6 +872,7 @@ class CoordinatorServer:
             if job is None:  # pragma: no cover - the scheduler and the job map agree
                 continue
             self.counters.computed_here += 1
+            self.counters.flops_computed_here += job.flops
             log.warning(
                 "no connected worker may take tile %s (refused by all, or over every memory "
                 "cap): computing it at the coordinator",
@@ -954,6 +962,7 @@ class CoordinatorServer:
                 "bytes_down": self.counters.bytes_down,
                 "bytes_down_uncached": self.counters.bytes_down_uncached,
                 "bytes_up": self.counters.bytes_up,
+                "bytes_half": self.counters.bytes_half,
             },
             "connections": {
                 "banned_this_run": self.counters.banned,

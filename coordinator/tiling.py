@@ -158,7 +158,9 @@ class TiledGemm:
                 parts = self._partials.setdefault((bi, mi, ni), {})
                 parts[ki] = c
                 if len(parts) == self._gk:
-                    total = parts[0].clone()
+                    # Half-precision partials add up in fp32 and round once, as a
+                    # kernel accumulating the whole K range would.
+                    total = parts[0].to(torch.promote_types(parts[0].dtype, torch.float32))
                     for k in range(1, self._gk):
                         total += parts[k]
                     self._write(region, total)

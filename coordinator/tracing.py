@@ -1,14 +1,20 @@
 """Trace one training step (forward + backward) into an aten graph, and find its GEMMs.
 
 ``make_fx`` over a functional step (``functional_call`` + ``grad_and_value``) gives the
-whole step as aten ops, with every GEMM as ``aten.mm``, ``aten.bmm`` or ``aten.addmm``.
+whole step as aten ops, with every GEMM as ``aten.mm``, ``aten.bmm`` or ``aten.addmm``;
+fused attention and convolutions are lowered to GEMMs on the way (``coordinator.lowering``).
 The step is functionalized so that no node mutates another's output: the dataflow
 executor may then run independent nodes in any order. Mutations of inputs (e.g.
 BatchNorm's running statistics) remain as copies into buffers; the executor orders them.
+
+A step that cannot be one graph (Python that branches on a tensor's value) raises
+``CaptureError`` with the reason in words; the trainer then runs it eagerly
+(``coordinator.eager``), still sending every GEMM to workers.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +26,11 @@ from torch.func import functional_call, functionalize, grad_and_value
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from coordinator.flops import node_flops
 from coordinator.job import Job
+from coordinator.lowering import LOWERINGS
 
+log = logging.getLogger("cleave.coordinator")
 aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default: "mm", aten.bmm.default: "bmm", aten.addmm.default: "addmm"}
 
@@ -45,6 +54,50 @@ class TracedStep:
 
     def gemm_nodes(self) -> list[Node]:
         return [n for n in self.graph.nodes if n.op == "call_function" and n.target in GEMM_OPS]
+
+    def flops(self) -> dict[Node, int]:
+        """Every node's FLOPs (``torch.utils.flop_counter`` conventions), counted once."""
+        cached: dict[Node, int] | None = self.graph_module.meta.get("cleave_flops")
+        if cached is None:
+            cached = {n: node_flops(n) for n in self.graph.nodes}
+            self.graph_module.meta["cleave_flops"] = cached
+        return cached
+
+
+class CaptureError(Exception):
+    """The step cannot be traced into one graph; ``reason`` says why, in words."""
+
+    def __init__(self, reason: str, cause: BaseException) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.cause = cause
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``file:line`` of the deepest frame of the traceback outside torch: the user's code."""
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if "/torch/" not in path and "/coordinator/" not in path:
+            where = f"{path}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+def capture_reason(exc: BaseException) -> str:
+    """Why make_fx stopped, in words an author of a model can act on."""
+    where = _user_frame(exc)
+    at = f" (at {where})" if where else ""
+    text = str(exc)
+    if "_local_scalar_dense" in text or "data-dependent" in text or "data dependent" in text:
+        return (
+            f"the model or loss reads a tensor's value in Python{at}: .item(), .tolist(), "
+            "`if tensor:`, .any()/.all() in a condition or a shape taken from data. One graph "
+            "cannot hold a decision that depends on the data. To capture the whole step, "
+            "compute it with tensor ops instead (torch.where, masks)"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"tracing stopped with {type(exc).__name__}{at}: {first[:300]}"
 
 
 def shape_key(batch: Any) -> tuple[Any, ...]:
@@ -78,7 +131,8 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # Buffers go in as an argument (not captured) so that in-place updates to them
         # are allowed under grad_and_value; gradients are taken for p_ only.
         def loss_of(p_: dict[str, torch.Tensor], b_: dict[str, torch.Tensor]) -> torch.Tensor:
-            return job.loss_fn(functional_call(model, (p_, b_), (x,)), y)
+            with job.autocast_context():
+                return job.loss_fn(functional_call(model, (p_, b_), (x,)), y)
 
         grads, loss = grad_and_value(loss_of)(p, b)
         return [grads[name] for name in param_names] + [loss]
@@ -89,26 +143,43 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # The trace draws from the global RNG (dropout masks) like a real step would;
         # forking it leaves the RNG stream to the real steps, as in local training.
         with torch.random.fork_rng(devices=[]):
-            gm = make_fx(functionalize(step, remove="mutations"))(*params, *buffers, *leaves)
+            gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=LOWERINGS)(
+                *params, *buffers, *leaves
+            )
+    except Exception as exc:
+        raise CaptureError(capture_reason(exc), exc) from exc
     finally:
         model.train(was_training)
     return TracedStep(gm, param_names, buffer_names, batch_spec)
 
 
 class StepTracer:
-    """Traces once per input shape and reuses the graph for every later batch of it."""
+    """Traces once per input shape and reuses the graph for every later batch of it.
+
+    ``get`` returns None for shapes whose step cannot be captured (``CaptureError``):
+    those steps run eagerly. The reason is logged once per shape, not every step."""
 
     def __init__(self, job: Job, trace: Callable[[Job, Any, Any], TracedStep] = trace_step):
         self._job = job
         self._trace = trace
-        self._cache: dict[tuple[Any, ...], TracedStep] = {}
+        self._cache: dict[tuple[Any, ...], TracedStep | None] = {}
+        self.failures: dict[tuple[Any, ...], CaptureError] = {}
 
-    def get(self, inputs: Any, targets: Any) -> TracedStep:
+    def get(self, inputs: Any, targets: Any) -> TracedStep | None:
         key = shape_key((inputs, targets))
-        traced = self._cache.get(key)
-        if traced is None:
-            traced = self._cache[key] = self._trace(self._job, inputs, targets)
-        return traced
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._trace(self._job, inputs, targets)
+            except CaptureError as exc:
+                self._cache[key] = None
+                self.failures[key] = exc
+                log.warning(
+                    "this step cannot be captured as one graph: %s. Cleave runs it eagerly "
+                    "here instead: every GEMM still goes to workers as the step reaches it "
+                    "(one at a time, not overlapped), and the rest of the step runs here",
+                    exc.reason,
+                )
+        return self._cache[key]
 
 
 # ---- GEMM geometry and the GEMM DAG ---------------------------------------------------

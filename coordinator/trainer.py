@@ -20,7 +20,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from coordinator.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.eager import run_eager_step
 from coordinator.executor import DataflowExecutor, GemmOffload, StepCancelled
+from coordinator.flops import describe
 from coordinator.job import Job
 from coordinator.tracing import StepTracer, dag_summary, gemm_dag
 
@@ -37,6 +39,10 @@ class StepRecord:
     workers: int  # workers connected at the end of the step
     gemms_offloaded: int
     gemms_local: int
+    # Of every op's FLOPs in this step (torch.utils.flop_counter conventions), the share
+    # that workers computed; None for a step without FLOPs to count.
+    workers_flop_share: float | None = None
+    captured: bool = True  # False: the step ran eagerly (it cannot be one graph)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class PoolCounters:
     tiles_verified: int
     reissued: int
     workers: int
+    flops_computed_here: int = 0  # offloaded tiles the server computed itself (stranded)
 
 
 class Trainer:
@@ -78,6 +85,8 @@ class Trainer:
         self._step_start: tuple[int, torch.Tensor] | None = None
         self.losses: list[float] = []
         self.dag: dict[str, Any] = {}
+        # The last step's FLOP accounting (coordinator.flops.FlopTally.summary()).
+        self.flops: dict[str, Any] = {}
 
     def resume(self) -> bool:
         """Load the checkpoint, if there is one: model, optimizer, RNG, data position and
@@ -153,7 +162,7 @@ class Trainer:
         started = time.perf_counter()
         before = self.pool_counters()
         traced = self.tracer.get(inputs, targets)
-        if not self.dag:
+        if traced is not None and not self.dag:
             self.dag = dag_summary(gemm_dag(traced))
             ops = self.dag.get("ops", {})
             log.info(
@@ -163,17 +172,28 @@ class Trainer:
                 self.dag["gflop"],
                 self.dag["critical_path"],
             )
+        label = f"s{self.step}"
         model = self.job.model
         params = [p for _, p in model.named_parameters()]
-        leaves = pytree.tree_leaves((inputs, targets))
-        flat = [p.detach() for p in params] + list(model.buffers()) + leaves
-        outputs, stats = self.executor.run(traced, flat, self.cancel, label=f"s{self.step}")
-        grads, loss = outputs[:-1], outputs[-1]
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
+        if traced is None:
+            loss, stats = run_eager_step(
+                self.job, self.offload, inputs, targets, self.cancel, label
+            )
+        else:
+            leaves = pytree.tree_leaves((inputs, targets))
+            flat = [p.detach() for p in params] + list(model.buffers()) + leaves
+            outputs, stats = self.executor.run(traced, flat, self.cancel, label=label)
+            grads, loss = outputs[:-1], outputs[-1]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
         self.job.optimizer.step()
         self.job.optimizer.zero_grad(set_to_none=True)
         after = self.pool_counters()
+        stats.flops.computed_here_after_all(after.flops_computed_here - before.flops_computed_here)
+        first_flops = not self.flops
+        self.flops = stats.flops.summary()
+        if first_flops:
+            log.info("FLOPs: %s", describe(self.flops))
         record = StepRecord(
             step=self.step,
             loss=float(loss),
@@ -183,6 +203,8 @@ class Trainer:
             workers=after.workers,
             gemms_offloaded=stats.gemms_offloaded,
             gemms_local=stats.gemms_local,
+            workers_flop_share=self.flops["workers_share"],
+            captured=traced is not None,
         )
         self.step += 1
         self._step_start = None

@@ -111,7 +111,9 @@ def batches(
         yield x, y
 
 
-def make_job(seed: int = 0, cfg: GPTConfig = GPTConfig()) -> Job:
+def make_job(
+    seed: int = 0, cfg: GPTConfig = GPTConfig(), autocast: torch.dtype | None = None
+) -> Job:
     text = load_text()
     vocab = sorted(set(text))
     index = {ch: i for i, ch in enumerate(vocab)}
@@ -124,5 +126,12 @@ def make_job(seed: int = 0, cfg: GPTConfig = GPTConfig()) -> Job:
         loss_fn=next_token_loss,
         optimizer=optimizer,
         batches=batches(data, cfg, seed),
-        name="tiny_gpt",
+        name="tiny_gpt" if autocast is None else f"tiny_gpt_{str(autocast).split('.')[-1]}",
+        autocast=autocast,
     )
+
+
+def make_bf16_job() -> Job:
+    """The same model trained under ``torch.autocast("cpu", torch.bfloat16)``: mixed
+    precision as large models train; its GEMM tiles travel in bf16."""
+    return make_job(autocast=torch.bfloat16)

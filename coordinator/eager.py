@@ -1,0 +1,115 @@
+"""The fallback for steps that cannot be one graph: run them eagerly, GEMMs still go out.
+
+Some model code decides in Python on a tensor's value (a mask helper that checks
+``mask.any()``, a loss that reads ``.item()``): make_fx cannot trace through that. Such a
+step runs here as plain eager torch under a dispatch mode that sits below autograd, so it
+sees every aten op of the forward and the backward exactly as local training runs them:
+
+- each GEMM (``mm``, ``bmm``, ``addmm``) is handed to the offload and waited for, so its
+  tiles go to workers and are checked like any other;
+- fused attention and convolutions are lowered to GEMMs first (``coordinator.lowering``);
+- everything else runs here.
+
+Against a captured step this loses the overlap between independent GEMMs (one is in
+flight at a time) and the coordinator's own share of a GEMM's tiles; it keeps every
+Python decision the model makes, on the step's real data.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from coordinator.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
+from coordinator.flops import op_flops, op_name
+from coordinator.job import Job
+from coordinator.lowering import LOWERINGS
+from coordinator.tracing import GEMM_OPS
+
+
+class EagerOffloadMode(TorchDispatchMode):
+    def __init__(
+        self,
+        offload: GemmOffload | None,
+        cancel: threading.Event,
+        label: str,
+        poll_s: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self._offload = offload
+        self._cancel = cancel
+        self._label = label
+        self._poll_s = poll_s
+        self._count = 0
+        self.stats = StepStats()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self._cancel.is_set():
+            raise StepCancelled("step cancelled")
+        lowering = LOWERINGS.get(func)
+        if lowering is not None:
+            with self:  # the lowering's own GEMMs come back through this mode
+                out = lowering(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if func in GEMM_OPS:
+            out = self._gemm(func, args, kwargs)
+            if out is not None:
+                return out
+            self.stats.gemms_local += 1
+        out = func(*args, **kwargs)
+        self.stats.flops.keep(op_name(func), op_flops(func, args, kwargs, out))
+        return out
+
+    def _gemm(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> torch.Tensor | None:
+        if self._offload is None:
+            return None
+        op = GEMM_OPS[func]
+        a, b = (args[1], args[2]) if op == "addmm" else (args[0], args[1])
+        results: queue.SimpleQueue[torch.Tensor | BaseException] = queue.SimpleQueue()
+        name = f"{self._label}:eager_{op}_{self._count}"
+        self._count += 1
+        sent = self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, results.put)
+        if not sent:
+            return None
+        flops = op_flops(func, args, kwargs, None)
+        self.stats.gemms_offloaded += 1
+        self.stats.max_gemms_in_flight = 1
+        self.stats.flops.workers += sent
+        self.stats.flops.keep(op_name(func), flops - sent)
+        while True:
+            if self._cancel.is_set():
+                raise StepCancelled("step cancelled")
+            try:
+                value = results.get(timeout=self._poll_s)
+                break
+            except queue.Empty:
+                continue
+        if isinstance(value, BaseException):
+            raise value
+        return finish_addmm(value, args[0], kwargs) if op == "addmm" else value
+
+
+def run_eager_step(
+    job: Job,
+    offload: GemmOffload | None,
+    inputs: Any,
+    targets: Any,
+    cancel: threading.Event,
+    label: str,
+) -> tuple[torch.Tensor, StepStats]:
+    """Forward, loss and backward as local training does them; leaves ``param.grad`` set."""
+    mode = EagerOffloadMode(offload, cancel, label)
+    job.model.train()
+    with mode:
+        with job.autocast_context():
+            loss = job.loss_fn(job.model(inputs), targets)
+        loss.backward()
+    return loss.detach(), mode.stats

@@ -1,0 +1,148 @@
+"""Fused attention and convolutions lowered to GEMMs (coordinator.lowering): the same
+values as torch's own kernels, forward and backward, and no fused op left in a trace."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from real_models import make_cnn_job, make_sdpa_job
+
+from coordinator import lowering
+from coordinator.tracing import GEMM_OPS, trace_step
+
+aten = torch.ops.aten
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+# fp32: the lowering and the fused kernel differ only in summation order. bf16: both round
+# scores and probabilities to bf16 (8 bits) at different points, so they differ by about
+# one bf16 step (2^-8) of the largest entry.
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize(
+    "dtype,causal,masked,cross",
+    [
+        (dtype, causal, masked, cross)
+        for dtype, causal, masked, cross in itertools.product(
+            (torch.float32, torch.bfloat16), (False, True), (False, True), (False, True)
+        )
+        if not (causal and cross)  # torch's causal mask for L != S is its own corner
+    ],
+)
+def test_attention_matches_the_fused_cpu_kernel(
+    dtype: torch.dtype, causal: bool, masked: bool, cross: bool
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 24, 16, generator=gen).to(dtype)
+    s = 40 if cross else 24
+    k = torch.randn(2, 3, s, 16, generator=gen).to(dtype)
+    v = torch.randn(2, 3, s, 16, generator=gen).to(dtype)
+    mask = torch.randn(24, s, generator=gen).to(dtype) if masked else None
+    kwargs: dict[str, Any] = {"attn_mask": mask, "scale": 0.3 if masked else None}
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, **kwargs)
+    got_out, got_lse = lowering.flash_attention_cpu(q, k, v, 0.0, causal, **kwargs)
+    tol = TOLERANCE[dtype]
+    assert rel(got_out.float(), out.float()) < tol
+    assert rel(got_lse, lse) < tol
+    grad = torch.randn(out.shape, generator=gen).to(dtype)
+    want = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, **kwargs
+    )
+    got = lowering.flash_attention_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, **kwargs)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert rel(g.float(), w.float()) < tol
+
+
+def test_attention_with_dropout_is_left_to_the_fused_kernel() -> None:
+    q = torch.randn(1, 1, 4, 4)
+    assert lowering.flash_attention_cpu(q, q, q, 0.1) is NotImplemented
+
+
+def test_a_traced_transformer_step_has_its_attention_as_bmm() -> None:
+    job = make_sdpa_job(seq=32, batch=2)
+    x, y = job.next_batch()
+    traced = trace_step(job, x, y)
+    names = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
+    assert not [n for n in names if "scaled_dot_product" in n], names
+    bmm = [n for n in traced.gemm_nodes() if GEMM_OPS[n.target] == "bmm"]  # type: ignore[index]
+    # Per layer: q kᵀ and p v forward; the scores again, dv, dp, dq and dk backward.
+    assert len(bmm) == 2 * 7
+
+
+# ---- convolutions ------------------------------------------------------------------------
+
+CONV_CASES = [
+    # (dims, stride, padding, dilation, groups, bias)
+    (2, 1, 1, 1, 1, True),
+    (2, 2, 0, 1, 1, False),
+    (2, 1, 2, 2, 2, True),
+    (2, (2, 1), (1, 0), (1, 2), 1, True),
+    (1, 1, 1, 1, 1, True),
+    (1, 2, 3, 2, 2, False),
+]
+
+
+def _conv_case(
+    dims: int, stride: Any, padding: Any, dilation: Any, groups: int, bias: bool, dtype: Any
+) -> tuple[Any, ...]:
+    gen = torch.Generator().manual_seed(1)
+    spatial = (9, 11) if dims == 2 else (13,)
+    x = torch.randn(3, 8, *spatial, generator=gen, dtype=dtype)
+    w = torch.randn(16, 8 // groups, *((3, 3) if dims == 2 else (3,)), generator=gen, dtype=dtype)
+    b = torch.randn(16, generator=gen, dtype=dtype) if bias else None
+
+    def per_dim(v: Any) -> tuple[int, ...]:
+        return v if isinstance(v, tuple) else (v,) * dims
+
+    return x, w, b, per_dim(stride), per_dim(padding), per_dim(dilation), (0,) * dims, groups
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_convolution_and_its_backward_match_torch(case: Any, dtype: Any, tol: float) -> None:
+    dims, *_, bias = case
+    x, w, b, st, pd, dl, op, groups = _conv_case(*case, dtype=dtype)
+    want = aten.convolution(x, w, b, st, pd, dl, False, op, groups)
+    got = lowering.convolution(x, w, b, st, pd, dl, False, op, groups)
+    assert got.shape == want.shape and rel(got, want) < tol
+    grad = torch.randn_like(want)
+    sizes = [16] if bias else None
+    mask = [True, True, bias]
+    want_g = aten.convolution_backward(grad, x, w, sizes, st, pd, dl, False, op, groups, mask)
+    got_g = lowering.convolution_backward(grad, x, w, sizes, st, pd, dl, False, op, groups, mask)
+    for g, wg in zip(got_g, want_g, strict=True):
+        if wg is None:
+            assert g is None
+        else:
+            assert g.shape == wg.shape and rel(g, wg) < tol
+
+
+def test_convolutions_without_a_useful_gemm_stay_as_they_are() -> None:
+    x = torch.randn(2, 8, 6, 6)
+    depthwise = torch.randn(8, 1, 3, 3)
+    args = ((1, 1), (1, 1), (1, 1))
+    assert lowering.convolution(x, depthwise, None, *args, False, (0, 0), 8) is NotImplemented
+    weight = torch.randn(8, 8, 3, 3)
+    assert lowering.convolution(x, weight, None, *args, True, (0, 0), 1) is NotImplemented
+    x3, w3 = torch.randn(1, 8, 4, 4, 4), torch.randn(8, 8, 3, 3, 3)
+    three = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
+    assert lowering.convolution(x3, w3, None, *three, False, (0, 0, 0), 1) is NotImplemented
+
+
+def test_a_traced_cnn_step_has_no_convolution_left() -> None:
+    job = make_cnn_job(batch=4, size=16)
+    x, y = job.next_batch()
+    traced = trace_step(job, x, y)
+    names = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
+    assert not [n for n in names if "convolution" in n], names
+    assert len(traced.gemm_nodes()) >= 3 * 7  # 7 convolutions: forward, dW, dX each

@@ -1,0 +1,136 @@
+"""Models as outsiders write them, in-process: the trainer captures or falls back, lowers
+attention and convolutions to GEMMs, counts every op's FLOPs and who computed them, and
+trains bf16 autocast jobs with bf16 GEMMs. Losses are compared with ``train_locally``.
+
+The end-to-end tier (real workers over sockets) is tests/test_e2e_models.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from real_models import make_cnn_job, make_data_dependent_job, make_sdpa_job
+from torch.utils.flop_counter import FlopCounterMode
+
+from coordinator.executor import GemmDone
+from coordinator.flops import FlopTally, describe
+from coordinator.job import Job, train_locally
+from coordinator.jobs.tiny_gpt import make_bf16_job
+from coordinator.tracing import CaptureError, trace_step
+from coordinator.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(120)
+
+# bf16 keeps 8 significant bits: two correct bf16 steps that round their intermediates at
+# different points (graph vs eager order, autocast's weight cache) give losses a few 1e-5
+# apart, growing as training diverges; 1e-3 is a quarter of bf16's unit roundoff (2^-9)
+# and still catches a wrong GEMM, which moves the loss by far more.
+BF16_REL = 1e-3
+
+
+class RecordingOffload:
+    """Computes each GEMM on the calling thread, like a worker that answers at once, and
+    records what was offloaded; hands all of its FLOPs to "workers"."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, torch.dtype]] = []
+
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> int:
+        self.calls.append((name, op, a.dtype))
+        done(torch.bmm(a, b) if op == "bmm" else a @ b)
+        return 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if op == "bmm" else 1)
+
+
+def _distributed(make: Any, steps: int) -> tuple[Trainer, RecordingOffload, list[float]]:
+    offload = RecordingOffload()
+    trainer = Trainer(make(), offload)
+    records = trainer.run(steps)
+    return trainer, offload, [r.loss for r in records]
+
+
+def _assert_close(got: list[float], want: list[float], rel: float) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= rel * abs(w), f"step {step}: {g!r} vs local {w!r}"
+
+
+def test_transformer_with_fused_attention_trains_with_every_flop_offloaded() -> None:
+    def make() -> Job:
+        return make_sdpa_job(seq=64, batch=2)
+
+    trainer, offload, losses = _distributed(make, 4)
+    _assert_close(losses, train_locally(make(), 4), 1e-5)
+    assert trainer.flops["workers_share"] == 1.0 and trainer.flops["kept_here"] == []
+    assert sum(op == "bmm" for _, op, _ in offload.calls) == 4 * 2 * 7
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_cnn_trains_and_its_flops_are_torchs_count(groups: int) -> None:
+    def make() -> Job:
+        return make_cnn_job(batch=4, size=16, groups=groups)
+
+    trainer, _, losses = _distributed(make, 3)
+    _assert_close(losses, train_locally(make(), 3), 1e-5)
+    assert trainer.flops["workers_share"] == 1.0
+    if groups > 1:
+        return  # torch counts a grouped convolution's weight gradient as if ungrouped
+    # Every convolution went out as GEMMs, and the step's FLOPs are what torch's own
+    # counter finds in an eager step of the same model.
+    job = make()
+    x, y = job.next_batch()
+    with FlopCounterMode(display=False) as counter:
+        job.loss_fn(job.model(x), y).backward()
+    assert trainer.flops["gflop"] == pytest.approx(counter.get_total_flops() / 1e9, abs=1e-4)
+
+
+def test_without_workers_the_accounting_names_what_stayed_here() -> None:
+    trainer = Trainer(make_cnn_job(batch=4, size=16), None)
+    trainer.run(1)
+    assert trainer.flops["workers_share"] == 0.0
+    kept = {k["op"]: k for k in trainer.flops["kept_here"]}
+    assert set(kept) == {"mm", "addmm"}, kept  # the convolutions too, as their GEMMs
+    assert "planner" in kept["mm"]["why"]
+    assert "workers computed 0.0%" in describe(trainer.flops)
+
+
+def test_tally_describes_the_ops_kept_here() -> None:
+    tally = FlopTally(workers=900)
+    tally.keep("convolution", 100)
+    tally.keep("relu", 0)
+    summary = tally.summary()
+    assert summary["workers_share"] == 0.9 and [k["op"] for k in summary["kept_here"]] == [
+        "convolution"
+    ]
+    assert describe(summary).startswith("workers computed 90.0% of this step's 0.00 GFLOP")
+    assert "convolution 10.00% (transposed, 3-D" in describe(summary)
+
+
+def test_data_dependent_python_is_named_and_the_step_runs_eagerly() -> None:
+    job = make_data_dependent_job()
+    x, y = job.next_batch()
+    with pytest.raises(CaptureError) as caught:
+        trace_step(job, x, y)
+    assert ".item()" in caught.value.reason and "real_models.py:" in caught.value.reason
+    trainer, offload, losses = _distributed(make_data_dependent_job, 5)
+    _assert_close(losses, train_locally(make_data_dependent_job(), 5), 1e-5)
+    assert not trainer.tracer.get(x, y)  # the failed capture is remembered, not retried
+    assert trainer.flops["workers_share"] == 1.0
+    # The forward's and the backward's GEMMs (attention included) all went out.
+    per_step = len(offload.calls) / 5
+    assert per_step >= 3 * 4 + 7, offload.calls[:10]
+
+
+def test_bf16_autocast_job_sends_bf16_gemms_and_follows_local_training() -> None:
+    trainer, offload, losses = _distributed(make_bf16_job, 5)
+    _assert_close(losses, train_locally(make_bf16_job(), 5), BF16_REL)
+    assert {dtype for _, _, dtype in offload.calls} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in trainer.job.model.parameters())
+
+
+def test_tiles_the_server_computed_itself_count_as_kept_here() -> None:
+    tally = FlopTally(workers=1000)
+    tally.computed_here_after_all(250)
+    assert tally.workers == 750 and tally.kept == {"stranded tiles": 250}
+    assert tally.summary()["kept_here"][0]["why"].startswith("no connected worker")
