@@ -28,6 +28,7 @@ from common.tensors import (
     layout_tensors,
     write_tensors,
 )
+from common.unfold import UNFOLD_FIELD, Unfold
 
 TILE_OPS = ("mm", "bmm")  # the op whitelist: a worker computes nothing else
 BLOCK_FIELD = "block"  # a task operand's block id, for the worker's operand cache
@@ -224,16 +225,21 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Task:
-    """A signed tile: ``c = a @ b`` (op "mm": 2-D, op "bmm": 3-D batched)."""
+    """A signed tile: ``c = a @ b`` (op "mm": 2-D, op "bmm": 3-D batched). With
+    ``unfold`` (mm only), one operand is an image block standing for its patch matrix
+    (``common.unfold``): a convolution's GEMM."""
 
     TYPE: ClassVar[str] = "task"
     tile_id: str
     op: str
     tensors: list[dict[str, Any]]
     sig: str = ""
+    unfold: Unfold | None = None
 
     def to_header(self) -> dict[str, Any]:
-        header = {"tile_id": self.tile_id, "op": self.op, "tensors": self.tensors}
+        header: dict[str, Any] = {"tile_id": self.tile_id, "op": self.op, "tensors": self.tensors}
+        if self.unfold is not None:
+            header[UNFOLD_FIELD] = self.unfold.to_header()
         if self.sig:
             header["sig"] = self.sig
         return header
@@ -249,18 +255,42 @@ class Task:
         sig = h.get("sig", "")
         if not isinstance(sig, str):
             raise ProtocolError('task: field "sig" must be a string')
-        return cls(tile_id=_str(h, "tile_id", "task", limits), op=op, tensors=tensors, sig=sig)
+        unfold = Unfold.from_header(h[UNFOLD_FIELD]) if UNFOLD_FIELD in h else None
+        if unfold is not None and op != "mm":
+            raise ProtocolError(f'task: "{UNFOLD_FIELD}" needs op "mm", not {op!r}', code="bad_op")
+        return cls(
+            tile_id=_str(h, "tile_id", "task", limits),
+            op=op,
+            tensors=tensors,
+            sig=sig,
+            unfold=unfold,
+        )
 
 
 def check_operands(
-    op: str, tensors: dict[str, torch.Tensor], limits: WireLimits = DEFAULT_LIMITS
+    op: str,
+    tensors: dict[str, torch.Tensor],
+    limits: WireLimits = DEFAULT_LIMITS,
+    unfold: Unfold | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The operands of a task, after checking they make a valid GEMM for ``op``."""
+    """The operands of a task, after checking they make a valid GEMM for ``op``; with
+    ``unfold``, the image operand expanded into its patch matrix."""
     if op not in TILE_OPS:
         raise ProtocolError(f"task: op {op!r} is not one of {TILE_OPS}", code="bad_op")
     if set(tensors) != {"a", "b"}:
         raise TensorCodecError(f"task needs exactly tensors 'a' and 'b', got {sorted(tensors)}")
     a, b = tensors["a"], tensors["b"]
+    if unfold is not None:
+        if op != "mm":
+            raise ProtocolError(f"task: an unfolded operand needs op mm, not {op!r}", code="bad_op")
+        image, other = (a, b) if unfold.operand == "a" else (b, a)
+        unfold.check_image(image, limits)
+        if other.dim() != 2 or image.dtype != other.dtype:
+            raise TensorCodecError(
+                f"an unfolded mm needs a 2-D {image.dtype} other operand, got "
+                f"{other.dtype} {list(other.shape)}"
+            )
+        a, b = unfold.matrices(a, b)
     ndim = 2 if op == "mm" else 3
     if a.dim() != ndim or b.dim() != ndim:
         raise TensorCodecError(
@@ -486,8 +516,10 @@ def encode_task(
     *,
     blocks: tuple[str, str] | None = None,
     refs: frozenset[str] = frozenset(),
+    unfold: Unfold | None = None,
 ) -> bytearray:
-    """A signed task bundle for ``a @ b``.
+    """A signed task bundle for ``a @ b`` (with ``unfold``: one of them an image block
+    standing for its patch matrix).
 
     The operands (any strides: tiles are usually slices of a larger matrix) are copied
     once, straight into the frame, which is then hashed and signed in place.
@@ -521,12 +553,13 @@ def encode_task(
             for name, t in named
             if name in refs
         ]
-    header = {
+    header: dict[str, Any] = {
         "type": Task.TYPE,
         "v": PROTOCOL_VERSION,
         "tile_id": tile_id,
         "op": op,
         "tensors": descriptors,
+        **({UNFOLD_FIELD: unfold.to_header()} if unfold is not None else {}),
         # Zeros of the signature's exact length until it is made: the header keeps its size.
         SIGNATURE_FIELD: "0" * SIGNATURE_HEX_LEN,
     }
@@ -580,7 +613,8 @@ def verify_task_blocks(
             if name in tensors:
                 raise TensorCodecError(f"tensor {name!r} is both sent and referred to")
             tensors[name] = tensor
-    return check_operands(received.message.op, tensors, limits), cacheable
+    task = received.message
+    return check_operands(task.op, tensors, limits, task.unfold), cacheable
 
 
 def _block_id(value: Any, limits: WireLimits) -> str:

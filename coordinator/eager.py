@@ -28,7 +28,7 @@ from coordinator.executor import GemmOffload, StepCancelled, StepStats, finish_a
 from coordinator.flops import op_flops, op_name
 from coordinator.job import Job
 from coordinator.lowering import LOWERINGS
-from coordinator.tracing import GEMM_OPS
+from coordinator.tracing import GEMM_OPS, gemm_operands
 
 
 class EagerOffloadMode(TorchDispatchMode):
@@ -72,11 +72,14 @@ class EagerOffloadMode(TorchDispatchMode):
         if self._offload is None:
             return None
         op = GEMM_OPS[func]
-        a, b = (args[1], args[2]) if op == "addmm" else (args[0], args[1])
+        a, b, unfold = gemm_operands(func, args)
         results: queue.SimpleQueue[torch.Tensor | BaseException] = queue.SimpleQueue()
         name = f"{self._label}:eager_{op}_{self._count}"
         self._count += 1
-        sent = self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, results.put)
+        if unfold is None:
+            sent = self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, results.put)
+        else:
+            sent = self._offload.start(name, "mm", a, b, results.put, unfold)
         if not sent:
             return None
         flops = op_flops(func, args, kwargs, None)

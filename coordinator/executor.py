@@ -19,8 +19,9 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from common.unfold import Unfold
 from coordinator.flops import FlopTally, op_name
-from coordinator.tracing import GEMM_OPS, TracedStep
+from coordinator.tracing import GEMM_OPS, TracedStep, gemm_operands
 
 # torch.fx names the nodes that stand for the graph's inputs by this op; the executor
 # feeds them the step's flattened arguments and keeps their values for the whole step.
@@ -30,8 +31,17 @@ GemmDone = Callable[[torch.Tensor | BaseException], None]
 
 
 class GemmOffload(Protocol):
-    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> int:
-        """Begin computing ``a @ b`` elsewhere ("mm": 2-D, "bmm": 3-D) and call ``done``
+    def start(
+        self,
+        name: str,
+        op: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        done: GemmDone,
+        unfold: Unfold | None = None,
+    ) -> int:
+        """Begin computing ``a @ b`` elsewhere ("mm": 2-D, "bmm": 3-D; with ``unfold``,
+        one of them is an image block standing for its patch matrix) and call ``done``
         (from any thread) with the product or an exception. Returns the FLOPs handed to
         workers (some tiles may be computed here); 0: nothing started, run it locally."""
         ...
@@ -191,14 +201,16 @@ class DataflowExecutor:
         if self._offload is None:
             return 0
         op = GEMM_OPS[node.target]  # type: ignore[index]
-        a_node, b_node = (node.args[1], node.args[2]) if op == "addmm" else node.args[:2]
-        a, b = env[a_node], env[b_node]  # type: ignore[index]
+        a_node, b_node, unfold = gemm_operands(node.target, node.args)
+        a, b = env[a_node], env[b_node]
 
         def done(value: torch.Tensor | BaseException) -> None:
             completions.put((node, value))
 
         name = f"{label}:{node.name}" if label else node.name
-        return self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, done)
+        if unfold is None:  # keeps offloads that know no unfolded operands working
+            return self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, done)
+        return self._offload.start(name, "mm", a, b, done, unfold)
 
 
 def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch
 from torch.fx import Node
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+import coordinator.lowering  # noqa: F401  (registers cleave::unfold_mm, counted here)
+
 aten = torch.ops.aten
 
 
@@ -27,10 +29,19 @@ def _flash_cpu_backward(go: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: A
     return int(sdpa_backward_flop_count(go.shape, q.shape, k.shape, v.shape))
 
 
-# torch's registry lacks the CPU flash kernels, the ones a CPU coordinator meets.
+def _unfold_mm(a: Any, b: Any, operand: str, *args: Any, out_val: Any = None, **kw: Any) -> int:
+    """A convolution's GEMM: 2·M·N·K, K taken from the operand that is not an image."""
+    rows, cols = out_val.shape
+    depth = b.shape[0] if operand == "a" else a.shape[1]
+    return 2 * rows * cols * depth
+
+
+# torch's registry lacks the CPU flash kernels, the ones a CPU coordinator meets, and
+# Cleave's own convolution GEMM.
 _EXTRA = {
     aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward,
+    torch.ops.cleave.unfold_mm: _unfold_mm,
 }
 
 # Why an op's FLOPs stayed at the coordinator, by op name.
@@ -39,6 +50,7 @@ KEPT_WHY = {
     "mm": _PLANNER,
     "addmm": _PLANNER,
     "bmm": _PLANNER,
+    "unfold_mm": _PLANNER,
     "convolution": (
         "transposed, 3-D, or grouped with fewer than 8 output channels per group: no GEMM lowering"
     ),

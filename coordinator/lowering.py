@@ -9,10 +9,13 @@ plus cheap ops that stay at the coordinator:
   the backward recomputes the probabilities from the saved log-sum-exp, as the fused
   kernel does, and its four products are bmm too.
 - **Convolutions** (``convolution`` and ``convolution_backward``, 1-D and 2-D, any
-  stride, padding, dilation and groups): implicit GEMM. The input is unfolded into
-  patches (im2col) and the convolution becomes ``patches @ weightᵀ`` per group; the
-  weight gradient is ``grad_outᵀ @ patches`` and the input gradient ``grad_out @
-  weight`` folded back (col2im). Every returned tile is then checked like any GEMM tile.
+  stride, padding, dilation and groups): implicit GEMM over the input's patch matrix
+  (im2col), per group: the output is ``patches @ weightᵀ``, the weight gradient
+  ``grad_outᵀ @ patches``, the input gradient ``grad_out @ weight`` folded back (col2im).
+  The two GEMMs with a patch operand are ``cleave::unfold_mm`` nodes: their tiles carry
+  the input's image blocks, which workers unfold themselves (``common.unfold``), so the
+  wire carries the input once instead of its kernel-size-times larger patch matrix.
+  Every returned tile is a plain GEMM tile, checked like any other.
 
 The table is keyed by aten overload and used as ``make_fx``'s decomposition table and by
 the eager fallback (``coordinator.eager``). A lowering returns ``NotImplemented`` for the
@@ -28,6 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from common.unfold import Unfold
 
 aten = torch.ops.aten
 
@@ -156,6 +161,53 @@ def flash_attention_cpu_backward(
 # ---- convolutions -------------------------------------------------------------------------
 
 
+@torch.library.custom_op("cleave::unfold_mm", mutates_args=())
+def unfold_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    operand: str,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> torch.Tensor:
+    """``a @ b`` where operand ``operand`` is an image block standing for its patch
+    matrix (``common.unfold.Unfold``): one node in the trace, tiles of image blocks."""
+    a_m, b_m = unfold_spec(operand, kernel, stride, padding, dilation).matrices(a, b)
+    return a_m @ b_m
+
+
+@unfold_mm.register_fake
+def _unfold_mm_shape(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    operand: str,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> torch.Tensor:
+    spec = unfold_spec(operand, kernel, stride, padding, dilation)
+    if operand == "a":
+        rows, _ = spec.matrix_shape(a.shape)
+        return a.new_empty((rows, b.shape[1]))
+    _, cols = spec.matrix_shape(b.shape)
+    return a.new_empty((a.shape[0], cols))
+
+
+def unfold_spec(
+    operand: str,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> Unfold:
+    def pair(v: Sequence[int]) -> tuple[int, int]:
+        return int(v[0]), int(v[1])
+
+    return Unfold(operand, pair(kernel), pair(stride), pair(padding), pair(dilation))
+
+
 def _as_2d(
     x: torch.Tensor, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
 ) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
@@ -171,25 +223,6 @@ def _lowerable(weight: torch.Tensor, transposed: bool, groups: int) -> bool:
         and weight.dim() in (3, 4)
         and weight.shape[0] // groups >= MIN_GROUP_CHANNELS
     )
-
-
-def _patches(
-    x4: torch.Tensor,
-    kernel: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> list[torch.Tensor]:
-    """im2col, one (N·positions, C/groups·kernel) matrix per group: the GEMMs' A operand."""
-    cols = torch.nn.functional.unfold(
-        x4, tuple(kernel), tuple(dilation), tuple(padding), tuple(stride)
-    )  # (N, C·kk, positions)
-    per_group = cols.shape[1] // groups
-    return [
-        cols[:, g * per_group : (g + 1) * per_group].transpose(1, 2).reshape(-1, per_group)
-        for g in range(groups)
-    ]
 
 
 def convolution(
@@ -213,10 +246,13 @@ def convolution(
     ho = (h + 2 * pd[0] - dl[0] * (kernel[0] - 1) - 1) // st[0] + 1
     wo = (w + 2 * pd[1] - dl[1] * (kernel[1] - 1) - 1) // st[1] + 1
     og = out_ch // groups
+    cg = x4.shape[1] // groups
     w_groups = w4.reshape(groups, og, -1)  # (groups, O/g, C/g·kk)
+    geometry = (list(kernel), st, pd, dl)
     outs = [
-        torch.mm(a, w_groups[g].t())  # (N·positions, O/g)
-        for g, a in enumerate(_patches(x4, kernel, st, pd, dl, groups))
+        # (N·positions, C/g·kk) @ (C/g·kk, O/g), the patches unfolded from the image.
+        torch.ops.cleave.unfold_mm(x4[:, g * cg : (g + 1) * cg], w_groups[g].t(), "a", *geometry)
+        for g in range(groups)
     ]
     out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
     out = out.view(n, ho, wo, out_ch).permute(0, 3, 1, 2)
@@ -249,28 +285,97 @@ def convolution_backward(
     og = out_ch // groups
     # grad_out as the GEMMs see it: (N·positions, O), one column block per group.
     go = g4.permute(0, 2, 3, 1).reshape(-1, out_ch)
-    w_groups = w4.reshape(groups, og, -1)
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
-        n, positions = x4.shape[0], g4.shape[2] * g4.shape[3]
-        parts = [
-            torch.mm(go[:, g * og : (g + 1) * og], w_groups[g])  # (N·positions, C/g·kk)
-            .view(n, positions, -1)
-            .transpose(1, 2)
-            for g in range(groups)
-        ]
-        cols = parts[0] if groups == 1 else torch.cat(parts, dim=1)
-        grad_input = torch.nn.functional.fold(
-            cols.contiguous(), tuple(x4.shape[2:]), kernel, tuple(dl), tuple(pd), tuple(st)
-        )
+        grad_input = _input_gradient(g4, w4, tuple(x4.shape), st, pd, dl, groups)
         grad_input = grad_input.squeeze(2) if one_d else grad_input
     if output_mask[1]:
-        patches = _patches(x4, kernel, st, pd, dl, groups)
-        grads = [torch.mm(go[:, g * og : (g + 1) * og].t(), a) for g, a in enumerate(patches)]
+        cg = x4.shape[1] // groups
+        geometry = (list(kernel), st, pd, dl)
+        grads = [
+            # (O/g, N·positions) @ (N·positions, C/g·kk), the patches unfolded from the image.
+            torch.ops.cleave.unfold_mm(
+                go[:, g * og : (g + 1) * og].t(), x4[:, g * cg : (g + 1) * cg], "b", *geometry
+            )
+            for g in range(groups)
+        ]
         grad_weight = (grads[0] if groups == 1 else torch.cat(grads, dim=0)).view(weight.shape)
     if output_mask[2]:
         grad_bias = g4.sum(dim=(0, 2, 3))
     return grad_input, grad_weight, grad_bias
+
+
+def _input_gradient(
+    g4: torch.Tensor,
+    w4: torch.Tensor,
+    input_shape: tuple[int, ...],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """The input gradient as a convolution of grad_out with the flipped, channel-swapped
+    weight (a stride-1 transposed convolution is one): its GEMM is over grad_out's
+    patches, so its tiles carry grad_out's image blocks and return the input gradient
+    itself, not the kernel-size-times larger patch gradient that col2im folds. Strided
+    convolutions fold: as a convolution their gradient would multiply the zeros that
+    stride inserts between grad_out's entries."""
+    n, c, h, w = input_shape
+    out_ch, cg = w4.shape[0], w4.shape[1]
+    og = out_ch // groups
+    kernel = tuple(w4.shape[2:])
+    if any(s > 1 for s in stride):
+        return _input_gradient_folded(g4, w4, input_shape, stride, padding, dilation, groups)
+    reach = [dilation[i] * (kernel[i] - 1) for i in range(2)]
+    image = g4
+    conv_padding = [reach[i] - padding[i] for i in range(2)]
+    if min(conv_padding) < 0:  # padding wider than the kernel reaches: crop instead
+        image = torch.nn.functional.pad(
+            image, (conv_padding[1], conv_padding[1], conv_padding[0], conv_padding[0])
+        )
+        conv_padding = [0, 0]
+    # W'[c, o] = W[o, c] flipped in space, per group: (C/g, O/g·kk) as the GEMM's B.
+    flipped = w4.flip(2, 3).reshape(groups, og, cg, -1).transpose(1, 2).reshape(groups, cg, -1)
+    geometry = (list(kernel), [1, 1], conv_padding, list(dilation))
+    parts = [
+        torch.ops.cleave.unfold_mm(
+            image[:, g * og : (g + 1) * og], flipped[g].t(), "a", *geometry
+        )  # (N·H·W, C/g)
+        for g in range(groups)
+    ]
+    grad = parts[0] if groups == 1 else torch.cat(parts, dim=1)
+    return grad.view(n, h, w, c).permute(0, 3, 1, 2).contiguous()
+
+
+def _input_gradient_folded(
+    g4: torch.Tensor,
+    w4: torch.Tensor,
+    input_shape: tuple[int, ...],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """grad_out @ weight per group, the patch gradients folded back here (col2im)."""
+    n, out_ch = g4.shape[0], g4.shape[1]
+    og, positions = out_ch // groups, g4.shape[2] * g4.shape[3]
+    go = g4.permute(0, 2, 3, 1).reshape(-1, out_ch)
+    w_groups = w4.reshape(groups, og, -1)
+    parts = [
+        torch.mm(go[:, g * og : (g + 1) * og], w_groups[g])  # (N·positions, C/g·kk)
+        .view(n, positions, -1)
+        .transpose(1, 2)
+        for g in range(groups)
+    ]
+    cols = parts[0] if groups == 1 else torch.cat(parts, dim=1)
+    return torch.nn.functional.fold(
+        cols.contiguous(),
+        tuple(input_shape[2:]),
+        tuple(w4.shape[2:]),
+        tuple(dilation),
+        tuple(padding),
+        tuple(stride),
+    )
 
 
 LOWERINGS: dict[Any, Callable[..., Any]] = {

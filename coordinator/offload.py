@@ -15,6 +15,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.tensors import DTYPE_NAMES
+from common.unfold import Unfold
 from coordinator.costmodel import Commitments, LivePlanning
 from coordinator.executor import GemmDone
 from coordinator.planner import GemmShape, PlanConfig
@@ -44,11 +45,25 @@ class TileOffload:
         self._commitments = Commitments()  # training thread only, as start() is
         self._clock = time.monotonic
 
-    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> int:
+    def start(
+        self,
+        name: str,
+        op: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        done: GemmDone,
+        unfold: Unfold | None = None,
+    ) -> int:
         if a.dtype not in DTYPE_NAMES or a.dtype != b.dtype or a.is_complex():
             return 0
-        batch, m, k = (a.shape[0], a.shape[1], a.shape[2]) if op == "bmm" else (1, *a.shape)
-        n = b.shape[-1]
+        a_shape, b_shape = tuple(a.shape), tuple(b.shape)
+        if unfold is not None:  # plan the GEMM over the patch matrix
+            if unfold.operand == "a":
+                a_shape = unfold.matrix_shape(a_shape)
+            else:
+                b_shape = unfold.matrix_shape(b_shape)
+        batch, m, k = (a_shape[0], a_shape[1], a_shape[2]) if op == "bmm" else (1, *a_shape)
+        n = b_shape[-1]
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
         pool = self._server.pool  # an immutable snapshot: safe to read from this thread
         config = self._plan_config(pool.active, pool.memory_cap)
@@ -65,8 +80,11 @@ class TileOffload:
         if choice.plan is None or choice.all_here:
             return 0  # all of it here: one GEMM is cheaper than its tiles
         local = choice.local
-        sent = sum(r.flops for r in choice.plan.tiles if r.index not in local)
-        gemm = TiledGemm(name, choice.plan, a, b, on_done=done, local=local, owners=choice.owners)
+        gemm = TiledGemm(
+            name, choice.plan, a, b, on_done=done, local=local, owners=choice.owners, unfold=unfold
+        )
+        local = gemm.local
+        sent = sum(r.flops for r in gemm.plan.tiles if r.index not in local)
         for job in gemm.iter_jobs(self._key):
             self._loop.call_soon_threadsafe(self._server.submit, [job])
         if local:

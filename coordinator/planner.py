@@ -308,10 +308,36 @@ def _next_target_split(shape: GemmShape, grid: Grid) -> Grid | None:
     return _next_mn_split(shape, grid, shape.m, shape.n)
 
 
-def _tiles(shape: GemmShape, grid: Grid) -> tuple[TileRegion, ...]:
+def align_plan(plan: GemmPlan, units: tuple[int, int, int, int]) -> GemmPlan:
+    """The plan with every tile boundary on a multiple of ``units`` per dim (b, m, n, k).
+
+    A convolution's patch operand can only be cut between images (rows) and between
+    channels (columns): a tile then carries whole image blocks, which the worker unfolds.
+    A dim cut into more parts than it has units is cut into one part per unit."""
+    if units == (1, 1, 1, 1):
+        return plan
+    for size, unit in zip(plan.shape.dims, units, strict=True):
+        if unit < 1 or size % unit:
+            raise ValueError(f"dims {plan.shape.dims} are not multiples of units {units}")
+    grid: Grid = tuple(  # type: ignore[assignment]
+        max(1, min(parts, size // unit))
+        for size, parts, unit in zip(plan.shape.dims, plan.grid, units, strict=True)
+    )
+    return GemmPlan(plan.shape, grid, _tiles(plan.shape, grid, units))
+
+
+def _tiles(
+    shape: GemmShape, grid: Grid, units: tuple[int, int, int, int] = (1, 1, 1, 1)
+) -> tuple[TileRegion, ...]:
     splits = [
-        list(enumerate(even_split(size, parts)))
-        for size, parts in zip(shape.dims, grid, strict=True)
+        list(
+            enumerate(
+                [(lo * unit, hi * unit) for lo, hi in even_split(size // unit, parts)]
+                if size
+                else even_split(size, parts)
+            )
+        )
+        for size, parts, unit in zip(shape.dims, grid, units, strict=True)
     ]
     return tuple(
         TileRegion((bi, mi, ni, ki), b0, b1, m0, m1, n0, n1, k0, k1)

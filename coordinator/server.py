@@ -367,7 +367,14 @@ class CoordinatorServer:
         order = [n for n in ("a", "b") if n not in refs] + sorted(refs)  # the task's order
         conn.blocks.record((ids[name], operands[name].nbytes) for name in order)
         return encode_task(
-            job.tile_id, job.gemm.op, job.a, job.b, self.key, blocks=job.blocks, refs=refs
+            job.tile_id,
+            job.gemm.op,
+            job.a,
+            job.b,
+            self.key,
+            blocks=job.blocks,
+            refs=refs,
+            unfold=job.unfold,
         )
 
     def _speculate(self) -> None:
@@ -793,10 +800,9 @@ class CoordinatorServer:
 
     def _check(self, job: TileJob, c: torch.Tensor) -> CheckResult:
         """The result check, on the verify thread."""
-        blocks = job.blocks if all(job.blocks) else None
-        return check_product(
-            job.a, job.b, c, self._check_vectors, cache=self._check_cache, blocks=blocks
-        )
+        blocks = job.check_blocks if all(job.blocks) else None
+        a, b = job.matrices()
+        return check_product(a, b, c, self._check_vectors, cache=self._check_cache, blocks=blocks)
 
     def _failed_check(
         self, conn: WorkerConn, tile_id: str, now: float, check: CheckResult | None = None
@@ -973,7 +979,8 @@ class CoordinatorServer:
 
 
 def _compute_and_deliver(job: TileJob) -> bool:
-    product = torch.bmm(job.a, job.b) if job.gemm.op == "bmm" else torch.mm(job.a, job.b)
+    a, b = job.matrices()
+    product = torch.bmm(a, b) if job.gemm.op == "bmm" else torch.mm(a, b)
     return job.gemm.deliver(job.region, product)
 
 

@@ -8,6 +8,8 @@ so the result does not depend on which worker answered first.
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.messages import encode_task, parse_message
-from coordinator.planner import GemmPlan, TileRegion
+from common.unfold import Unfold
+from coordinator.planner import GemmPlan, TileRegion, align_plan
 from coordinator.scheduler import TileTicket
 
 
@@ -36,10 +39,25 @@ class TileJob:
     # (or a column block of B) share its id, and so do equal blocks of other GEMMs, so a
     # worker with an operand cache is sent each block once while it keeps it.
     blocks: tuple[str, str] = ("", "")
+    # Set when one operand is an image block standing for its patch matrix.
+    unfold: Unfold | None = None
 
     @property
     def flops(self) -> int:
         return self.ticket.flops
+
+    def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GEMM's operands, as the worker computes and the check reads them."""
+        return (self.a, self.b) if self.unfold is None else self.unfold.matrices(self.a, self.b)
+
+    @property
+    def check_blocks(self) -> tuple[str, str]:
+        """Block ids for the check's cache: an unfolded block's norms are its patches'."""
+        if self.unfold is None:
+            return self.blocks
+        tag = "|unfold" + json.dumps(self.unfold.to_header(), sort_keys=True)
+        a_id, b_id = self.blocks
+        return (a_id + tag, b_id) if self.unfold.operand == "a" else (a_id, b_id + tag)
 
 
 def block_id(t: torch.Tensor) -> str:
@@ -66,8 +84,24 @@ class TiledGemm:
         *,
         local: Collection[tuple[int, int, int, int]] = (),
         owners: Mapping[tuple[int, int, int, int], str] | None = None,
+        unfold: Unfold | None = None,
     ) -> None:
         self.gemm_id = gemm_id
+        self.unfold = unfold
+        if unfold is not None:
+            # Tiles cut between images (rows of the patches) and channels (columns).
+            image = a if unfold.operand == "a" else b
+            positions = math.prod(unfold.positions(image.shape[2], image.shape[3]))
+            units = (
+                (1, positions, 1, unfold.kernel_size)
+                if unfold.operand == "a"
+                else (1, 1, unfold.kernel_size, positions)
+            )
+            aligned = align_plan(plan, units)
+            if aligned.grid != plan.grid:  # other tile indices: the planner's placement is void
+                local, owners = (), None
+            plan = aligned
+            self._units = units
         # Tile indices the coordinator computes itself (compute_local) instead of sending.
         self.local = frozenset(local)
         # The worker the planner placed each tile on (TileTicket.planned_for).
@@ -77,8 +111,8 @@ class TiledGemm:
         self._a = a
         self._b = b
         self._on_done = on_done
-        batched = self.op == "bmm"
-        out_shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
+        shape = plan.shape
+        out_shape = (shape.batch, shape.m, shape.n) if self.op == "bmm" else (shape.m, shape.n)
         self.out = torch.empty(out_shape, dtype=a.dtype)
         _gb, _gm, _gn, gk = plan.grid
         self._remaining = len(plan.tiles)
@@ -88,7 +122,15 @@ class TiledGemm:
         self._delivered: set[tuple[int, int, int, int]] = set()
 
     def _operands(self, r: TileRegion) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strided views of the tile's operands (``encode_task`` copies them once)."""
+        """Strided views of the tile's operands (``encode_task`` copies them once); an
+        unfolded operand's view is the block of images and channels its patches span."""
+        if self.unfold is not None:
+            _, mu, nu, ku = self._units
+            if self.unfold.operand == "a":
+                a = self._a[r.m0 // mu : r.m1 // mu, r.k0 // ku : r.k1 // ku]
+                return a, self._b[r.k0 : r.k1, r.n0 : r.n1]
+            b = self._b[r.k0 // ku : r.k1 // ku, r.n0 // nu : r.n1 // nu]
+            return self._a[r.m0 : r.m1, r.k0 : r.k1], b
         if self.op == "bmm":
             a = self._a[r.b0 : r.b1, r.m0 : r.m1, r.k0 : r.k1]
             b = self._b[r.b0 : r.b1, r.k0 : r.k1, r.n0 : r.n1]
@@ -113,7 +155,7 @@ class TiledGemm:
                 continue
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             bi, mi, ni, ki = region.index
-            bundle = encode_task(tile_id, self.op, *self._operands(region), key)
+            bundle = encode_task(tile_id, self.op, *self._operands(region), key, unfold=self.unfold)
             # The check needs the operands exactly as sent: views into the bundle, which
             # are contiguous, so hashing them for the block ids copies nothing.
             sent = parse_message(bundle).tensors()
@@ -123,12 +165,12 @@ class TiledGemm:
                 tile_id=tile_id,
                 gemm_id=self.gemm_id,
                 flops=region.flops,
-                down_bytes=region.down_bytes(itemsize),
+                down_bytes=itemsize * (a.numel() + b.numel()),
                 up_bytes=region.up_bytes(itemsize),
                 blocks=blocks,
                 planned_for=self.owners.get(region.index),
             )
-            yield TileJob(tile_id, self, region, bundle, a, b, ticket, blocks)
+            yield TileJob(tile_id, self, region, bundle, a, b, ticket, blocks, self.unfold)
         if not self.local:
             # Every tile now holds its own operands; the full matrices can go.
             self._a = self._b = torch.empty(0)
@@ -141,6 +183,8 @@ class TiledGemm:
         for region in self.plan.tiles:
             if region.index in self.local:
                 a, b = self._operands(region)
+                if self.unfold is not None:
+                    a, b = self.unfold.matrices(a, b)
                 finished |= self.deliver(region, torch.bmm(a, b) if self.op == "bmm" else a @ b)
         self._a = self._b = torch.empty(0)
         return finished

@@ -26,13 +26,31 @@ from torch.func import functional_call, functionalize, grad_and_value
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from common.unfold import Unfold
 from coordinator.flops import node_flops
 from coordinator.job import Job
-from coordinator.lowering import LOWERINGS
+from coordinator.lowering import LOWERINGS, unfold_spec
 
 log = logging.getLogger("cleave.coordinator")
 aten = torch.ops.aten
-GEMM_OPS = {aten.mm.default: "mm", aten.bmm.default: "bmm", aten.addmm.default: "addmm"}
+GEMM_OPS = {
+    aten.mm.default: "mm",
+    aten.bmm.default: "bmm",
+    aten.addmm.default: "addmm",
+    # A convolution's GEMM over the patches of an image block (coordinator.lowering).
+    torch.ops.cleave.unfold_mm.default: "unfold_mm",
+}
+
+
+def gemm_operands(target: Any, args: Sequence[Any]) -> tuple[Any, Any, Unfold | None]:
+    """A GEMM call's ``(a, b, unfold)``: ``a @ b``, with ``unfold`` when one of them is an
+    image block standing for its patch matrix. ``args`` may be nodes or values."""
+    op = GEMM_OPS[target]
+    if op == "addmm":
+        return args[1], args[2], None
+    if op == "unfold_mm":
+        return args[0], args[1], unfold_spec(*args[2:7])
+    return args[0], args[1], None
 
 
 @dataclass(frozen=True)
@@ -188,7 +206,7 @@ class StepTracer:
 @dataclass(frozen=True)
 class GemmInfo:
     name: str
-    op: str  # "mm", "bmm" or "addmm"
+    op: str  # "mm", "bmm", "addmm" or "unfold_mm"
     batch: int
     m: int
     n: int
@@ -208,8 +226,17 @@ def _meta_shape(node: Node) -> Sequence[int]:
 
 def gemm_info(node: Node) -> GemmInfo:
     op = GEMM_OPS[node.target]  # type: ignore[index]
-    a, b = (node.args[1], node.args[2]) if op == "addmm" else (node.args[0], node.args[1])
+    a, b, unfold = gemm_operands(node.target, node.args)
     sa, sb = _meta_shape(a), _meta_shape(b)  # type: ignore[arg-type]
+    if unfold is not None:
+        sa, sb = (
+            (unfold.matrix_shape(sa), sb)
+            if unfold.operand == "a"
+            else (
+                sa,
+                unfold.matrix_shape(sb),
+            )
+        )
     if op == "bmm":
         return GemmInfo(node.name, op, sa[0], sa[1], sb[2], sa[2])
     return GemmInfo(node.name, op, 1, sa[0], sb[1], sa[1])
@@ -256,9 +283,15 @@ def dag_summary(dag: nx.DiGraph) -> dict[str, Any]:
         "gflop": sum(d["flops"] for _, d in dag.nodes(data=True)) / 1e9,
         "critical_path": critical,
         "parallelism": round(dag.number_of_nodes() / max(1, critical), 2),
-        "ops": {
-            op: sum(1 for _, d in dag.nodes(data=True) if d["op"] == op)
-            for op in ("mm", "bmm", "addmm")
-        },
+        "ops": _op_counts(dag),
         "largest_gflop": max(d["flops"] for _, d in dag.nodes(data=True)) / 1e9,
     }
+
+
+def _op_counts(dag: nx.DiGraph) -> dict[str, int]:
+    counts = {
+        op: sum(1 for _, d in dag.nodes(data=True) if d["op"] == op)
+        for op in ("mm", "bmm", "addmm", "unfold_mm")
+    }
+    # A convolution's GEMMs show only where a model has convolutions.
+    return {op: n for op, n in counts.items() if n or op != "unfold_mm"}

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from procs import TESTS, Coordinator, Worker, assert_losses_match, wait_until
+from real_models import make_cnn_job
 
 from bench.tile_cases import CHEATS
 from coordinator import Job, train_locally
@@ -54,17 +55,28 @@ def slug(cheat: str) -> str:
 
 
 def test_every_cheat_is_rejected_every_time_and_its_key_banned(tmp_path: Path) -> None:
-    names = {cheat: f"cheat-{slug(cheat)}" for cheat in CHEATS}
+    _cheaters_banned(tmp_path, "test_e2e_cheaters:make_deep_mlp_job", make_deep_mlp_job, CHEATS)
+
+
+def test_cheats_on_convolution_tiles_are_rejected_and_banned(tmp_path: Path) -> None:
+    """A CNN's tiles carry image blocks that workers unfold; the coordinator checks the
+    product over the same patches, so a cheat there is caught like any other."""
+    cheats = ["bf16 operands", "scale 1+1e-4", "1 entry +-1e-3 max"]
+    _cheaters_banned(tmp_path, "real_models:make_cnn_job", make_cnn_job, cheats)
+
+
+def _cheaters_banned(tmp_path: Path, job: str, make_job: Any, cheats: Any) -> None:
+    names = {cheat: f"cheat-{slug(cheat)}" for cheat in cheats}
     # No copies of late tiles: every wrong result must reach its check rather than lose
     # a race to a copy (which would discard it unchecked).
     coord = Coordinator(
         tmp_path,
         "--job",
-        "test_e2e_cheaters:make_deep_mlp_job",
+        job,
         "--steps",
         str(STEPS),
         "--min-workers",
-        str(len(CHEATS) + 1),
+        str(len(cheats) + 1),
         "--speculate-after",
         "0",
     )
@@ -90,7 +102,7 @@ def test_every_cheat_is_rejected_every_time_and_its_key_banned(tmp_path: Path) -
                 banned[:] = coord.status()["banned"]
             except OSError:
                 return False
-            return len(banned) == len(CHEATS)
+            return len(banned) == len(cheats)
 
         wait_until(all_banned, 300, "every cheater's ban in /api/status")
         assert coord.wait(240) == 0, coord.output()
@@ -101,7 +113,7 @@ def test_every_cheat_is_rejected_every_time_and_its_key_banned(tmp_path: Path) -
             worker.stop()
 
     records = coord.steps()
-    assert_losses_match([r["loss"] for r in records], train_locally(make_deep_mlp_job(), STEPS))
+    assert_losses_match([r["loss"] for r in records], train_locally(make_job(), STEPS))
     rows = ledger_rows(coord.state)
     assert {b["name"] for b in banned} == set(names.values())
     for cheat, name in names.items():

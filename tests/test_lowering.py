@@ -3,7 +3,9 @@ values as torch's own kernels, forward and backward, and no fused op left in a t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from real_models import make_cnn_job, make_sdpa_job
 
 from coordinator import lowering
+from coordinator.eager import EagerOffloadMode
 from coordinator.tracing import GEMM_OPS, trace_step
 
 aten = torch.ops.aten
@@ -82,23 +85,34 @@ def test_a_traced_transformer_step_has_its_attention_as_bmm() -> None:
 # ---- convolutions ------------------------------------------------------------------------
 
 CONV_CASES = [
-    # (dims, stride, padding, dilation, groups, bias)
-    (2, 1, 1, 1, 1, True),
-    (2, 2, 0, 1, 1, False),
-    (2, 1, 2, 2, 2, True),
-    (2, (2, 1), (1, 0), (1, 2), 1, True),
-    (1, 1, 1, 1, 1, True),
-    (1, 2, 3, 2, 2, False),
+    # (dims, stride, padding, dilation, groups, bias, kernel)
+    (2, 1, 1, 1, 1, True, 3),
+    (2, 2, 0, 1, 1, False, 3),
+    (2, 1, 2, 2, 2, True, 3),
+    (2, (2, 1), (1, 0), (1, 2), 1, True, 3),
+    (2, 3, 2, 1, 1, False, 3),  # stride 3: rows the forward pass never reached
+    (2, 1, 3, 1, 1, True, 3),  # padding wider than the kernel reaches
+    (2, 2, 0, 1, 1, False, 1),  # a ResNet downsampling shortcut
+    (2, 1, 2, 1, 2, True, 5),
+    (1, 1, 1, 1, 1, True, 3),
+    (1, 2, 3, 2, 2, False, 3),
 ]
 
 
 def _conv_case(
-    dims: int, stride: Any, padding: Any, dilation: Any, groups: int, bias: bool, dtype: Any
+    dims: int,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: int,
+    bias: bool,
+    kernel: int,
+    dtype: Any,
 ) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(1)
     spatial = (9, 11) if dims == 2 else (13,)
     x = torch.randn(3, 8, *spatial, generator=gen, dtype=dtype)
-    w = torch.randn(16, 8 // groups, *((3, 3) if dims == 2 else (3,)), generator=gen, dtype=dtype)
+    w = torch.randn(16, 8 // groups, *((kernel,) * dims), generator=gen, dtype=dtype)
     b = torch.randn(16, generator=gen, dtype=dtype) if bias else None
 
     def per_dim(v: Any) -> tuple[int, ...]:
@@ -110,7 +124,7 @@ def _conv_case(
 @pytest.mark.parametrize("case", CONV_CASES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_convolution_and_its_backward_match_torch(case: Any, dtype: Any, tol: float) -> None:
-    dims, *_, bias = case
+    bias = case[5]
     x, w, b, st, pd, dl, op, groups = _conv_case(*case, dtype=dtype)
     want = aten.convolution(x, w, b, st, pd, dl, False, op, groups)
     got = lowering.convolution(x, w, b, st, pd, dl, False, op, groups)
@@ -145,4 +159,50 @@ def test_a_traced_cnn_step_has_no_convolution_left() -> None:
     traced = trace_step(job, x, y)
     names = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
     assert not [n for n in names if "convolution" in n], names
-    assert len(traced.gemm_nodes()) >= 3 * 7  # 7 convolutions: forward, dW, dX each
+    # Every GEMM over patches is one unfold_mm node, whose tiles carry image blocks:
+    # 7 convolutions, one grouped in 2, so 8 forward and 8 weight-gradient GEMMs; input
+    # gradients for all but the first (its input is the batch), the strided one folded
+    # here from a plain mm.
+    assert not [n for n in names if "im2col" in n], names
+    assert len([n for n in traced.graph.nodes if "col2im" in str(n.target)]) == 1
+    kinds = [GEMM_OPS[n.target] for n in traced.gemm_nodes()]  # type: ignore[index]
+    assert kinds.count("unfold_mm") == 8 + 8 + 6
+
+
+@pytest.mark.parametrize(
+    "kv_heads,mask_kind,causal",
+    [(4, None, True), (2, None, True), (2, "bool", False), (4, "float", False), (1, None, False)],
+)
+def test_scaled_dot_product_attention_as_models_call_it(
+    kv_heads: int, mask_kind: str | None, causal: bool
+) -> None:
+    """F.scaled_dot_product_attention end to end, forward and backward, with grouped-query
+    heads and boolean masks (torch converts them before the fused kernel), lowered by the
+    same dispatch mode the eager fallback uses."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 32, 16, generator=gen)
+    k = torch.randn(2, kv_heads, 32, 16, generator=gen)
+    v = torch.randn(2, kv_heads, 32, 16, generator=gen)
+    mask: torch.Tensor | None = None
+    if mask_kind == "bool":
+        mask = torch.rand(32, 32, generator=gen) > 0.3
+        mask[:, 0] = True
+    elif mask_kind == "float":
+        mask = torch.randn(32, 32, generator=gen)
+    grad = torch.randn(2, 4, 32, 16, generator=gen)
+
+    def run(lowered: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        mode = EagerOffloadMode(None, threading.Event(), "t")
+        with mode if lowered else contextlib.nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *leaves, attn_mask=mask, is_causal=causal, enable_gqa=kv_heads != 4
+            )
+            out.backward(grad)
+        if lowered:
+            assert "_scaled_dot_product_flash_attention_for_cpu" not in mode.stats.flops.kept
+            assert mode.stats.flops.kept.get("bmm", 0) > 0
+        return [out.detach()] + [t.grad for t in leaves]  # type: ignore[misc]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert got.shape == want.shape and rel(got, want) < 2e-6

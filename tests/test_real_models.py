@@ -14,6 +14,7 @@ import torch
 from real_models import make_cnn_job, make_data_dependent_job, make_sdpa_job
 from torch.utils.flop_counter import FlopCounterMode
 
+from common.unfold import Unfold
 from coordinator.executor import GemmDone
 from coordinator.flops import FlopTally, describe
 from coordinator.job import Job, train_locally
@@ -37,8 +38,18 @@ class RecordingOffload:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, torch.dtype]] = []
 
-    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> int:
-        self.calls.append((name, op, a.dtype))
+    def start(
+        self,
+        name: str,
+        op: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        done: GemmDone,
+        unfold: Unfold | None = None,
+    ) -> int:
+        self.calls.append((name, "unfold_mm" if unfold else op, a.dtype))
+        if unfold is not None:
+            a, b = unfold.matrices(a, b)
         done(torch.bmm(a, b) if op == "bmm" else a @ b)
         return 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if op == "bmm" else 1)
 
@@ -90,7 +101,7 @@ def test_without_workers_the_accounting_names_what_stayed_here() -> None:
     trainer.run(1)
     assert trainer.flops["workers_share"] == 0.0
     kept = {k["op"]: k for k in trainer.flops["kept_here"]}
-    assert set(kept) == {"mm", "addmm"}, kept  # the convolutions too, as their GEMMs
+    assert set(kept) == {"mm", "addmm", "unfold_mm"}, kept  # convolutions as their GEMMs
     assert "planner" in kept["mm"]["why"]
     assert "workers computed 0.0%" in describe(trainer.flops)
 
