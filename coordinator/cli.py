@@ -26,8 +26,7 @@ from coordinator.flops import describe
 from coordinator.job import Job
 from coordinator.ledger import Ledger
 from coordinator.local_workers import LocalWorkers
-from coordinator.offload import TileOffload
-from coordinator.planner import PlanConfig
+from coordinator.offload import TileOffload, plan_config_for
 from coordinator.progress import Progress
 from coordinator.scheduler import SchedulerConfig
 from coordinator.server import WS_PATH, CoordinatorServer, ServerConfig
@@ -375,14 +374,7 @@ async def serve(args: argparse.Namespace) -> int:
         server,
         loop,
         key,
-        lambda workers, memory_cap: PlanConfig(
-            min_offload_flops=int(args.min_offload_mflop * 1e6),
-            target_tiles=max(2, 2 * workers),
-            # Never above the default: it keeps every tile well inside the wire limits.
-            tile_mem_cap_bytes=min(
-                memory_cap or PlanConfig.tile_mem_cap_bytes, PlanConfig.tile_mem_cap_bytes
-            ),
-        ),
+        plan_config_for(args.min_offload_mflop),
         LivePlanning(
             cost_model=args.planner == "cost",
             coordinator_flops_per_s=coordinator_gflops * 1e9,

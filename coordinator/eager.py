@@ -82,11 +82,8 @@ class EagerOffloadMode(TorchDispatchMode):
             sent = self._offload.start(name, "mm", a, b, results.put, unfold)
         if not sent:
             return None
-        flops = op_flops(func, args, kwargs, None)
         self.stats.gemms_offloaded += 1
         self.stats.max_gemms_in_flight = 1
-        self.stats.flops.workers += sent
-        self.stats.flops.keep(op_name(func), flops - sent)
         while True:
             if self._cancel.is_set():
                 raise StepCancelled("step cancelled")
@@ -97,7 +94,10 @@ class EagerOffloadMode(TorchDispatchMode):
                 continue
         if isinstance(value, BaseException):
             raise value
-        return finish_addmm(value, args[0], kwargs) if op == "addmm" else value
+        out = finish_addmm(value, args[0], kwargs) if op == "addmm" else value
+        self.stats.flops.workers += sent
+        self.stats.flops.keep(op_name(func), op_flops(func, args, kwargs, out) - sent)
+        return out
 
 
 def run_eager_step(
