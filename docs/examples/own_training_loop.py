@@ -34,8 +34,10 @@ def main(steps: int = 5) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.02, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen))
-               for _ in range(steps)]  # fmt: skip
+    batches = [
+        (torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+        for _ in range(steps)
+    ]
 
     with tempfile.TemporaryDirectory() as state, Pool(local_workers=2, state_dir=state) as pool:
         print(f"workers can join {pool.url} (key {pool.fingerprint})")
