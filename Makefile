@@ -35,7 +35,7 @@ bench: setup
 	$(BIN)/python bench/bench_step.py
 
 lint: setup
-	$(BIN)/ruff check common coordinator client_app tests bench
+	$(BIN)/ruff check common coordinator client_app tests bench docs/examples
 	$(BIN)/mypy
 
 # `make package`: the one-folder PyInstaller bundle dist/cleave-app/ and, from it,

@@ -98,10 +98,16 @@ def eager_seconds(steps: int) -> list[float]:
     return times
 
 
-def cleave_run(steps: int, workers: int, job: str) -> tuple[list[float], float]:
-    """Step seconds and bytes on the wire (both ways) per step."""
+def cleave_run(steps: int, workers: int, job: str, link_mbit: float) -> tuple[list[float], float]:
+    """Step seconds and bytes on the wire (both ways) per step; each local worker's link
+    capped at ``link_mbit`` Mbit/s each way (its own bandwidth limit), 0: loopback speed."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
+        for i in range(workers):  # the settings local worker i reads (coordinator.local_workers)
+            config = Path(tmp) / "state" / "local-workers" / f"worker-{i}"
+            config.mkdir(parents=True)
+            kibps = int(link_mbit * 1e6 / 8 / 1024)
+            (config / "settings.json").write_text(json.dumps({"bandwidth_kbps": kibps}))
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]),
@@ -189,7 +195,9 @@ def modelled_bytes(func: Any, args: tuple[Any, ...], itemsize: int = 4) -> tuple
         if kind == "forward":  # patches @ Wᵀ -> y
             ways = [(patches, w_n, y_n), (x_n, w_n, y_n), (x_n, w_n, y_n)]
         elif kind == "input grad":  # grad_out @ W -> patch gradients (folded here) or dx
-            ways = [(y_n, w_n, patches), (y_n, w_n, x_n), (y_n, w_n, x_n)]
+            # Cleave folds a strided convolution's patch gradients here (coordinator.lowering).
+            strided = any(s > 1 for s in args[4])
+            ways = [(y_n, w_n, patches), (y_n, w_n, patches if strided else x_n), (y_n, w_n, x_n)]
         else:  # grad_outᵀ @ patches -> dW
             ways = [(y_n, patches, w_n), (y_n, x_n, w_n), (y_n, x_n, w_n)]
         for i, (a, b, c) in enumerate(ways):
@@ -227,22 +235,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--links", default="0,100", help="worker links to try, Mbit/s each way (0: unlimited)"
+    )
     args = parser.parse_args()
     skip = 2
     eager = statistics.median(eager_seconds(args.steps)[skip:])
     print("1. a training step of the CNN (batch 16, 3x32x32), measured")
-    print(f"{'run':>36} {'step s':>8} {'ratio':>6} {'MB on the wire/step':>20}")
-    print(f"{'local eager torch':>36} {eager:>8.3f} {1.0:>6.2f} {'-':>20}")
-    for label, job in (
-        ("Cleave, worker im2col (chosen)", "real_models:make_cnn_job"),
-        ("Cleave, coordinator im2col", "bench_conv:make_coordinator_im2col_job"),
-    ):
-        seconds, wire = cleave_run(args.steps, args.workers, job)
-        ours = statistics.median(seconds[skip:])
-        print(f"{label:>36} {ours:>8.3f} {ours / eager:>6.2f} {wire / 1e6:>20.1f}")
+    print(f"{'run':>36} {'link':>9} {'step s':>8} {'ratio':>6} {'MB on the wire/step':>20}")
+    print(f"{'local eager torch':>36} {'-':>9} {eager:>8.3f} {1.0:>6.2f} {'-':>20}")
+    for link in (float(v) for v in args.links.split(",")):
+        for label, job in (
+            ("Cleave, worker im2col (chosen)", "real_models:make_cnn_job"),
+            ("Cleave, coordinator im2col", "bench_conv:make_coordinator_im2col_job"),
+        ):
+            seconds, wire = cleave_run(args.steps, args.workers, job, link)
+            ours = statistics.median(seconds[skip:])
+            speed = f"{link:g} Mb/s" if link else "loopback"
+            print(f"{label:>36} {speed:>9} {ours:>8.3f} {ours / eager:>6.2f} {wire / 1e6:>20.1f}")
     print(
-        f"(Cleave: coordinator + {args.workers} local workers on {os.cpu_count()} cores; "
-        f"medians of steps {skip}..{args.steps - 1}; wire: both ways)\n"
+        f"(Cleave: coordinator + {args.workers} local workers on {os.cpu_count()} cores, each "
+        f"worker's link capped as shown; medians of steps {skip}..{args.steps - 1}; wire: both "
+        "ways)\n"
     )
 
     calls = convolution_calls()

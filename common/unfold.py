@@ -110,9 +110,10 @@ class Unfold:
 
     def check_image(self, image: torch.Tensor, limits: WireLimits) -> tuple[int, int]:
         """The patch matrix's shape, after checking the image makes a valid one."""
-        if image.dim() != 4:
+        if image.dim() != 4 or min(image.shape[1:]) < 1:
             raise TensorCodecError(
-                f"an unfolded operand must be an image block (N, C, H, W), got {list(image.shape)}"
+                "an unfolded operand must be an image block (N, C, H, W) with C, H, W >= 1, "
+                f"got {list(image.shape)}"
             )
         if min(self.positions(image.shape[2], image.shape[3])) < 1:
             raise TensorCodecError(

@@ -150,6 +150,10 @@ def describe(summary: Mapping[str, Any]) -> str:
     kept = summary.get("kept_here") or []
     if kept:
         text += "; kept here: " + ", ".join(
-            f"{k['op']} {k['share']:.2%} ({k['why']})" for k in kept[:4]
+            f"{k['op']} {_percent(k['share'])} ({k['why']})" for k in kept[:4]
         )
     return text
+
+
+def _percent(share: float) -> str:
+    return "<0.01%" if 0 < share < 1e-4 else f"{share:.2%}"

@@ -37,6 +37,7 @@ from common.messages import (
 )
 from common.signing import generate_private_key, public_key_hex, verify_bundle
 from common.tensors import DTYPES, decode_tensors
+from common.unfold import Unfold
 
 FUZZ = settings(
     max_examples=300,
@@ -202,6 +203,14 @@ def _task_frames() -> list[bytes]:
             a = torch.randn(a_shape, generator=g).to(dtype)
             b = torch.randn(b_shape, generator=g).to(dtype)
             frames.append(encode_task(f"g0/{op}", op, a, b, KEY))
+    # Convolution tiles: an image block with its unfold spec, as operand a and as b.
+    image = torch.randn(2, 3, 4, 5, generator=g)
+    spec = Unfold("a", (3, 3), (1, 2), (1, 0), (1, 1))
+    rows, cols = spec.matrix_shape(image.shape)
+    frames.append(encode_task("g0/ua", "mm", image, torch.randn(cols, 2), KEY, unfold=spec))
+    spec_b = Unfold("b", (2, 2), (1, 1), (0, 0), (2, 1))
+    rows, _ = spec_b.matrix_shape(image.shape)
+    frames.append(encode_task("g0/ub", "mm", torch.randn(3, rows), image, KEY, unfold=spec_b))
     return frames
 
 
@@ -233,7 +242,7 @@ def _exercise(data: bytes | bytearray | memoryview, limits: WireLimits | None = 
     if isinstance(received.message, Task):
         if tensors is not None:
             try:
-                check_operands(received.message.op, tensors)
+                check_operands(received.message.op, tensors, unfold=received.message.unfold)
             except ProtocolError as exc:
                 _check_reply(exc)
         try:

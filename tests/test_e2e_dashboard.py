@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -131,6 +132,7 @@ return {
   verified: document.querySelector('[data-count="verified"]')?.textContent ?? '',
   workers: rows.map((r) => r.cells[0].firstChild?.textContent ?? ''),
   images: document.querySelectorAll('#workers img').length,
+  flops: document.getElementById('flop-share').textContent,
   title: document.title,
 };
 """
@@ -179,6 +181,7 @@ def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path:
         assert sorted(page["workers"]) == ["local-0", "local-1"], page
         assert page["state"] == "training" and page["loss"] != "–", page
         assert int(page["verified"].replace(",", "")) > 0, page
+        assert re.match(r"Workers computed \d+\.\d% of the last step's [\d.]+ GFLOP", page["flops"])
         first_step, first_points = _step_shown(page), page["points"]
         write_screenshot = os.environ.get("CLEAVE_WRITE_SCREENSHOTS") == "1"
         # For the docs, a chart worth looking at; for CI, just proof that it moves.
@@ -201,6 +204,8 @@ def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path:
         assert after.value("cleave_steps_total") > before.value("cleave_steps_total")
         assert after.value("cleave_bytes_down_total") > before.value("cleave_bytes_down_total")
         assert after.value("cleave_workers_connected") == 2
+        assert 0 < after.value("cleave_step_workers_flop_share") <= 1
+        assert after.value("cleave_step_gflop") > 0
         names = {dict(labels)["worker"] for labels in after.series("cleave_worker_in_flight")}
         assert names == {"local-0", "local-1"}
 

@@ -121,7 +121,16 @@ def _status(**overrides: Any) -> dict[str, Any]:
         ],
         "job": "tiny_gpt",
         "coordinator_key": "d211-8e0c",
-        "traffic": {"bytes_down": 1_000_000, "bytes_up": 400_000},
+        "traffic": {"bytes_down": 1_000_000, "bytes_up": 400_000, "bytes_half": 300_000},
+        "flops": {
+            "gflop": 2.5,
+            "workers_gflop": 2.25,
+            "workers_share": 0.9,
+            "kept_here": [
+                {"op": "convolution", "gflop": 0.2, "share": 0.08, "why": "no GEMM lowering"},
+                {"op": "mm", "gflop": 0.05, "share": 0.02, "why": "the planner kept it"},
+            ],
+        },
         "workers": [
             {
                 "id": "w1",
@@ -178,6 +187,11 @@ def test_a_full_status_parses_strictly_with_the_values_it_holds() -> None:
     assert parsed.value("cleave_tiles_pending") == 6
     assert parsed.value("cleave_bytes_down_total") == 1_000_000
     assert parsed.value("cleave_bytes_up_total") == 400_000
+    assert parsed.value("cleave_bytes_half_precision_total") == 300_000
+    assert parsed.value("cleave_step_gflop") == 2.5
+    assert parsed.value("cleave_step_workers_flop_share") == 0.9
+    assert parsed.value("cleave_step_kept_here_gflop", op="convolution") == 0.2
+    assert parsed.value("cleave_step_kept_here_gflop", op="mm") == 0.05
     assert parsed.value("cleave_steps_total") == 12
     assert parsed.value("cleave_step") == 12
     assert parsed.value("cleave_steps_target") == 40
