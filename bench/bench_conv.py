@@ -39,9 +39,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_step import eager_seconds  # noqa: E402
 from real_models import make_cnn_job  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -83,19 +85,6 @@ def make_coordinator_im2col_job() -> Job:
             if isinstance(child, torch.nn.Conv2d):
                 setattr(module, name, UnfoldConv2d(child))
     return job
-
-
-def eager_seconds(steps: int) -> list[float]:
-    job = make_cnn_job()
-    times = []
-    for _ in range(steps):
-        x, y = job.next_batch()
-        start = time.perf_counter()
-        job.optimizer.zero_grad()
-        job.loss_fn(job.model(x), y).backward()
-        job.optimizer.step()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def cleave_run(steps: int, workers: int, job: str, link_mbit: float) -> tuple[list[float], float]:
@@ -240,7 +229,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     skip = 2
-    eager = statistics.median(eager_seconds(args.steps)[skip:])
+    eager = statistics.median(eager_seconds(args.steps, make_cnn_job)[skip:])
     print("1. a training step of the CNN (batch 16, 3x32x32), measured")
     print(f"{'run':>36} {'link':>9} {'step s':>8} {'ratio':>6} {'MB on the wire/step':>20}")
     print(f"{'local eager torch':>36} {'-':>9} {eager:>8.3f} {1.0:>6.2f} {'-':>20}")

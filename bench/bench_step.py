@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +56,9 @@ def make_job() -> Job:
     )
 
 
-def eager_seconds(steps: int) -> list[float]:
-    job = make_job()
+def eager_seconds(steps: int, make: Callable[[], Job] = make_job) -> list[float]:
+    """Seconds of each plain torch step of ``make()``'s job (the baseline)."""
+    job = make()
     times = []
     for _ in range(steps):
         x, y = job.next_batch()

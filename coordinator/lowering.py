@@ -6,16 +6,17 @@ plus cheap ops that stay at the coordinator:
 
 - **Attention** (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, the
   fused kernels torch picks on CPU): scores ``q kᵀ`` and ``p v`` as bmm, softmax here;
-  the backward recomputes the probabilities from the saved log-sum-exp, as the fused
-  kernel does, and its four products are bmm too.
+  the backward recomputes the scores and, from the saved log-sum-exp, the probabilities
+  (as the fused kernel does), then ``dv``, ``dp``, ``dq`` and ``dk`` as bmm.
 - **Convolutions** (``convolution`` and ``convolution_backward``, 1-D and 2-D, any
-  stride, padding, dilation and groups): implicit GEMM over the input's patch matrix
-  (im2col), per group: the output is ``patches @ weightᵀ``, the weight gradient
-  ``grad_outᵀ @ patches``, the input gradient ``grad_out @ weight`` folded back (col2im).
-  The two GEMMs with a patch operand are ``cleave::unfold_mm`` nodes: their tiles carry
-  the input's image blocks, which workers unfold themselves (``common.unfold``), so the
-  wire carries the input once instead of its kernel-size-times larger patch matrix.
-  Every returned tile is a plain GEMM tile, checked like any other.
+  stride, padding, dilation and groups): implicit GEMM over a patch matrix (im2col), per
+  group: the output is ``patches(input) @ weightᵀ``, the weight gradient
+  ``grad_outᵀ @ patches(input)``, and the input gradient of a stride-1 convolution
+  ``patches(grad_out) @ flipped weight`` (a strided one: ``grad_out @ weight``, folded
+  back here). GEMMs with a patch operand are ``cleave::unfold_mm`` nodes: their tiles
+  carry image blocks, which workers unfold themselves (``common.unfold``), so the wire
+  carries each image once instead of its kernel-size-times larger patch matrix. Every
+  returned tile is a plain GEMM tile, checked like any other.
 
 The table is keyed by aten overload and used as ``make_fx``'s decomposition table and by
 the eager fallback (``coordinator.eager``). A lowering returns ``NotImplemented`` for the
