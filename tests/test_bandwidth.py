@@ -79,10 +79,10 @@ def test_settings_validate_the_limit() -> None:
         WorkerSettings(bandwidth_kbps=-1)
 
 
-@pytest.mark.timeout(30)
-def test_worker_receives_no_faster_than_its_bandwidth_limit(tmp_path: Path) -> None:
-    limit_kbps = 256
-    n_frames = 10
+def measure_receive_rate(limit_kbps: int, config: Path, n_frames: int = 10) -> float:
+    """Bytes per second a worker limited to ``limit_kbps`` took in, keeping its window
+    full like a real coordinator (a burst's worth passes at once, and the last frame is
+    answered before the wait it causes: both are left out)."""
     window = 2
 
     async def scenario() -> tuple[float, int]:
@@ -95,7 +95,7 @@ def test_worker_receives_no_faster_than_its_bandwidth_limit(tmp_path: Path) -> N
                 window=window,
                 bandwidth_kbps=limit_kbps,
             )
-            core = WorkerCore(settings, pin_check=PinStore.in_dir(tmp_path).check, profile=PROFILE)
+            core = WorkerCore(settings, pin_check=PinStore.in_dir(config).check, profile=PROFILE)
             run = asyncio.create_task(core.run())
             link = await coord.next_link()
             gen = torch.Generator().manual_seed(0)
@@ -103,7 +103,6 @@ def test_worker_receives_no_faster_than_its_bandwidth_limit(tmp_path: Path) -> N
                 coord.task(f"t-{i}", torch.randn(64, 128, generator=gen), torch.randn(128, 64))
                 for i in range(n_frames)
             ]
-            # Like a real coordinator, keep the worker's window full and no fuller.
             start = time.monotonic()
             for frame in frames[:window]:
                 await link.send(frame)
@@ -115,15 +114,20 @@ def test_worker_receives_no_faster_than_its_bandwidth_limit(tmp_path: Path) -> N
                 if i + window < n_frames:
                     await link.send(frames[i + window])
             await stop(core, run)
-            # A burst's worth passes at once, and the last frame is answered before the
-            # wait it causes; every other byte arrives at the limit.
-            burst = TokenBucket(limit).burst
+            burst = TokenBucket(limit_kbps * BYTES_PER_KB).burst
             return arrivals[-1] - start, sum(len(f) for f in frames[:-1]) - int(burst)
 
-    limit = limit_kbps * BYTES_PER_KB
     elapsed, carried = asyncio.run(scenario())
-    rate = carried / elapsed
-    assert 0.8 * limit <= rate <= 1.2 * limit, (rate, limit, elapsed)
+    return carried / elapsed
+
+
+@pytest.mark.timeout(30)
+def test_worker_receives_no_faster_than_its_bandwidth_limit(tmp_path: Path) -> None:
+    limit_kbps = 256
+    rate = measure_receive_rate(limit_kbps, tmp_path)
+    # Faster than the limit is a bug; slower, only a loaded machine (the rate reached is
+    # measured by bench/bench_limits.py).
+    assert rate <= 1.2 * limit_kbps * BYTES_PER_KB, (rate, limit_kbps)
 
 
 def test_bandwidth_limit_can_be_lifted_while_running(tmp_path: Path) -> None:
@@ -150,4 +154,5 @@ def test_bandwidth_limit_can_be_lifted_while_running(tmp_path: Path) -> None:
             await stop(core, run)
             return lifted_after
 
-    assert asyncio.run(scenario()) < 2.0
+    # At 1 KiB/s the second tile's 256 KiB would take minutes.
+    assert asyncio.run(scenario()) < 30.0
