@@ -37,6 +37,7 @@ bench: setup
 lint: setup
 	$(BIN)/ruff check common coordinator client_app tests bench docs/examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 # `make package`: the one-folder PyInstaller bundle dist/cleave-app/ and, from it,
 # dist/cleave-app_VERSION_ARCH.deb (packaging/, docs/packaging.md). The `package`
