@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from common.atomic_file import atomic_write_bytes
+
 MINIMIZED_FLAG = "--minimized"
 DESKTOP_FILE = "cleave-app.desktop"
 LAUNCH_AGENT_LABEL = "org.cleave.app"
@@ -139,10 +141,7 @@ def _kind(platform: str) -> str:
 
 
 def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # a login that reads the file half-written would run garbage
+    atomic_write_bytes(path, data)  # a login that read it half-written would run garbage
 
 
 def enable(

@@ -9,7 +9,6 @@ The domain tag keeps a task signature from ever being valid as anything else.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from common.atomic_file import atomic_write_bytes
 from common.errors import SignatureError
 from common.frames import canonical_json
 
@@ -64,18 +64,8 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
         if len(raw) != 32:
             raise ValueError(f"{path} is not a 32-byte Ed25519 private key")
         return Ed25519PrivateKey.from_private_bytes(raw)
-    path.parent.mkdir(parents=True, exist_ok=True)
     key = generate_private_key()
-    tmp = path.with_suffix(".tmp")
-    # A leftover temp file (or a planted link) would keep its own mode and target:
-    # remove it and create afresh, so the key is never readable by others.
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(private_key_bytes(key))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, private_key_bytes(key))  # owner-only, never half-written
     return key
 
 

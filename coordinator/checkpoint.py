@@ -1,19 +1,18 @@
 """Checkpoints of a training run: model, optimizer, step, data position and RNG.
 
-A checkpoint is written to a temporary file in the same directory, fsynced, then
-renamed over the old one with ``os.replace`` and the directory fsynced: a crash at any
-moment leaves either the previous checkpoint or the new one, never a torn file.
+A checkpoint replaces the previous one atomically (``common.atomic_file``): a crash at
+any moment leaves either the previous checkpoint or the new one, never a torn file.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from common.atomic_file import atomic_write
 
 
 @dataclass(frozen=True)
@@ -42,34 +41,7 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict(),
         "rng_state": rng_state,
     }
-    directory = path.parent
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open a directory
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, lambda fh: torch.save(payload, fh))
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:
