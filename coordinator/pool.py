@@ -68,7 +68,8 @@ class Pool:
         self._offload: TileOffload | None = None
 
     def start(self) -> str:
-        """Listen, start the local workers; returns the URL workers join."""
+        """Listen, start the local workers; returns the URL local workers join (others
+        use this machine's name with the same port and path)."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         key = load_or_create_private_key(self.state_dir / "coordinator.key")
         self._ledger = Ledger(self.state_dir / "ledger.sqlite")
@@ -80,7 +81,9 @@ class Pool:
         )
         self._thread.start()
         port = self._call(self._server.start(self._host, self._port))
-        self.url = f"ws://{self._host}:{port}{WS_PATH}"
+        # Listening on every address: local workers (and the printed URL) use loopback.
+        wildcard = self._host in ("0.0.0.0", "::", "")
+        self.url = f"ws://{'127.0.0.1' if wildcard else self._host}:{port}{WS_PATH}"
         self.fingerprint = fingerprint(key)
         self._offload = TileOffload(
             self._server,
