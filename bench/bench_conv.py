@@ -29,9 +29,7 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_step import eager_seconds  # noqa: E402
+from bench_step import eager_seconds, serve_job  # noqa: E402
 from real_models import make_cnn_job  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -90,46 +88,18 @@ def make_coordinator_im2col_job() -> Job:
 def cleave_run(steps: int, workers: int, job: str, link_mbit: float) -> tuple[list[float], float]:
     """Step seconds and bytes on the wire (both ways) per step; each local worker's link
     capped at ``link_mbit`` Mbit/s each way (its own bandwidth limit), 0: loopback speed."""
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "metrics.jsonl"
+
+    def cap_links(state: Path) -> None:
         for i in range(workers):  # the settings local worker i reads (coordinator.local_workers)
-            config = Path(tmp) / "state" / "local-workers" / f"worker-{i}"
+            config = state / "local-workers" / f"worker-{i}"
             config.mkdir(parents=True)
             kibps = int(link_mbit * 1e6 / 8 / 1024)
             (config / "settings.json").write_text(json.dumps({"bandwidth_kbps": kibps}))
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]),
-        }
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "coordinator",
-                "serve",
-                "--job",
-                job,
-                "--steps",
-                str(steps),
-                "--local-workers",
-                str(workers),
-                "--port",
-                "0",
-                "--state-dir",
-                str(Path(tmp) / "state"),
-                "--metrics-out",
-                str(metrics),
-            ],
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-            cwd=tmp,
-        )
-        seconds = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
-    traffic = re.search(r"traffic this run: ([\d.]+) MB to workers.*?([\d.]+) MB back", done.stdout)
+
+    seconds, stdout = serve_job(job, steps, workers, prepare=cap_links)
+    traffic = re.search(r"traffic this run: ([\d.]+) MB to workers.*?([\d.]+) MB back", stdout)
     if traffic is None:
-        raise SystemExit(f"no traffic line in the coordinator's output:\n{done.stdout}")
+        raise SystemExit(f"no traffic line in the coordinator's output:\n{stdout}")
     total_mb = float(traffic.group(1)) + float(traffic.group(2))
     return seconds, total_mb * 1e6 / steps
 

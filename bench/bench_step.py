@@ -70,23 +70,29 @@ def eager_seconds(steps: int, make: Callable[[], Job] = make_job) -> list[float]
     return times
 
 
-def cleave_seconds(steps: int, workers: int, planner: str) -> list[float]:
+def serve_job(
+    job: str,
+    steps: int,
+    workers: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    prepare: Callable[[Path], None] = lambda state: None,
+) -> tuple[list[float], str]:
+    """``cleave-coordinator serve`` of ``job`` with local workers, as a subprocess in a
+    fresh directory (``prepare`` gets its state directory first): per-step seconds from
+    ``--metrics-out``, and what it printed."""
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "metrics.jsonl"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench")]),
-            "CLEAVE_BENCH_WIDTH": str(WIDTH),
-            "CLEAVE_BENCH_BATCH": str(BATCH),
-        }
-        subprocess.run(
+        metrics, state = Path(tmp) / "metrics.jsonl", Path(tmp) / "state"
+        prepare(state)
+        path = os.pathsep.join([str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")])
+        done = subprocess.run(
             [
                 sys.executable,
                 "-m",
                 "coordinator",
                 "serve",
                 "--job",
-                "bench_step:make_job",
+                job,
                 "--steps",
                 str(steps),
                 "--local-workers",
@@ -94,19 +100,25 @@ def cleave_seconds(steps: int, workers: int, planner: str) -> list[float]:
                 "--port",
                 "0",
                 "--state-dir",
-                str(Path(tmp) / "state"),
+                str(state),
                 "--metrics-out",
                 str(metrics),
-                "--planner",
-                planner,
+                *extra,
             ],
-            env=env,
+            env={**os.environ, "PYTHONPATH": path, **(env or {})},
             check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
             cwd=tmp,
         )
-        return [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
+        seconds = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
+    return seconds, done.stdout
+
+
+def cleave_seconds(steps: int, workers: int, planner: str) -> list[float]:
+    sizes = {"CLEAVE_BENCH_WIDTH": str(WIDTH), "CLEAVE_BENCH_BATCH": str(BATCH)}
+    seconds, _ = serve_job("bench_step:make_job", steps, workers, "--planner", planner, env=sizes)
+    return seconds
 
 
 def main() -> None:

@@ -78,26 +78,25 @@ def _repeat_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _probabilities(
+def _scores(
     q: torch.Tensor,
     k: torch.Tensor,
     is_causal: bool,
     attn_mask: torch.Tensor | None,
     scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Scores as a bmm in the operands' dtype, softmax in float32 (as the fused kernel
-    accumulates): returns (probabilities fp32 (..., L, S), log-sum-exp fp32, scale)."""
+) -> tuple[torch.Tensor, float]:
+    """Scaled, masked scores (..., L, S) in float32 (as the fused kernel accumulates),
+    their product a bmm in the operands' dtype; and the scale used."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    batch = q.shape[:-2]
-    L, S = q.shape[-2], k.shape[-2]
+    batch, L, S = q.shape[:-2], q.shape[-2], k.shape[-2]
     scores = torch.bmm(_heads(q), _heads(k).transpose(1, 2)).view(*batch, L, S).float() * scale
     bias = _attention_bias(q, k, is_causal, attn_mask)
-    if bias is not None:
-        scores = scores + bias
-    lse = torch.logsumexp(scores, dim=-1)
+    return (scores if bias is None else scores + bias), scale
+
+
+def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     # A row with every key masked has lse = -inf: the fused kernel returns zeros there.
-    p = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return p, lse, scale
+    return torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
 
 
 def flash_attention_cpu(
@@ -113,7 +112,9 @@ def flash_attention_cpu(
     if dropout_p != 0.0:
         return NotImplemented  # the fused kernel's own RNG: keep it as it is
     key, value = _repeat_kv(query, key), _repeat_kv(query, value)
-    p, lse, _ = _probabilities(query, key, is_causal, attn_mask, scale)
+    scores, _ = _scores(query, key, is_causal, attn_mask, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = _probabilities(scores, lse)
     batch, L = query.shape[:-2], query.shape[-2]
     out = torch.bmm(_heads(p.to(value.dtype)), _heads(value)).view(*batch, L, value.shape[-1])
     return out, lse
@@ -136,13 +137,9 @@ def flash_attention_cpu_backward(
         return NotImplemented
     kv_heads = key.shape[-3] if key.dim() >= 3 else None
     k, v = _repeat_kv(query, key), _repeat_kv(query, value)
-    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    scores, scale = _scores(query, k, is_causal, attn_mask, scale)
+    p = _probabilities(scores, logsumexp)
     batch, L, S = query.shape[:-2], query.shape[-2], k.shape[-2]
-    scores = torch.bmm(_heads(query), _heads(k).transpose(1, 2)).view(*batch, L, S).float() * scale
-    bias = _attention_bias(query, k, is_causal, attn_mask)
-    if bias is not None:
-        scores = scores + bias
-    p = torch.exp(scores - logsumexp.unsqueeze(-1)).nan_to_num(0.0)
     dt = query.dtype
     go = _heads(grad_out)
     grad_v = torch.bmm(_heads(p.to(dt)).transpose(1, 2), go).view(*batch, S, v.shape[-1])
