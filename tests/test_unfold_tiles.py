@@ -23,6 +23,7 @@ from common.signing import generate_private_key
 from common.unfold import Unfold
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.tiling import TiledGemm
+from coordinator.verify import check_product, new_generator
 
 KEY = generate_private_key()
 SPEC = Unfold("a", kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1))
@@ -211,3 +212,19 @@ def test_tiles_carry_image_blocks_and_assemble_the_product(operand: str, target:
     image_slot = 0 if operand == "a" else 1
     assert jobs[0].check_blocks[image_slot] != jobs[0].blocks[image_slot]
     assert jobs[0].check_blocks[1 - image_slot] == jobs[0].blocks[1 - image_slot]
+
+
+def test_a_result_over_differently_padded_patches_fails_the_check() -> None:
+    """A worker that pads image borders by replication instead of zeros (a bug or a cheat
+    that only touches the edges) returns a result of the right shape; the coordinator's
+    check, over the patches it unfolds itself, rejects it, and passes the honest one."""
+    gen = torch.Generator().manual_seed(5)
+    spec = Unfold("a", (3, 3), (1, 1), (1, 1), (1, 1))
+    image, weight = torch.randn(4, 8, 12, 12, generator=gen), torch.randn(72, 16, generator=gen)
+    job_a, job_b = spec.matrices(image, weight)
+    honest = job_a @ job_b
+    padded = torch.nn.functional.pad(image, (1, 1, 1, 1), mode="replicate")
+    edge_cheat = Unfold("a", (3, 3), (1, 1), (0, 0), (1, 1)).expand(padded) @ weight
+    assert edge_cheat.shape == honest.shape and not torch.allclose(edge_cheat, honest)
+    assert check_product(job_a, job_b, honest, new_generator()).ok
+    assert not check_product(job_a, job_b, edge_cheat, new_generator()).ok
