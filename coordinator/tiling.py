@@ -46,6 +46,28 @@ class TileJob:
     def flops(self) -> int:
         return self.ticket.flops
 
+    @property
+    def half(self) -> bool:
+        """bf16 or fp16 operands: as fp32 the tile's bytes would be twice as many."""
+        return self.a.element_size() == 2
+
+    def block_bytes(self) -> tuple[int, int]:
+        return self.a.nbytes, self.b.nbytes
+
+    def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> bytes | bytearray:
+        """The task for a worker with an operand cache: the operands named in ``refs``
+        ("a", "b") by block id only, the others inline, each tagged with its block id."""
+        return encode_task(
+            self.tile_id,
+            self.gemm.op,
+            self.a,
+            self.b,
+            key,
+            blocks=self.blocks,
+            refs=refs,
+            unfold=self.unfold,
+        )
+
     def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The GEMM's operands, as the worker computes and the check reads them."""
         return (self.a, self.b) if self.unfold is None else self.unfold.matrices(self.a, self.b)
