@@ -26,7 +26,8 @@ from coordinator.flops import describe
 from coordinator.job import Job
 from coordinator.ledger import Ledger
 from coordinator.local_workers import LocalWorkers
-from coordinator.offload import TileOffload, plan_config_for
+from coordinator.offload import TileOffload
+from coordinator.planner import plan_config_for
 from coordinator.progress import Progress
 from coordinator.scheduler import SchedulerConfig
 from coordinator.server import WS_PATH, CoordinatorServer, ServerConfig

@@ -128,9 +128,17 @@ class Tile(Protocol):
 
 @dataclass(frozen=True)
 class Send:
+    """A frame for one worker: a task (``frame``, already signed) or a control message
+    (``message``, encoded when it is written, so the simulator never encodes one)."""
+
     worker_id: str
-    data: Any  # the frame: bytes on the server (a sized stand-in in the simulator)
+    frame: Any = None  # a task frame: bytes on the server, a sized stand-in in the simulator
     tile_id: str = ""  # set on task frames: a closing connection may skip them
+    message: Message | None = None
+
+    @property
+    def data(self) -> Any:
+        return self.frame if self.message is None else encode_message(self.message)
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,7 @@ class Effects:
     workers_changed: bool = False  # joins, leaves, pauses: wake whoever waits for workers
 
     def send(self, worker_id: str, message: Message) -> None:
-        self.sends.append(Send(worker_id, encode_message(message)))
+        self.sends.append(Send(worker_id, message=message))
 
     def close(self, worker_id: str, code: CloseCode, reason: str) -> None:
         self.closes.append(Close(worker_id, code, reason))
@@ -295,6 +303,12 @@ class CoordinatorCore:
 
     def next_worker_id(self) -> str:
         return f"w{next(self._ids)}"
+
+    def set_estimate(self, worker_id: str, estimate: DeviceEstimate) -> None:
+        """What the core knows of a worker's speed and links, told from outside (the
+        simulator's pool whose true speeds are known, as if learnt)."""
+        self.workers[worker_id].estimate = estimate
+        self._refresh_pool()
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -682,7 +696,9 @@ class CoordinatorCore:
             worker.sent_at = {t: at for t, at in worker.sent_at.items() if t in held}
             worker.sent_bytes = {t: n for t, n in worker.sent_bytes.items() if t in held}
             worker.sent_idle &= held
-        if len(held) == 1:  # only this tile: nothing for it to wait behind
+        if not any(t in worker.sent_at for t in held if t != job.tile_id):
+            # Nothing sent ahead of it (tiles assigned with it go out after it): its
+            # round trip is transfer and compute alone.
             worker.sent_idle.add(job.tile_id)
         frame = self._frame_for(worker, job)
         effects.sends.append(Send(worker.worker_id, frame, job.tile_id))
@@ -741,13 +757,14 @@ class CoordinatorCore:
         """When ``worker_id`` will return ``tile_id``: after the tiles sent to it before
         this one (it computes one at a time), later once it is overdue."""
         worker = self.workers.get(worker_id)
-        sent = worker.sent_at.get(tile_id) if worker is not None else None
-        if worker is None or sent is None:
+        if worker is None:
             return float("inf")
+        # A tile the scheduler handed out in the assign call asking is sent right after.
+        sent = worker.sent_at.get(tile_id, self._now)
         expected = 0.0
         for held in self.scheduler.in_flight(worker_id):
             job = self.jobs.get(held)
-            if job is not None and worker.sent_at.get(held, sent) <= sent:
+            if job is not None and worker.sent_at.get(held, self._now) <= sent:
                 expected += self._run_time(worker_id, job.ticket)
         return overdue_finish(queued_start(sent, worker.last_result_at), expected, self._now)
 

@@ -26,22 +26,6 @@ log = logging.getLogger("cleave.coordinator")
 DEFAULT_PLANNING = LivePlanning()
 
 
-def plan_config_for(min_offload_mflop: float) -> Callable[[int, int | None], PlanConfig]:
-    """The planner's limits for a pool of ``workers`` with the smallest ``memory_cap``."""
-
-    def config(workers: int, memory_cap: int | None) -> PlanConfig:
-        return PlanConfig(
-            min_offload_flops=int(min_offload_mflop * 1e6),
-            target_tiles=max(2, 2 * workers),
-            # Never above the default: it keeps every tile well inside the wire limits.
-            tile_mem_cap_bytes=min(
-                memory_cap or PlanConfig.tile_mem_cap_bytes, PlanConfig.tile_mem_cap_bytes
-            ),
-        )
-
-    return config
-
-
 class TileOffload:
     """``GemmOffload`` that sends GEMMs to workers through a ``CoordinatorServer``."""
 

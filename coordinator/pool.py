@@ -34,7 +34,8 @@ from coordinator.eager import EagerOffloadMode
 from coordinator.flops import FlopTally
 from coordinator.ledger import Ledger
 from coordinator.local_workers import LocalWorkers
-from coordinator.offload import TileOffload, plan_config_for
+from coordinator.offload import TileOffload
+from coordinator.planner import plan_config_for
 from coordinator.server import WS_PATH, CoordinatorServer, ServerConfig
 
 

@@ -42,6 +42,7 @@ from coordinator.core import (
     Effects,
     WorkerState,
 )
+from coordinator.costmodel import DeviceEstimate
 from coordinator.ledger import Ledger
 from coordinator.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.scheduler import SchedulerConfig
@@ -82,13 +83,17 @@ class Harness:
         worker_id = self.core.next_worker_id()
         return worker_id, self.core.admit(worker_id, hello, self.now)
 
-    def gemm(self, gemm_id: str = "g", shape: tuple[int, int, int] = (32, 16, 24)) -> list[TileJob]:
+    def gemm(
+        self, gemm_id: str = "g", shape: tuple[int, int, int] = (32, 16, 24), owner: str = ""
+    ) -> list[TileJob]:
+        """A GEMM's tiles (``owner``: the worker the planner placed every one of them on)."""
         m, k, n = shape
         gen = torch.Generator().manual_seed(len(gemm_id))
         a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
         plan = plan_gemm(GemmShape("mm", 1, m, n, k, 4), PLAN)
         assert plan is not None
-        tiled = TiledGemm(gemm_id, plan, a, b, lambda out: None)
+        owners = {region.index: owner for region in plan.tiles} if owner else None
+        tiled = TiledGemm(gemm_id, plan, a, b, lambda out: None, owners=owners)
         return list(tiled.iter_jobs(self.key))
 
     def receive(self, worker_id: str, msg: Message, tensors: Any = None) -> Effects:
@@ -531,6 +536,33 @@ def test_a_tile_sat_on_is_copied_to_an_idle_worker_and_the_first_result_cancels_
     assert [m for m in messages(done, w1) if isinstance(m, Cancel)] == [Cancel(jobs[0].tile_id)]
     late = h.result(w1, jobs[0])
     assert late.checks == [] and h.core.counters.duplicates == 1
+
+
+def test_the_first_of_several_tiles_sent_together_measures_the_links(h: Harness) -> None:
+    jobs = h.gemm()
+    h.core.submit(jobs, h.now)
+    w1, joined = h.admit("one", window=2)
+    assert len(tasks(joined, w1)) == 2
+    h.now += 0.5
+    h.complete(w1, jobs[0])
+    estimate = h.core.workers[w1].estimate
+    assert estimate is not None and estimate.link_samples == 1
+    assert estimate.down_bps < h.core.config.link_guess_bytes_per_s  # 0.5 s for a few KB
+    h.now += 0.5
+    h.complete(w1, jobs[1])  # it waited behind the first: compute only
+    assert h.core.workers[w1].estimate.link_samples == 1  # type: ignore[union-attr]
+
+
+def test_a_slow_worker_does_not_steal_tiles_planned_for_a_much_faster_one(h: Harness) -> None:
+    fast, _ = h.admit("fast", window=2)
+    slow, _ = h.admit("slow", window=2)
+    for worker_id, flops in ((fast, 1e12), (slow, 1e6)):
+        h.core.set_estimate(worker_id, DeviceEstimate(worker_id, flops, 1e15, 1e15, None, h.now, 1))
+    jobs = h.gemm(owner=fast)
+    effects = h.core.submit(jobs, h.now)
+    # The fast one returns all four before the slow one would return one.
+    assert tasks(effects, fast) == [job.tile_id for job in jobs[:2]]
+    assert tasks(effects, slow) == []
 
 
 def test_the_predicted_finish_counts_the_tiles_sent_before_it(h: Harness) -> None:

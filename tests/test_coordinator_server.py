@@ -597,9 +597,7 @@ def test_wrong_results_are_rejected_reissued_and_the_cheat_is_banned_by_key(
 
 
 @pytest.mark.parametrize("how", ["close", "bye"])
-def test_tiles_of_a_worker_that_leaves_go_to_the_other_worker(
-    tmp_path: Path, how: str
-) -> None:
+def test_tiles_of_a_worker_that_leaves_go_to_the_other_worker(tmp_path: Path, how: str) -> None:
     async def scenario() -> None:
         async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "stays"):
             raw = await Raw.join(coord, "leaves", window=2)
@@ -1081,4 +1079,3 @@ def test_too_many_simultaneous_handshakes_are_told_to_come_back(tmp_path: Path) 
             await late.close()
 
     asyncio.run(scenario())
-

@@ -1,4 +1,4 @@
-"""The event loop: a simulated clock, simulated devices, and the real Scheduler.
+"""The event loop: a simulated clock, simulated devices, and the live coordinator's core.
 
 Each device runs the tiles it holds through three resources in order: its downlink (and
 the coordinator's shared egress), its compute, its uplink. A prefetch window of 2 lets
@@ -6,42 +6,35 @@ the next tile's download overlap the current tile's compute, as real workers do.
 tile is assigned its whole timeline is known, so one event (the result arriving) stands
 for it; a cancel or a death takes the tile off and re-plans the tiles behind it.
 
-The coordinator side is the live server's loop in miniature: submit a stage's tiles,
-`assign`, `complete`, `expire` on each heartbeat tick, `stranded`/`take_over`, and
-optionally `speculate` with cost-model predictions. Results are always correct here;
-verification costs nothing (Freivalds is ~2% of a tile).
-
-The operand cache (`SimConfig.operand_cache`, on by default as on the live server) is the
-server's: each device keeps the operand blocks it was sent, up to its memory cap, least
-recently used first out; the coordinator mirrors that per device, a tile's download is
-only the blocks the device lacks, and `assign(prefers=...)` prefers a device that holds
-one of a tile's blocks. As on the server, the mirror changes when tiles are sent, after
-an `assign` call has made all of its choices.
+The coordinator is the server's own ``CoordinatorCore``: joins, heartbeats, results and
+the expiry tick go in as the server's pump feeds them, and its effects (task frames,
+cancels, closes, checks, tiles to compute here) act on the simulated pool. Every
+decision (assignment, the finish predictions, speculation, the operand-cache mirror,
+what it learns of each device, the pool view the planner reads) is therefore the
+server's, not a copy. Stages are planned as the live offload plans them, from the
+core's pool view. Results are always correct here; the check costs nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import heapq
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from common.block_cache import BlockCache
-from coordinator.costmodel import (
-    Commitments,
-    DeviceEstimate,
-    LiveChoice,
-    LivePlanning,
-    TileObservation,
-    observe,
-    overdue_finish,
-    queued_start,
-)
-from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm
-from coordinator.scheduler import Scheduler, SchedulerConfig, TileTicket, Verdict
+from common.messages import Cancel, DeviceProfile, Heartbeat, Hello, Result
+from common.signing import generate_private_key
+from coordinator.core import CoordinatorCore, CoreConfig, Effects
+from coordinator.costmodel import Commitments, DeviceEstimate, LiveChoice, LivePlanning
+from coordinator.ledger import Ledger
+from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_config_for, plan_gemm
+from coordinator.scheduler import Scheduler, SchedulerConfig, TileTicket
 from coordinator.sim.models import MODELS, Stage, step_flops, step_stages
 from coordinator.sim.population import Device
+from coordinator.verify import CheckResult
 
 PLANNERS = ("plan_gemm", "costmodel")
 
@@ -75,9 +68,6 @@ class SimConfig:
     # the coordinator sends only the blocks a worker does not hold, preferring a worker
     # that holds one of a tile's blocks (coordinator/server.py `_frame_for`).
     operand_cache: bool = True
-    # The links the cost model assumes before it has measured a worker.
-    assumed_down_bps: float = 12.5e6
-    assumed_up_bps: float = 2.5e6
     max_sim_s: float = 1e7  # give up (and say so) rather than loop forever
 
     def __post_init__(self) -> None:
@@ -106,7 +96,6 @@ class _Run:
 @dataclass(eq=False)
 class _DeviceState:
     device: Device
-    estimate: DeviceEstimate
     registered: bool = False
     alive: bool = True
     runs: dict[str, _Run] = field(default_factory=dict)  # tile_id -> run, FIFO order
@@ -116,12 +105,8 @@ class _DeviceState:
     down_bytes: int = 0
     up_bytes: int = 0
     saved_bytes: int = 0  # operand bytes not sent because the device held the block
-    # The coordinator's mirror of the device's operand cache: block id -> bytes, least
-    # recently used first, within its budget (0: no cache).
-    blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
     useful_flops: int = 0
     wasted_flops: int = 0  # computed, then cancelled or lost
-    last_result_at: float = 0.0  # what the coordinator saw last from it (queued_start)
 
 
 @dataclass
@@ -131,8 +116,54 @@ class _Step:
     stage: int = 0
     waiting_tiles: set[str] = field(default_factory=set)
     waiting_local: int = 0
-    gemm_ids: list[str] = field(default_factory=list)
     stage_start: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A task frame's stand-in: only its size travels the simulated links."""
+
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+@dataclass(eq=False)
+class _Gemm:
+    gemm_id: str
+    remaining: int = 0  # its tiles still out (the coordinator's share is not counted)
+
+
+@dataclass(eq=False)
+class _Tile:
+    """One tile as ``CoordinatorCore`` sees it (``coordinator.core.Tile``), without data."""
+
+    tile_id: str
+    ticket: TileTicket
+    blocks: tuple[str, str]
+    sizes: tuple[int, int]  # A and B block bytes
+    itemsize: int
+    gemm: _Gemm
+
+    @property
+    def flops(self) -> int:
+        return self.ticket.flops
+
+    @property
+    def bundle(self) -> _Frame:
+        return _Frame(self.ticket.down_bytes)
+
+    @property
+    def half(self) -> bool:
+        return self.itemsize == 2
+
+    def block_bytes(self) -> tuple[int, int]:
+        return self.sizes
+
+    def task_frame(self, refs: frozenset[str], key: object) -> _Frame:
+        held = sum(size for name, size in zip("ab", self.sizes, strict=True) if name in refs)
+        return _Frame(self.ticket.down_bytes - held)
 
 
 class Simulation:
@@ -148,13 +179,19 @@ class Simulation:
         stages run in order); with `known_pool` the coordinator starts out knowing every
         device's true speed and links, as if it had learnt them."""
         self.config = config
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                heartbeat_timeout_s=config.heartbeat_timeout_s,
-                tile_timeout_s=config.tile_timeout_s,
-                speculate_after=config.speculate_after,
-                leave_for_faster=config.leave_for_faster,
-            )
+        self.core = CoordinatorCore(
+            key=generate_private_key(),
+            ledger=Ledger(Path(":memory:")),
+            config=CoreConfig(
+                heartbeat_interval_s=config.heartbeat_interval_s,
+                max_messages_per_s=0.0,  # the simulated workers are honest
+                scheduler=SchedulerConfig(
+                    heartbeat_timeout_s=config.heartbeat_timeout_s,
+                    tile_timeout_s=config.tile_timeout_s,
+                    speculate_after=config.speculate_after,
+                    leave_for_faster=config.leave_for_faster,
+                ),
+            ),
         )
         self.stages = stages or step_stages(
             MODELS[config.model], config.batch, config.seq, config.itemsize
@@ -167,36 +204,16 @@ class Simulation:
             egress_bps=config.coordinator_egress_bps,
             rule=config.placement,
         )
-        self.devices = {
-            d.device_id: _DeviceState(
-                d,
-                DeviceEstimate(
-                    d.device_id,
-                    d.claimed_flops,
-                    config.assumed_down_bps,
-                    config.assumed_up_bps,
-                    d.mem_cap_bytes,
-                ),
-                blocks=BlockCache(d.mem_cap_bytes if config.operand_cache else 0, int),
-            )
-            for d in devices
-        }
-        if known_pool:
-            for state in self.devices.values():
-                d = state.device
-                state.estimate = DeviceEstimate(
-                    d.device_id, d.true_flops, d.down_bps, d.up_bps, d.mem_cap_bytes, 0.0, 1
-                )
+        self._plan_config = plan_config_for(config.min_offload_flops / 1e6)
+        self.devices = {d.device_id: _DeviceState(d) for d in devices}
+        self._known_pool = known_pool
         self.now = 0.0
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self._coord_link_free = 0.0
         self._coord_comp_free = 0.0
         self._commitments = Commitments()
-        self._tickets: dict[str, TileTicket] = {}
-        self._block_bytes: dict[str, tuple[int, int]] = {}  # tile id -> A, B block bytes
-        # What the coordinator knows: when it sent each tile a worker holds, in order.
-        self._sent: dict[str, dict[str, float]] = {}
+        self._tiles: dict[str, _Tile] = {}
         self._step: _Step | None = None
         self.step_times: list[float] = []
         self.stage_times: list[float] = []  # each stage, from planning to its last result
@@ -206,6 +223,10 @@ class Simulation:
         self.lost_tiles: set[str] = set()  # tiles that went back to the queue at least once
         self.failures: list[tuple[str, float, str]] = []
         self.gave_up = False
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
 
     # --- events -------------------------------------------------------------------------
 
@@ -230,21 +251,33 @@ class Simulation:
                 break
             self.now = at
             getattr(self, "_on_" + kind)(payload)
-            self._dispatch()
         return self.result()
 
     def _on_join(self, device_id: str) -> None:
         state = self.devices[device_id]
         if not state.alive or state.device.leave_at <= self.now:
             return
+        d = state.device
         state.registered = True
         state.down_free = state.comp_free = state.up_free = self.now
-        self.scheduler.add_worker(
-            device_id,
+        hello = Hello(
+            name=device_id,
+            profile=DeviceProfile(
+                mem_cap_bytes=d.mem_cap_bytes, gflops=d.claimed_flops / 1e9, threads=1
+            ),
             window=self.config.window,
-            now=self.now,
-            mem_cap_bytes=state.device.mem_cap_bytes,
+            worker_key=hashlib.sha256(device_id.encode()).hexdigest(),
+            cache_bytes=d.mem_cap_bytes if self.config.operand_cache else 0,
         )
+        effects = self.core.admit(device_id, hello, self.now)
+        if self._known_pool:
+            self.core.set_estimate(
+                device_id,
+                DeviceEstimate(
+                    device_id, d.true_flops, d.down_bps, d.up_bps, d.mem_cap_bytes, self.now, 1
+                ),
+            )
+        self._apply(effects)
 
     def _on_leave(self, device_id: str) -> None:
         state = self.devices[device_id]
@@ -252,9 +285,9 @@ class Simulation:
             return
         self.failures.append((device_id, self.now, "leave"))
         self._kill(state)
-        self.lost_tiles.update(self.scheduler.remove_worker(device_id, self.now))
+        self.lost_tiles.update(self.scheduler.in_flight(device_id))
         state.registered = False
-        _forget_blocks(state)
+        self._apply(self.core.disconnected(device_id, self.now))
 
     def _on_fail(self, device_id: str) -> None:
         state = self.devices[device_id]
@@ -270,20 +303,13 @@ class Simulation:
 
     def _on_tick(self, _: None) -> None:
         for device_id, state in self.devices.items():
-            if state.alive and state.registered:
-                self.scheduler.heartbeat(device_id, self.now)
-        expiry = self.scheduler.expire(self.now)
-        self.lost_tiles.update(expiry.requeued)
-        for device_id in expiry.dead_workers:
-            self.devices[device_id].registered = False
-            _forget_blocks(self.devices[device_id])
-        for tile_id in self.scheduler.stranded():
-            self._cancel_all(self.scheduler.take_over(tile_id), tile_id)
-            self.taken_over += 1
-            self._run_locally(self._tickets[tile_id].flops, tile_id)
-        if self.config.speculate_after is not None:
-            for a in self.scheduler.speculate(self.now, self._finish_at, self._run_time):
-                self._start_run(self.devices[a.worker_id], a.tile_id)
+            if state.registered:
+                if state.alive:
+                    beat = Heartbeat(0, "working", len(state.runs))
+                    self._apply(self.core.handle(device_id, beat, self.now))
+                else:  # what the expiry below may take back from it
+                    self.lost_tiles.update(self.scheduler.in_flight(device_id))
+        self._apply(self.core.tick(self.now))
         self._push(self.now + self.config.heartbeat_interval_s, "tick", None)
 
     def _on_result(self, key: tuple[str, str, int]) -> None:
@@ -293,26 +319,13 @@ class Simulation:
         if run is None or run.token != token or not state.alive:
             return
         del state.runs[tile_id]
-        state.last_result_at = self.now
         state.up_bytes += run.ticket.up_bytes
-        completion = self.scheduler.complete(device_id, tile_id, self.now)
-        if completion.verdict is Verdict.ACCEPTED:
+        verified = self.core.counters.tiles_verified
+        result = Result(tile_id, compute_s=run.comp_end - run.comp_start)
+        self._apply(self.core.handle(device_id, result, self.now))
+        if self.core.counters.tiles_verified > verified:
             state.useful_flops += run.ticket.flops
-            state.estimate = observe(
-                state.estimate,
-                TileObservation(
-                    run.ticket.flops,
-                    run.down_bytes,
-                    run.ticket.up_bytes,
-                    down_s=run.down_end - run.down_start,
-                    compute_s=run.comp_end - run.comp_start,
-                    up_s=run.up_end - run.up_start,
-                ),
-                self.now,
-            )
-            self._cancel_all(completion.cancel, tile_id)
-            self._tile_done(tile_id)
-        else:
+        else:  # a copy that lost, or a tile taken back meanwhile
             state.wasted_flops += run.ticket.flops
 
     def _on_local(self, tile_id: str | None) -> None:
@@ -329,24 +342,31 @@ class Simulation:
         self._step = _Step(index, self.now)
         self._submit_stage()
 
-    # --- coordinator side ---------------------------------------------------------------
+    # --- the coordinator: CoordinatorCore's effects on the simulated pool ------------------
 
-    def _dispatch(self) -> None:
-        prefers = self._holds_a_block if self.config.operand_cache else None
-        for a in self.scheduler.assign(
-            self.now,
-            prefers=prefers,
-            finish_at=self._finish_at,
-            run_time=self._run_time,
-            busy_time=self._busy_time if self.config.window > 1 else None,
-        ):
-            self._start_run(self.devices[a.worker_id], a.tile_id)
-
-    def _holds_a_block(self, worker_id: str, ticket: TileTicket) -> bool:
-        blocks = self.devices[worker_id].blocks
-        return any(block in blocks for block in ticket.blocks)
+    def _apply(self, effects: Effects) -> None:
+        for send in effects.sends:
+            state = self.devices[send.worker_id]
+            if send.tile_id:
+                self._start_run(state, send.tile_id, len(send.frame))
+            elif isinstance(send.message, Cancel):
+                self._cancel(state, send.message.tile_id)
+        for close in effects.closes:  # missed heartbeats: the connection is gone
+            self.devices[close.worker_id].registered = False
+        for check in effects.checks:  # every simulated result is correct
+            self._apply(self.core.checked(check, _CORRECT, self.now))
+        for deliver in effects.delivers:
+            self._tile_done(deliver.job.tile_id)
+        for job in effects.compute_here:
+            self.taken_over += 1
+            self._run_locally(job.flops, job.tile_id)
 
     def _tile_done(self, tile_id: str) -> None:
+        tile = self._tiles.pop(tile_id, None)
+        if tile is not None:
+            tile.gemm.remaining -= 1
+            if tile.gemm.remaining == 0:  # the GEMM is whole: stragglers' copies go
+                self._apply(self.core.delivered(tile, True, self.now))
         step = self._step
         if step is not None and tile_id in step.waiting_tiles:
             step.waiting_tiles.discard(tile_id)
@@ -356,9 +376,6 @@ class Simulation:
         step = self._step
         if step is None or step.waiting_tiles or step.waiting_local > 0:
             return
-        for gemm_id in step.gemm_ids:
-            self._cancel_pairs(self.scheduler.forget_gemm(gemm_id))
-        step.gemm_ids.clear()
         self.stage_times.append(self.now - step.stage_start)
         step.stage += 1
         if step.stage < len(self.stages):
@@ -373,7 +390,7 @@ class Simulation:
         step = self._step
         assert step is not None
         step.stage_start = self.now
-        tickets: list[TileTicket] = []
+        tiles: list[_Tile] = []
         for name, shape in self.stages[step.stage]:
             gemm_id = f"s{step.index}.{name}"
             choice = self._plan(shape)
@@ -381,55 +398,48 @@ class Simulation:
                 step.waiting_local += 1
                 self._run_locally(shape.flops, None)
                 continue
-            step.gemm_ids.append(gemm_id)
+            gemm = _Gemm(gemm_id)
             owners = choice.owners if self.config.follow_plan else {}
-            for tile in choice.plan.tiles:
-                if tile.index in choice.local:  # the coordinator's share
+            for region in choice.plan.tiles:
+                if region.index in choice.local:  # the coordinator's share
                     step.waiting_local += 1
-                    self._run_locally(tile.flops, None)
+                    self._run_locally(region.flops, None)
                     continue
-                tile_id = f"{gemm_id}.{'.'.join(map(str, tile.index))}"
-                bi, mi, ni, ki = tile.index
-                b, m, n, k = tile.dims
+                tile_id = f"{gemm_id}.{'.'.join(map(str, region.index))}"
+                bi, mi, ni, ki = region.index
+                b, m, n, k = region.dims
+                blocks = (f"{gemm_id}/a/{bi}.{mi}.{ki}", f"{gemm_id}/b/{bi}.{ki}.{ni}")
                 ticket = TileTicket(
                     tile_id,
                     gemm_id,
-                    tile.flops,
-                    tile.down_bytes(shape.itemsize),
-                    tile.up_bytes(shape.itemsize),
-                    blocks=(f"{gemm_id}/a/{bi}.{mi}.{ki}", f"{gemm_id}/b/{bi}.{ki}.{ni}"),
-                    planned_for=owners.get(tile.index),
+                    region.flops,
+                    region.down_bytes(shape.itemsize),
+                    region.up_bytes(shape.itemsize),
+                    blocks=blocks,
+                    planned_for=owners.get(region.index),
                 )
-                self._tickets[tile_id] = ticket
-                self._block_bytes[tile_id] = (
-                    shape.itemsize * b * m * k,
-                    shape.itemsize * b * k * n,
-                )
+                sizes = (shape.itemsize * b * m * k, shape.itemsize * b * k * n)
+                tile = _Tile(tile_id, ticket, blocks, sizes, shape.itemsize, gemm)
+                gemm.remaining += 1
+                self._tiles[tile_id] = tile
                 step.waiting_tiles.add(tile_id)
-                tickets.append(ticket)
-        self.scheduler.submit(tickets)
-        if not tickets:
+                tiles.append(tile)
+        self._apply(self.core.submit(tiles, self.now))
+        if not tiles:
             self._maybe_next_stage()
 
-    def _live(self) -> list[_DeviceState]:
-        return [s for s in self.devices.values() if s.registered and s.alive]
-
     def _plan(self, shape: GemmShape) -> LiveChoice:
-        """The grid and the tiles the coordinator keeps, as the live offload plans them."""
-        live = self._live()
-        caps = [s.device.mem_cap_bytes for s in live]
-        config = PlanConfig(
-            min_offload_flops=self.config.min_offload_flops,
-            target_tiles=max(2, 2 * len(live)),
-            tile_mem_cap_bytes=min(min(caps, default=1 << 62), PlanConfig.tile_mem_cap_bytes),
-        )
-        if self.config.planner == "costmodel" and live:
+        """The grid and the tiles the coordinator keeps, as the live offload plans them
+        from the core's view of the pool."""
+        pool = self.core.pool
+        config = self._plan_config(pool.active, pool.memory_cap)
+        if self.config.planner == "costmodel" and pool.estimates:
             # Work already planned (earlier GEMMs of this stage, the coordinator's share
             # of them) is still to do: plan this GEMM after it, as the live offload does.
             try:
                 return self._planning.plan(
                     shape,
-                    [s.estimate for s in live],
+                    pool.estimates,
                     config,
                     self._commitments,
                     now=self.now,
@@ -445,52 +455,29 @@ class Simulation:
         self.local_flops += flops
         self._push(self._coord_comp_free, "local", tile_id)
 
-    def _cancel_all(self, worker_ids: tuple[str, ...] | list[str], tile_id: str) -> None:
-        self._cancel_pairs([(w, tile_id) for w in worker_ids])
-
-    def _cancel_pairs(self, pairs: list[tuple[str, str]]) -> None:
-        for worker_id, tile_id in pairs:
-            state = self.devices[worker_id]
-            run = state.runs.pop(tile_id, None)
-            if run is not None:
-                state.wasted_flops += self._computed_part(run)
-                self._replan(state)
+    def _cancel(self, state: _DeviceState, tile_id: str) -> None:
+        run = state.runs.pop(tile_id, None)
+        if run is not None:
+            state.wasted_flops += self._computed_part(run)
+            self._replan(state)
 
     # --- device side --------------------------------------------------------------------
 
-    def _start_run(self, state: _DeviceState, tile_id: str) -> None:
-        ticket = self._tickets[tile_id]
-        nbytes = self._operand_bytes_to_send(state, tile_id)
+    def _start_run(self, state: _DeviceState, tile_id: str, nbytes: int) -> None:
+        ticket = self._tiles[tile_id].ticket
+        state.saved_bytes += ticket.down_bytes - nbytes
         start = max(self.now, state.down_free)
         link_start = max(start, self._coord_link_free)
         self._coord_link_free = link_start + nbytes / self.config.coordinator_egress_bps
         down_end = max(start + nbytes / state.device.down_bps, self._coord_link_free)
         state.down_free = down_end
         state.down_bytes += nbytes
-        self._sent.setdefault(state.device.device_id, {})[tile_id] = self.now
         if not state.alive:
             return  # a silently dead worker was handed a tile: the bytes are gone
         state.runs[tile_id] = _Run(
             ticket, self.now, start, down_end, comp_start=math.inf, down_bytes=nbytes
         )
         self._replan(state)
-
-    def _operand_bytes_to_send(self, state: _DeviceState, tile_id: str) -> int:
-        """The tile's downlink bytes: its operands less the blocks the device holds.
-
-        Updates the mirror of the device's cache as the server's `_frame_for` does:
-        operands sent inline first, then the held ones, each moved to the most recently
-        used end; then the least recently used go until the blocks fit the budget."""
-        ticket = self._tickets[tile_id]
-        if state.blocks.budget <= 0:
-            return ticket.down_bytes
-        sizes = dict(zip(ticket.blocks, self._block_bytes[tile_id], strict=True))
-        held = [block for block in ticket.blocks if block in state.blocks]
-        sent = [block for block in ticket.blocks if block not in state.blocks]
-        state.blocks.record((block, sizes[block]) for block in sent + held)
-        saved = sum(sizes[block] for block in held)
-        state.saved_bytes += saved
-        return ticket.down_bytes - saved
 
     def _replan(self, state: _DeviceState) -> None:
         """Lay the device's tiles on its compute and uplink again from `now`: stages
@@ -526,32 +513,6 @@ class Simulation:
         if self.now >= run.comp_end:
             return run.ticket.flops
         return int(run.ticket.flops * (self.now - run.comp_start) / (run.comp_end - run.comp_start))
-
-    # --- predictions for speculate(): the cost model, never the hidden true speeds -------
-
-    def _finish_at(self, worker_id: str, tile_id: str) -> float:
-        state = self.devices[worker_id]
-        held = self.scheduler.in_flight(worker_id)
-        sent = self._sent.setdefault(worker_id, {})
-        for stale in [t for t in sent if t not in held]:
-            del sent[stale]
-        ahead = 0.0
-        for other_id in sent:
-            if other_id == tile_id:
-                break
-            ahead += state.estimate.tile_seconds(self._tickets[other_id].flops, 0, 0)
-        ticket = self._tickets[tile_id]
-        expected = state.estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
-        start = queued_start(sent.get(tile_id, self.now), state.last_result_at)
-        return overdue_finish(start, expected + ahead, self.now)
-
-    def _run_time(self, worker_id: str, ticket: TileTicket) -> float:
-        estimate = self.devices[worker_id].estimate
-        return estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
-
-    def _busy_time(self, worker_id: str, ticket: TileTicket) -> float:
-        estimate = self.devices[worker_id].estimate
-        return estimate.pipelined_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
 
     # --- results ------------------------------------------------------------------------
 
@@ -610,9 +571,7 @@ class Simulation:
         }
 
 
-def _forget_blocks(state: _DeviceState) -> None:
-    """The connection is gone, and the server's mirror of its cache with it."""
-    state.blocks.clear()
+_CORRECT = CheckResult(ok=True, margin=0.0)  # what every simulated result earns
 
 
 def _config_json(config: SimConfig) -> dict[str, Any]:
