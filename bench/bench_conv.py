@@ -16,7 +16,7 @@ Tables:
    ``cleave-coordinator serve`` subprocess): step time and bytes on the wire per step.
 2. **Bytes per step by lowering** (modelled for all three at the same tile count per op).
 3. **Kernel time** (measured, one thread): the step's convolutions as torch's native
-   kernels against their im2col GEMMs (``coordinator.lowering``), what a worker runs.
+   kernels against their im2col GEMMs (``coordinator.step.lowering``), what a worker runs.
 
 Run: ``python bench/bench_conv.py [--steps 8] [--workers 2]``.
 """
@@ -46,7 +46,7 @@ from real_models import make_cnn_job  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from coordinator import lowering  # noqa: E402
-from coordinator.job import Job  # noqa: E402
+from coordinator.step.job import Job  # noqa: E402
 
 aten = torch.ops.aten
 TILES = 4  # tiles per op in the byte model: two per local worker, as the planner aims
@@ -90,7 +90,9 @@ def cleave_run(steps: int, workers: int, job: str, link_mbit: float) -> tuple[li
     capped at ``link_mbit`` Mbit/s each way (its own bandwidth limit), 0: loopback speed."""
 
     def cap_links(state: Path) -> None:
-        for i in range(workers):  # the settings local worker i reads (coordinator.local_workers)
+        for i in range(
+            workers
+        ):  # the settings local worker i reads (coordinator.serve.local_workers)
             config = state / "local-workers" / f"worker-{i}"
             config.mkdir(parents=True)
             kibps = int(link_mbit * 1e6 / 8 / 1024)
@@ -154,7 +156,7 @@ def modelled_bytes(func: Any, args: tuple[Any, ...], itemsize: int = 4) -> tuple
         if kind == "forward":  # patches @ Wᵀ -> y
             ways = [(patches, w_n, y_n), (x_n, w_n, y_n), (x_n, w_n, y_n)]
         elif kind == "input grad":  # grad_out @ W -> patch gradients (folded here) or dx
-            # Cleave folds a strided convolution's patch gradients here (coordinator.lowering).
+            # Cleave folds a strided convolution's patch gradients here (coordinator.step.lowering).
             strided = any(s > 1 for s in args[4])
             ways = [(y_n, w_n, patches), (y_n, w_n, patches if strided else x_n), (y_n, w_n, x_n)]
         else:  # grad_outᵀ @ patches -> dW

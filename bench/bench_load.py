@@ -68,10 +68,10 @@ from common.messages import (  # noqa: E402
     verify_task,
 )
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
-from coordinator.ledger import Ledger  # noqa: E402
-from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm  # noqa: E402
-from coordinator.server import CoordinatorServer, ServerConfig  # noqa: E402
-from coordinator.tiling import TiledGemm, TileJob  # noqa: E402
+from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm  # noqa: E402
+from coordinator.pool.ledger import Ledger  # noqa: E402
+from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
+from coordinator.tiles.tiled_gemm import TiledGemm, TileJob  # noqa: E402
 
 PROFILE = DeviceProfile("cpu", "bench-load simulated worker", 1, 1 << 30, 1 << 28, 10.0)
 MAX_FRAME = 64 << 20  # far above a 64^3 tile; the coordinator never sends more than a tile

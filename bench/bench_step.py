@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from coordinator.job import Job  # noqa: E402
+from coordinator.step.job import Job  # noqa: E402
 
 WIDTH = int(os.environ.get("CLEAVE_BENCH_WIDTH", "2048"))
 BATCH = int(os.environ.get("CLEAVE_BENCH_BATCH", "1024"))

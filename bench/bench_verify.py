@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from coordinator.verify import CheckCache, CheckPlan, check_product, new_generator  # noqa: E402
+from coordinator.tiles.verify import CheckCache, CheckPlan, check_product, new_generator  # noqa: E402
 
 SHAPES = [  # (batch or None, m, k, n, dtype)
     (None, 256, 256, 256, torch.float32),

@@ -48,8 +48,8 @@ from bench.tile_cases import (  # noqa: E402
     scale_cheat,
     shapes_label,
 )
-from coordinator.honest_error import threshold  # noqa: E402
-from coordinator.verify import CheckPlan, check_product  # noqa: E402
+from coordinator.tiles.honest_error import threshold  # noqa: E402
+from coordinator.tiles.verify import CheckPlan, check_product  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The worker paces its traffic to the owner's bandwidth limit with one
 (``client_app.bandwidth``); the coordinator caps each connection's message rate with
-another (``coordinator.server``). The bucket runs into debt rather than refusing a
+another (``coordinator.serve.server``). The bucket runs into debt rather than refusing a
 charge bigger than its burst: a frame is indivisible, and the wait after it pays the
 debt back, so the long-run rate is the limit whatever the sizes.
 """

@@ -21,18 +21,18 @@ import torch
 from common.gemm_speed import matmul_gflops
 from common.signing import fingerprint, load_or_create_private_key
 from coordinator.config_file import ConfigError, read_config
-from coordinator.costmodel import LivePlanning
-from coordinator.flops import describe
-from coordinator.job import Job
-from coordinator.ledger import Ledger
-from coordinator.local_workers import LocalWorkers
-from coordinator.offload import TileOffload
-from coordinator.planner import plan_config_for
-from coordinator.progress import Progress
-from coordinator.scheduler import SchedulerConfig
-from coordinator.server import WS_PATH, CoordinatorServer, ServerConfig
+from coordinator.plan.costmodel import LivePlanning
+from coordinator.plan.planner import plan_config_for
+from coordinator.pool.ledger import Ledger
+from coordinator.schedule.scheduler import SchedulerConfig
+from coordinator.serve.local_workers import LocalWorkers
+from coordinator.serve.offload import TileOffload
+from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
+from coordinator.step.flops import describe
+from coordinator.step.job import Job
+from coordinator.step.progress import Progress
+from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
 from coordinator.structured_log import LOG_FORMATS, PROGRESS_LOGGER, configure
-from coordinator.trainer import PoolCounters, StepRecord, Trainer
 
 log = logging.getLogger("cleave.coordinator")
 progress_log = logging.getLogger(PROGRESS_LOGGER)

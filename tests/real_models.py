@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.job import Job
+from coordinator.step.job import Job
 
 VOCAB = 64
 

@@ -33,7 +33,9 @@ from common.messages import (
     parse_message,
 )
 from common.signing import generate_private_key, public_key_hex
-from coordinator.core import (
+from coordinator.plan.costmodel import DeviceEstimate
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.pool.core import (
     MIN_PLANNING_MEMORY_CAP,
     Check,
     CloseCode,
@@ -42,12 +44,10 @@ from coordinator.core import (
     Effects,
     WorkerState,
 )
-from coordinator.costmodel import DeviceEstimate
-from coordinator.ledger import Ledger
-from coordinator.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.scheduler import SchedulerConfig
-from coordinator.tiling import TiledGemm, TileJob
-from coordinator.verify import CheckCache, check_product, new_generator
+from coordinator.pool.ledger import Ledger
+from coordinator.schedule.scheduler import SchedulerConfig
+from coordinator.tiles.tiled_gemm import TiledGemm, TileJob
+from coordinator.tiles.verify import CheckCache, check_product, new_generator
 
 PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
 PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from coordinator.executor import DataflowExecutor, GemmDone, StepCancelled
-from coordinator.job import Job
 from coordinator.jobs.tiny_gpt import make_job
-from coordinator.tracing import TracedStep, trace_step
+from coordinator.step.executor import DataflowExecutor, GemmDone, StepCancelled
+from coordinator.step.job import Job
+from coordinator.step.tracing import TracedStep, trace_step
 
 pytestmark = pytest.mark.timeout(60)
 GPT_GEMMS = 39

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.ledger import Contribution, Ledger
+from coordinator.pool.ledger import Contribution, Ledger
 
 
 def reject(ledger: Ledger, worker: str, now: float, reputation: float = 0.5, ban: str = "") -> None:

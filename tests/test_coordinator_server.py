@@ -54,16 +54,16 @@ from common.messages import (
     verify_task,
 )
 from common.signing import fingerprint, generate_private_key, public_key_hex
-from coordinator.costmodel import LivePlanning
-from coordinator.executor import DataflowExecutor
-from coordinator.job import Job
-from coordinator.ledger import Contribution, Ledger
-from coordinator.offload import TileOffload
-from coordinator.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.scheduler import SchedulerConfig
-from coordinator.server import CoordinatorServer, ServerConfig
-from coordinator.tiling import TiledGemm
-from coordinator.tracing import trace_step
+from coordinator.plan.costmodel import LivePlanning
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.pool.ledger import Contribution, Ledger
+from coordinator.schedule.scheduler import SchedulerConfig
+from coordinator.serve.offload import TileOffload
+from coordinator.serve.server import CoordinatorServer, ServerConfig
+from coordinator.step.executor import DataflowExecutor
+from coordinator.step.job import Job
+from coordinator.step.tracing import trace_step
+from coordinator.tiles.tiled_gemm import TiledGemm
 
 pytestmark = pytest.mark.timeout(60)
 

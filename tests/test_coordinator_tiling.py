@@ -18,8 +18,8 @@ import torch
 from common.errors import SignatureError
 from common.messages import Task, parse_message, verify_task
 from common.signing import generate_private_key
-from coordinator.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.tiling import TiledGemm, TileJob, block_id
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.tiles.tiled_gemm import TiledGemm, TileJob, block_id
 
 KEY = generate_private_key()
 SMALL = dict(min_offload_flops=1, min_tile_flops=1)

@@ -13,9 +13,9 @@ from test_coordinator_executor import BatchNormNet
 from torch import nn
 from torch.fx import Node
 
-from coordinator.job import Job
 from coordinator.jobs.tiny_gpt import make_job
-from coordinator.tracing import (
+from coordinator.step.job import Job
+from coordinator.step.tracing import (
     GEMM_OPS,
     StepTracer,
     TracedStep,

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.executor import GemmDone, StepCancelled
-from coordinator.job import Job, train_locally
 from coordinator.jobs.tiny_gpt import make_job
-from coordinator.trainer import PoolCounters, StepRecord, Trainer
+from coordinator.step.executor import GemmDone, StepCancelled
+from coordinator.step.job import Job, train_locally
+from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
 
 pytestmark = pytest.mark.timeout(60)
 GPT_GEMMS = 39

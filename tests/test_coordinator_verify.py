@@ -1,4 +1,4 @@
-"""Freivalds' check of returned tiles (coordinator.verify).
+"""Freivalds' check of returned tiles (coordinator.tiles.verify).
 
 Honest products must pass for every wire dtype, mm and bmm, across shapes up to K=8192
 and large magnitudes; wrong products (one element off, transposed, shuffled, NaN, zeros,
@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from coordinator.honest_error import threshold
-from coordinator.verify import CheckCache, CheckPlan, check_product, new_generator
+from coordinator.tiles.honest_error import threshold
+from coordinator.tiles.verify import CheckCache, CheckPlan, check_product, new_generator
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Largest |value| used per dtype: fp16 overflows at 65504, so its products stay small.

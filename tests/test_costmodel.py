@@ -11,7 +11,7 @@ import math
 import pytest
 
 from common.messages import DeviceProfile
-from coordinator.costmodel import (
+from coordinator.plan.costmodel import (
     LOCAL,
     UNMEASURED_FLOPS_PER_S,
     Commitments,
@@ -31,7 +31,7 @@ from coordinator.costmodel import (
     plan_for_pool,
     queued_start,
 )
-from coordinator.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 
 # C[4, 4] = A[4, 2] @ B[2, 4], one byte per element: 64 FLOPs.
 SHAPE = GemmShape("mm", 1, 4, 4, 2, 1)

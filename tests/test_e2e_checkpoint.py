@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from procs import Coordinator, Worker, assert_losses_match, wait_until
 from torch import nn
 
-import coordinator.checkpoint as checkpoint
-from coordinator.checkpoint import load_checkpoint, save_checkpoint
-from coordinator.job import Job, train_locally
+import coordinator.step.checkpoint as checkpoint
 from coordinator.jobs.tiny_gpt import make_job
-from coordinator.trainer import Trainer
+from coordinator.step.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.step.job import Job, train_locally
+from coordinator.step.trainer import Trainer
 
 
 def _free_port() -> int:

@@ -52,7 +52,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 TOKEN = "hostile-test-pool"
 STEPS = 25
 HANDSHAKE_TIMEOUT_S = 2.0
-MAX_MESSAGE_BYTES = 256 << 20  # coordinator.server.ServerConfig default
+MAX_MESSAGE_BYTES = 256 << 20  # coordinator.serve.server.ServerConfig default
 PROFILE = DeviceProfile("cpu", "attacker", 1, 1 << 30, 1 << 28, 1.0)
 
 

@@ -16,8 +16,8 @@ from procs import Coordinator, assert_losses_match
 from real_models import make_cnn_job, make_data_dependent_job, make_sdpa_job
 from test_real_models import BF16_REL
 
-from coordinator.job import train_locally
 from coordinator.jobs.tiny_gpt import make_bf16_job
+from coordinator.step.job import train_locally
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 STEPS = 10

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from procs import Coordinator, assert_losses_match, wait_until
 from torch import nn
 
-from coordinator.checkpoint import load_checkpoint
 from coordinator.cli import EXIT_TERMINATED
-from coordinator.executor import StepCancelled
-from coordinator.job import Job, train_locally
 from coordinator.jobs.tiny_gpt import make_job
-from coordinator.trainer import Trainer
+from coordinator.step.checkpoint import load_checkpoint
+from coordinator.step.executor import StepCancelled
+from coordinator.step.job import Job, train_locally
+from coordinator.step.trainer import Trainer
 
 
 def _dropout_job(cancel_at_batch: int | None = None, cancel: threading.Event | None = None) -> Job:

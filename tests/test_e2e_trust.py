@@ -19,8 +19,8 @@ import torch
 from procs import TESTS, Coordinator, Worker, assert_losses_match, wait_until
 
 from coordinator import train_locally
-from coordinator.checkpoint import load_checkpoint
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
+from coordinator.step.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

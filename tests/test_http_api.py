@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from coordinator import http_api
+from coordinator.serve import http_api
 
 PAGE = Path(http_api.__file__).with_name("dashboard.html")
 

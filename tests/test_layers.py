@@ -1,5 +1,7 @@
 """The import contracts in pyproject.toml (import-linter): common is the shared base, the
-coordinator and the worker never import each other, Qt stays in client_app.gui."""
+coordinator and the worker never import each other, Qt stays in client_app.gui, the
+coordinator's packages import only those below them (coordinator/__init__.py), planning
+and scheduling are pure, the core does no I/O and the simulator runs it without the server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fused attention and convolutions lowered to GEMMs (coordinator.lowering): the same
+"""Fused attention and convolutions lowered to GEMMs (coordinator.step.lowering): the same
 values as torch's own kernels, forward and backward, and no fused op left in a trace."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from real_models import make_cnn_job, make_sdpa_job
 
 from coordinator import lowering
-from coordinator.eager import EagerOffloadMode
-from coordinator.tracing import GEMM_OPS, trace_step
+from coordinator.step.eager import EagerOffloadMode
+from coordinator.step.tracing import GEMM_OPS, trace_step
 
 aten = torch.ops.aten
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.metrics import CONTENT_TYPE, escape_label_value, render_metrics
+from coordinator.serve.metrics import CONTENT_TYPE, escape_label_value, render_metrics
 
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

@@ -1,4 +1,4 @@
-"""How live GEMMs are planned (coordinator/offload.py LivePlanning, TileOffload).
+"""How live GEMMs are planned (coordinator/serve/offload.py LivePlanning, TileOffload).
 
 The cost model's own tables are in test_costmodel.py; here: which planner a pool gets,
 what the offload does with the plan (send, keep a share, or run the GEMM here whole),
@@ -17,7 +17,7 @@ import torch
 
 from common.signing import generate_private_key
 from coordinator.cli import _coordinator_gflops
-from coordinator.costmodel import (
+from coordinator.plan.costmodel import (
     Commitments,
     DeviceEstimate,
     LinkModel,
@@ -29,9 +29,9 @@ from coordinator.costmodel import (
     for_planning,
     plan_for_pool,
 )
-from coordinator.offload import TileOffload
-from coordinator.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.server import PoolView
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.serve.offload import TileOffload
+from coordinator.serve.server import PoolView
 
 CONFIG = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
 BIG = GemmShape("mm", 1, 512, 512, 512, 4)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.planner import (
+from coordinator.plan.planner import (
     GemmPlan,
     GemmShape,
     PlanConfig,

@@ -15,12 +15,12 @@ from real_models import make_cnn_job, make_data_dependent_job, make_sdpa_job
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.unfold import Unfold
-from coordinator.executor import GemmDone
-from coordinator.flops import FlopTally, describe
-from coordinator.job import Job, train_locally
 from coordinator.jobs.tiny_gpt import make_bf16_job
-from coordinator.tracing import CaptureError, trace_step
-from coordinator.trainer import Trainer
+from coordinator.step.executor import GemmDone
+from coordinator.step.flops import FlopTally, describe
+from coordinator.step.job import Job, train_locally
+from coordinator.step.tracing import CaptureError, trace_step
+from coordinator.step.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
 

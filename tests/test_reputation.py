@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.reputation import (
+from coordinator.pool.reputation import (
     ReputationPolicy,
     after_failed,
     after_verified,

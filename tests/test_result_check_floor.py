@@ -23,7 +23,7 @@ from bench.tile_cases import (
     scale_cheat,
 )
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
-from coordinator.verify import check_product
+from coordinator.tiles.verify import check_product
 
 SHAPES: tuple[Shape, ...] = (
     (None, 16, 16, 16),

@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from coordinator.scheduler import (
+from coordinator.schedule.scheduler import (
     Assignment,
     Completion,
     Expiry,

@@ -7,7 +7,7 @@ import pytest
 from test_scheduler_speculation import run_times, ticket
 from test_scheduler_speculation import table as finishing
 
-from coordinator.scheduler import Assignment, Scheduler, SchedulerConfig
+from coordinator.schedule.scheduler import Assignment, Scheduler, SchedulerConfig
 
 LEAVE = SchedulerConfig(heartbeat_timeout_s=10.0, tile_timeout_s=300.0, leave_for_faster=2.0)
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from test_scheduler_speculation import run_times, ticket
 from test_scheduler_speculation import table as finishing
 
-from coordinator.scheduler import STEAL_MARGIN, Assignment, Scheduler, SchedulerConfig
+from coordinator.schedule.scheduler import STEAL_MARGIN, Assignment, Scheduler, SchedulerConfig
 
 CONFIG = SchedulerConfig(heartbeat_timeout_s=10.0, tile_timeout_s=300.0)
 # fast needs 1 s per tile, slow 10 s, mid 2 s (a tile's run time equals what it adds

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.scheduler import (
+from coordinator.schedule.scheduler import (
     Assignment,
     Completion,
     Scheduler,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from coordinator.planner import GemmShape
+from coordinator.plan.planner import GemmShape
 from coordinator.sim.__main__ import main
 from coordinator.sim.baselines import (
     restart_recovery_s,

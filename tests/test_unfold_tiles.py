@@ -21,9 +21,9 @@ from common.limits import WireLimits
 from common.messages import Task, encode_task, parse_message, verify_task, verify_task_blocks
 from common.signing import generate_private_key
 from common.unfold import Unfold
-from coordinator.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.tiling import TiledGemm
-from coordinator.verify import check_product, new_generator
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.tiles.tiled_gemm import TiledGemm
+from coordinator.tiles.verify import check_product, new_generator
 
 KEY = generate_private_key()
 SPEC = Unfold("a", kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1))

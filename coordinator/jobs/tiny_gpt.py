@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.job import Job
+from coordinator.step.job import Job
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,14 @@ from typing import Any
 
 from common.messages import Cancel, DeviceProfile, Heartbeat, Hello, Result
 from common.signing import generate_private_key
-from coordinator.core import CoordinatorCore, CoreConfig, Effects
-from coordinator.costmodel import Commitments, DeviceEstimate, LiveChoice, LivePlanning
-from coordinator.ledger import Ledger
-from coordinator.planner import GemmPlan, GemmShape, PlanConfig, plan_config_for, plan_gemm
-from coordinator.scheduler import Scheduler, SchedulerConfig, TileTicket
+from coordinator.plan.costmodel import Commitments, DeviceEstimate, LiveChoice, LivePlanning
+from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_config_for, plan_gemm
+from coordinator.pool.core import CoordinatorCore, CoreConfig, Effects
+from coordinator.pool.ledger import Ledger
+from coordinator.schedule.scheduler import Scheduler, SchedulerConfig, TileTicket
 from coordinator.sim.models import MODELS, Stage, step_flops, step_stages
 from coordinator.sim.population import Device
-from coordinator.verify import CheckResult
+from coordinator.tiles.verify import CheckResult
 
 PLANNERS = ("plan_gemm", "costmodel")
 
@@ -66,7 +66,7 @@ class SimConfig:
     follow_plan: bool = True
     # Workers keep the operand blocks they were sent (budget: their memory cap, LRU) and
     # the coordinator sends only the blocks a worker does not hold, preferring a worker
-    # that holds one of a tile's blocks (coordinator/server.py `_frame_for`).
+    # that holds one of a tile's blocks (coordinator/serve/server.py `_frame_for`).
     operand_cache: bool = True
     max_sim_s: float = 1e7  # give up (and say so) rather than loop forever
 
@@ -137,7 +137,7 @@ class _Gemm:
 
 @dataclass(eq=False)
 class _Tile:
-    """One tile as ``CoordinatorCore`` sees it (``coordinator.core.Tile``), without data."""
+    """One tile as ``CoordinatorCore`` sees it (``coordinator.pool.core.Tile``), without data."""
 
     tile_id: str
     ticket: TileTicket

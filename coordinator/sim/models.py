@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.planner import GemmShape
+from coordinator.plan.planner import GemmShape
 
 
 @dataclass(frozen=True)

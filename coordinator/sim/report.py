@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.costmodel import (
+from coordinator.plan.costmodel import (
     DeviceEstimate,
     LinkModel,
     PoolPlan,
@@ -18,7 +18,7 @@ from coordinator.costmodel import (
     place_tiles,
     plan_for_pool,
 )
-from coordinator.planner import GemmShape, Grid, PlanConfig, plan_gemm
+from coordinator.plan.planner import GemmShape, Grid, PlanConfig, plan_gemm
 from coordinator.sim.baselines import restart_recovery_s, tensor_parallel_step_bytes
 from coordinator.sim.engine import SimConfig, gemm_makespans, simulate
 from coordinator.sim.models import MODELS, step_stages
@@ -570,7 +570,7 @@ writes JSON (`--json FILE`).
 
 ## What is simulated, and what is simplified
 
-- A discrete-event loop with a simulated clock drives the **real** `coordinator.scheduler.
+- A discrete-event loop with a simulated clock drives the **real** `coordinator.schedule.scheduler.
   Scheduler` (submit, assign, complete, expire on heartbeat ticks, stranded/take_over,
   speculate) and the real planners: `planner.plan_gemm` (the old default, still
   `serve --planner grid`) and `costmodel.LivePlanning` (the live default: the cost model
@@ -587,7 +587,7 @@ writes JSON (`--json FILE`).
   to 1 GiB, downlink log-normal, uplink 2-10x slower. Each tile is download (device link
   and the coordinator's shared 10 Gbit/s egress, FIFO) -> compute -> upload, with a
   prefetch window of 2. Results are always correct; verification costs nothing.
-- The operand cache is the live server's (`coordinator/server.py` `_frame_for`): each
+- The operand cache is the live server's (`coordinator/serve/server.py` `_frame_for`): each
   device keeps the operand blocks it was sent (A block `{gemm}/a/{b}.{m}.{k}`, B block
   `{gemm}/b/{b}.{k}.{n}`), up to its memory cap, least recently used first out; the
   coordinator mirrors each device's cache, sends only the blocks a device lacks, and

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.pool import Pool
+from coordinator import Pool
 
 
 def make_model() -> nn.Module:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from common.messages import DeviceProfile
-from coordinator.planner import GemmPlan, GemmShape, PlanConfig, TileRegion, plan_gemm
+from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, TileRegion, plan_gemm
 
 # A worker that reports no measurement still gets work; 1 GFLOP/s is a slow laptop core,
 # so the first tiles it gets are small in the plan and its real speed is learnt from them.
@@ -537,7 +537,7 @@ class LiveChoice:
 
 @dataclass(frozen=True)
 class LivePlanning:
-    """How live GEMMs are planned (coordinator/offload.py; the simulator's cost-model
+    """How live GEMMs are planned (coordinator/serve/offload.py; the simulator's cost-model
     planner runs the same code).
 
     With the cost model (the default), each GEMM gets the grid whose tiles, placed by

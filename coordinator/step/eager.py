@@ -7,7 +7,7 @@ sees every aten op of the forward and the backward exactly as local training run
 
 - each GEMM (``mm``, ``bmm``, ``addmm``) is handed to the offload and waited for, so its
   tiles go to workers and are checked like any other;
-- fused attention and convolutions are lowered to GEMMs first (``coordinator.lowering``);
+- fused attention and convolutions are lowered to GEMMs first (``coordinator.step.lowering``);
 - everything else runs here.
 
 Against a captured step this loses the overlap between independent GEMMs (one is in
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from coordinator.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
-from coordinator.flops import op_flops, op_name
-from coordinator.job import Job
-from coordinator.lowering import LOWERINGS
-from coordinator.tracing import GEMM_OPS, gemm_operands
+from coordinator.step.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
+from coordinator.step.flops import op_flops, op_name
+from coordinator.step.job import Job
+from coordinator.step.lowering import LOWERINGS
+from coordinator.step.tracing import GEMM_OPS, gemm_operands
 
 
 class EagerOffloadMode(TorchDispatchMode):

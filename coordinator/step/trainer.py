@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from coordinator.checkpoint import load_checkpoint, save_checkpoint
-from coordinator.eager import run_eager_step
-from coordinator.executor import DataflowExecutor, GemmOffload, StepCancelled
-from coordinator.flops import describe
-from coordinator.job import Job
-from coordinator.tracing import StepTracer, dag_summary, gemm_dag
+from coordinator.step.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.step.eager import run_eager_step
+from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
+from coordinator.step.flops import describe
+from coordinator.step.job import Job
+from coordinator.step.tracing import StepTracer, dag_summary, gemm_dag
 
 log = logging.getLogger("cleave.coordinator")
 
@@ -85,7 +85,7 @@ class Trainer:
         self._step_start: tuple[int, torch.Tensor] | None = None
         self.losses: list[float] = []
         self.dag: dict[str, Any] = {}
-        # The last step's FLOP accounting (coordinator.flops.FlopTally.summary()).
+        # The last step's FLOP accounting (coordinator.step.flops.FlopTally.summary()).
         self.flops: dict[str, Any] = {}
 
     def resume(self) -> bool:

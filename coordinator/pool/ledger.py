@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.signing import fingerprint
-from coordinator.reputation import FULL
+from coordinator.pool.reputation import FULL
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS contributions (

@@ -114,7 +114,7 @@ class PlanConfig:
     # A tile's result check needs enough output entries: in a tile of one or a few, an
     # entry that happens to be near zero (its terms cancel) has rounding larger than
     # any error relative to it, so a wrong value can pass. GEMMs whose tiles would be
-    # smaller stay at the coordinator (coordinator.verify; bench/calibrate_verify.py).
+    # smaller stay at the coordinator (coordinator.tiles.verify; bench/calibrate_verify.py).
     min_tile_outputs: int = 16
 
     def __post_init__(self) -> None:

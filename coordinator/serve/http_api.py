@@ -23,8 +23,8 @@ from typing import Any
 from websockets.datastructures import Headers
 from websockets.http11 import Response
 
-from coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from coordinator.metrics import render_metrics
+from coordinator.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from coordinator.serve.metrics import render_metrics
 
 STATUS_PATH = "/api/status"
 METRICS_PATH = "/metrics"
@@ -73,7 +73,7 @@ def _dashboard_template() -> tuple[str, str]:
     """The page and a Content-Security-Policy that allows exactly its own inline script
     and style (by hash) and requests to this origin: should a worker's name ever slip
     into the page as markup, the browser still runs nothing it brought."""
-    page = resources.files("coordinator").joinpath("dashboard.html").read_text("utf-8")
+    page = resources.files("coordinator.serve").joinpath("dashboard.html").read_text("utf-8")
     return page, content_security_policy(page)
 
 

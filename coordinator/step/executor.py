@@ -20,8 +20,8 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from common.unfold import Unfold
-from coordinator.flops import FlopTally, op_name
-from coordinator.tracing import GEMM_OPS, TracedStep, gemm_operands
+from coordinator.step.flops import FlopTally, op_name
+from coordinator.step.tracing import GEMM_OPS, TracedStep, gemm_operands
 
 # torch.fx names the nodes that stand for the graph's inputs by this op; the executor
 # feeds them the step's flattened arguments and keeps their values for the whole step.

@@ -5,7 +5,7 @@ coordinator's server on a background thread (workers join it like any coordinato
 and ``offload()`` is a context in which every GEMM that torch runs, forward and
 backward, is cut into tiles for the pool's workers, checked and put back, while
 everything else (and the optimizer step after it) runs in the script as usual. It is
-the eager path of ``coordinator.eager``: any Python the model runs is fine, and GEMMs
+the eager path of ``coordinator.step.eager``: any Python the model runs is fine, and GEMMs
 go out one at a time as the step reaches them.
 
     with Pool(local_workers=2) as pool:
@@ -29,14 +29,14 @@ from types import TracebackType
 from typing import Any
 
 from common.signing import fingerprint, load_or_create_private_key
-from coordinator.costmodel import LivePlanning
-from coordinator.eager import EagerOffloadMode
-from coordinator.flops import FlopTally
-from coordinator.ledger import Ledger
-from coordinator.local_workers import LocalWorkers
-from coordinator.offload import TileOffload
-from coordinator.planner import plan_config_for
-from coordinator.server import WS_PATH, CoordinatorServer, ServerConfig
+from coordinator.plan.costmodel import LivePlanning
+from coordinator.plan.planner import plan_config_for
+from coordinator.pool.ledger import Ledger
+from coordinator.serve.local_workers import LocalWorkers
+from coordinator.serve.offload import TileOffload
+from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
+from coordinator.step.eager import EagerOffloadMode
+from coordinator.step.flops import FlopTally
 
 
 class Pool:

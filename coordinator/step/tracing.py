@@ -2,14 +2,14 @@
 
 ``make_fx`` over a functional step (``functional_call`` + ``grad_and_value``) gives the
 whole step as aten ops, with every GEMM as ``aten.mm``, ``aten.bmm`` or ``aten.addmm``;
-fused attention and convolutions are lowered to GEMMs on the way (``coordinator.lowering``).
+fused attention and convolutions are lowered to GEMMs on the way (``coordinator.step.lowering``).
 The step is functionalized so that no node mutates another's output: the dataflow
 executor may then run independent nodes in any order. Mutations of inputs (e.g.
 BatchNorm's running statistics) remain as copies into buffers; the executor orders them.
 
 A step that cannot be one graph (Python that branches on a tensor's value) raises
 ``CaptureError`` with the reason in words; the trainer then runs it eagerly
-(``coordinator.eager``), still sending every GEMM to workers.
+(``coordinator.step.eager``), still sending every GEMM to workers.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from common.unfold import Unfold
-from coordinator.flops import node_flops
-from coordinator.job import Job
-from coordinator.lowering import LOWERINGS, unfold_spec
+from coordinator.step.flops import node_flops
+from coordinator.step.job import Job
+from coordinator.step.lowering import LOWERINGS, unfold_spec
 
 log = logging.getLogger("cleave.coordinator")
 aten = torch.ops.aten
@@ -37,7 +37,7 @@ GEMM_OPS = {
     aten.mm.default: "mm",
     aten.bmm.default: "bmm",
     aten.addmm.default: "addmm",
-    # A convolution's GEMM over the patches of an image block (coordinator.lowering).
+    # A convolution's GEMM over the patches of an image block (coordinator.step.lowering).
     torch.ops.cleave.unfold_mm.default: "unfold_mm",
 }
 

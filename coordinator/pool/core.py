@@ -5,7 +5,7 @@ does, when a worker is dropped, credited, cancelled or banned.
 a tile delivered, a tick, tiles submitted), each with the time it happens, and answers
 each with one ``Effects`` value: frames to send per worker, connections to close, results
 to check, verified tiles to deliver, tiles to compute here. It opens no socket, starts no
-thread and reads no clock; the live server (``coordinator.server``) and the simulator
+thread and reads no clock; the live server (``coordinator.serve.server``) and the simulator
 (``coordinator.sim.engine``) both drive this one class, so what the simulator reports is
 what the server decides.
 
@@ -45,7 +45,7 @@ from common.messages import (
 )
 from common.signing import fingerprint
 from common.token_bucket import TokenBucket
-from coordinator.costmodel import (
+from coordinator.plan.costmodel import (
     DeviceEstimate,
     TileObservation,
     from_profile,
@@ -53,16 +53,22 @@ from coordinator.costmodel import (
     overdue_finish,
     queued_start,
 )
-from coordinator.ledger import Ledger
-from coordinator.reputation import (
+from coordinator.pool.ledger import Ledger
+from coordinator.pool.reputation import (
     ReputationPolicy,
     after_failed,
     after_verified,
     ban_reason,
     is_banned,
 )
-from coordinator.scheduler import Assignment, Scheduler, SchedulerConfig, TileTicket, Verdict
-from coordinator.verify import CheckResult
+from coordinator.schedule.scheduler import (
+    Assignment,
+    Scheduler,
+    SchedulerConfig,
+    TileTicket,
+    Verdict,
+)
+from coordinator.tiles.verify import CheckResult
 
 log = logging.getLogger("cleave.coordinator")
 
@@ -102,7 +108,7 @@ class CoreConfig:
 
 
 class Tile(Protocol):
-    """One tile as the core needs it: ``coordinator.tiling.TileJob`` on the server, a
+    """One tile as the core needs it: ``coordinator.tiles.tiled_gemm.TileJob`` on the server, a
     sized stand-in in the simulator."""
 
     tile_id: str

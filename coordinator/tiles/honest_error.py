@@ -1,6 +1,6 @@
 """How far an honest tile can be from the exact product: the check's rounding model.
 
-The coordinator's check (``coordinator.verify``) compares ``c ρ`` with ``a (b ρ)`` for
+The coordinator's check (``coordinator.tiles.verify``) compares ``c ρ`` with ``a (b ρ)`` for
 secret vectors ρ, one statistic per output row and column chunk. An honest worker's
 result differs from the exact product only by rounding, and this module gives an
 upper estimate of that difference's variance for every statistic, from row norms of

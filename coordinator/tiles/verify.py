@@ -3,7 +3,7 @@
 For secret vectors ρ, ``c ρ`` and ``a (b ρ)`` cost O(mk + kn + mn) instead of the
 O(mkn) of the GEMM. The check makes one statistic per output row (on large tiles, per
 row and column chunk) and vector: ``d = c[i, chunk] ρ - a_i (b[:, chunk] ρ)``. Each is
-compared with a threshold from ``coordinator.honest_error``: a model of the rounding
+compared with a threshold from ``coordinator.tiles.honest_error``: a model of the rounding
 any honest kernel makes, built from row norms of ``a``, ``b`` and ``c``, set so that an
 honest tile is rejected with probability below 1e-9.
 
@@ -38,7 +38,7 @@ from typing import TypeVar
 
 import torch
 
-from coordinator.honest_error import (
+from coordinator.tiles.honest_error import (
     ORDER_MARGIN,
     UNIT_ROUNDOFF,
     EntryRounding,

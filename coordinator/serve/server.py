@@ -1,7 +1,7 @@
 """The coordinator's network side: one asyncio process, WebSockets for workers, HTTP status.
 
 This module only moves bytes and time: it listens, runs the handshake, and pumps every
-frame, tick and finished check into ``CoordinatorCore`` (``coordinator.core``), which
+frame, tick and finished check into ``CoordinatorCore`` (``coordinator.pool.core``), which
 decides, and carries out the ``Effects`` it answers with. Each connection has one write
 path (its outbox, drained by one writer task), so frames leave in the order the core
 emitted them. Tiles arrive already encoded and signed from the training thread; results
@@ -32,8 +32,7 @@ from common.errors import ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import Challenge, Error, Hello, encode_message, parse_message
 from common.signing import fingerprint, public_key_hex
-from coordinator import http_api
-from coordinator.core import (
+from coordinator.pool.core import (
     Check,
     Close,
     CloseCode,
@@ -45,11 +44,12 @@ from coordinator.core import (
     Send,
     Worker,
 )
-from coordinator.ledger import Ledger
-from coordinator.reputation import ReputationPolicy
-from coordinator.scheduler import Scheduler, SchedulerConfig
-from coordinator.tiling import TileJob
-from coordinator.verify import CheckCache, CheckResult, check_product, new_generator
+from coordinator.pool.ledger import Ledger
+from coordinator.pool.reputation import ReputationPolicy
+from coordinator.schedule.scheduler import Scheduler, SchedulerConfig
+from coordinator.serve import http_api
+from coordinator.tiles.tiled_gemm import TileJob
+from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new_generator
 
 log = logging.getLogger("cleave.coordinator")
 

@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from coordinator.trainer import StepRecord
+from coordinator.step.trainer import StepRecord
 
 HISTORY_POINTS = 500  # steps kept: enough for the dashboard's chart, small to poll
 LOSSES_POINTS = 50  # the older flat "losses" list, kept for existing readers
@@ -24,7 +24,7 @@ class Progress:
         self.steps = steps
         self.step_gflop: float | None = None  # GEMM work in one step, once traced
         self.checkpoint_step: int | None = None
-        # The last step's FLOPs by who computed them (coordinator.flops.FlopTally.summary).
+        # The last step's FLOPs by who computed them (coordinator.step.flops.FlopTally.summary).
         self.flops: dict[str, Any] | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=history_points)
         self._lock = threading.Lock()

@@ -19,7 +19,7 @@ plus cheap ops that stay at the coordinator:
   returned tile is a plain GEMM tile, checked like any other.
 
 The table is keyed by aten overload and used as ``make_fx``'s decomposition table and by
-the eager fallback (``coordinator.eager``). A lowering returns ``NotImplemented`` for the
+the eager fallback (``coordinator.step.eager``). A lowering returns ``NotImplemented`` for the
 cases it does not cover (transposed or 3-D convolutions, groups too narrow to make useful
 tiles, dropout inside the fused kernel); those ops then run at the coordinator as they are,
 and the FLOP accounting names them.

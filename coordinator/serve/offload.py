@@ -16,11 +16,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.tensors import DTYPE_NAMES
 from common.unfold import Unfold
-from coordinator.costmodel import Commitments, LivePlanning
-from coordinator.executor import GemmDone
-from coordinator.planner import GemmShape, PlanConfig
-from coordinator.server import CoordinatorServer
-from coordinator.tiling import TiledGemm
+from coordinator.plan.costmodel import Commitments, LivePlanning
+from coordinator.plan.planner import GemmShape, PlanConfig
+from coordinator.serve.server import CoordinatorServer
+from coordinator.step.executor import GemmDone
+from coordinator.tiles.tiled_gemm import TiledGemm
 
 log = logging.getLogger("cleave.coordinator")
 DEFAULT_PLANNING = LivePlanning()

@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.messages import encode_task, parse_message
 from common.unfold import Unfold
-from coordinator.planner import GemmPlan, TileRegion, align_plan
-from coordinator.scheduler import TileTicket
+from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
+from coordinator.schedule.scheduler import TileTicket
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-import coordinator.lowering  # noqa: F401  (registers cleave::unfold_mm, counted here)
+import coordinator.step.lowering  # noqa: F401  (registers cleave::unfold_mm, counted here)
 
 aten = torch.ops.aten
 
