@@ -35,16 +35,10 @@ from common.messages import (
 from common.signing import generate_private_key, public_key_hex
 from coordinator.plan.costmodel import DeviceEstimate
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.pool.core import (
-    MIN_PLANNING_MEMORY_CAP,
-    Check,
-    CloseCode,
-    CoordinatorCore,
-    CoreConfig,
-    Effects,
-    WorkerState,
-)
+from coordinator.pool.core import MIN_PLANNING_MEMORY_CAP, CoordinatorCore, CoreConfig
+from coordinator.pool.effects import Check, CloseCode, Effects
 from coordinator.pool.ledger import Ledger
+from coordinator.pool.workers import WorkerState
 from coordinator.schedule.scheduler import SchedulerConfig
 from coordinator.tiles.tiled_gemm import TiledGemm, TileJob
 from coordinator.tiles.verify import CheckCache, check_product, new_generator

@@ -30,8 +30,8 @@ from coordinator.plan.costmodel import (
     plan_for_pool,
 )
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.pool.workers import PoolView
 from coordinator.serve.offload import TileOffload
-from coordinator.serve.server import PoolView
 
 CONFIG = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
 BIG = GemmShape("mm", 1, 512, 512, 512, 4)

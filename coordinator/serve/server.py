@@ -32,20 +32,11 @@ from common.errors import ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import Challenge, Error, Hello, encode_message, parse_message
 from common.signing import fingerprint, public_key_hex
-from coordinator.pool.core import (
-    Check,
-    Close,
-    CloseCode,
-    CoordinatorCore,
-    CoreConfig,
-    Counters,
-    Effects,
-    PoolView,
-    Send,
-    Worker,
-)
+from coordinator.pool.core import CoordinatorCore, CoreConfig
+from coordinator.pool.effects import Check, Close, CloseCode, Effects, Send
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.reputation import ReputationPolicy
+from coordinator.pool.workers import Counters, PoolView, Worker
 from coordinator.schedule.scheduler import Scheduler, SchedulerConfig
 from coordinator.serve import http_api
 from coordinator.tiles.tiled_gemm import TileJob

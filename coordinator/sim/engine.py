@@ -29,7 +29,8 @@ from common.messages import Cancel, DeviceProfile, Heartbeat, Hello, Result
 from common.signing import generate_private_key
 from coordinator.plan.costmodel import Commitments, DeviceEstimate, LiveChoice, LivePlanning
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_config_for, plan_gemm
-from coordinator.pool.core import CoordinatorCore, CoreConfig, Effects
+from coordinator.pool.core import CoordinatorCore, CoreConfig
+from coordinator.pool.effects import Effects
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import Scheduler, SchedulerConfig, TileTicket
 from coordinator.sim.models import MODELS, Stage, step_flops, step_stages

@@ -1,0 +1,174 @@
+"""What each message a worker sends does to the core's state: one handler per type
+(``HANDLERS``), plus a result's path from arrival to its verdict."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.messages import Ack, Bye, Error, Heartbeat, Pause, Result, Resume
+from coordinator.pool.effects import Check, CloseCode, Effects, Send
+from coordinator.pool.reputation import after_failed, ban_reason, is_banned
+from coordinator.pool.workers import Worker, WorkerState
+from coordinator.tiles.verify import CheckResult
+
+if TYPE_CHECKING:
+    from coordinator.pool.core import CoordinatorCore
+
+log = logging.getLogger("cleave.coordinator")
+
+
+def on_result(
+    core: CoordinatorCore,
+    worker: Worker,
+    msg: Result,
+    c: torch.Tensor | None,
+    up_bytes: int,
+    effects: Effects,
+) -> None:
+    if msg.tile_id in worker.verifying:
+        core.counters.duplicates += 1  # the same result again: one check is enough
+        return
+    worker.last_result_at = core.now
+    job = core.jobs.get(msg.tile_id)
+    if job is None:
+        # Done already (a slower copy, or a result after a cancel): nothing to do.
+        core.counters.duplicates += 1
+        return
+    if msg.tile_id not in core.scheduler.in_flight(worker.worker_id):
+        core.counters.not_assigned += 1
+        effects.send(
+            worker.worker_id,
+            Error("not_assigned", "result for a tile not assigned to you", msg.tile_id),
+        )
+        return
+    # Checked off the event loop, so this connection's next frames (heartbeats among
+    # them) are read while the check runs.
+    worker.verifying.add(msg.tile_id)
+    effects.checks.append(
+        Check(worker.worker_id, msg.tile_id, job, c, up_bytes, max(0.0, msg.compute_s))
+    )
+
+
+def on_heartbeat(core: CoordinatorCore, worker: Worker, msg: Heartbeat, effects: Effects) -> None:
+    worker.state, worker.reason = WorkerState(msg.state), msg.reason
+    credit = core.ledger.get(worker.key)
+    effects.send(worker.worker_id, Ack(msg.seq, credit.tiles, round(credit.gflop, 6)))
+
+
+def on_pause(core: CoordinatorCore, worker: Worker, msg: Pause, effects: Effects) -> None:
+    worker.state, worker.reason = WorkerState.PAUSED, msg.reason
+    requeued = core.scheduler.set_paused(worker.worker_id, True, core.now)
+    core.refresh_pool()
+    log.info(
+        "worker %s paused (%s); %d tiles move elsewhere", worker.name, msg.reason, len(requeued)
+    )
+    effects.workers_changed = True
+    core.dispatch(effects)
+
+
+def on_resume(core: CoordinatorCore, worker: Worker, msg: Resume, effects: Effects) -> None:
+    worker.state, worker.reason = WorkerState.WORKING, ""
+    core.scheduler.set_paused(worker.worker_id, False, core.now)
+    core.refresh_pool()
+    effects.workers_changed = True
+    core.dispatch(effects)
+
+
+def on_bye(core: CoordinatorCore, worker: Worker, msg: Bye, effects: Effects) -> None:
+    log.info("worker %s is leaving: %s", worker.name, msg.reason or "no reason given")
+    core.drop(worker, CloseCode.NORMAL, "bye", effects)
+
+
+def on_error(core: CoordinatorCore, worker: Worker, msg: Error, effects: Effects) -> None:
+    held = msg.tile_id in core.scheduler.in_flight(worker.worker_id)
+    job = core.jobs.get(msg.tile_id)
+    if msg.code == "missing_block" and job is not None and held:
+        # Its cache and our mirror of it disagree (it dropped the tile that would
+        # have cached a block, say). It emptied its cache; so do we, and resend whole.
+        log.info("worker %s lacks an operand block of %s: resending", worker.who, msg.tile_id)
+        worker.blocks.clear()
+        frame = worker.task_frame(job, core.key)
+        effects.sends.append(Send(worker.worker_id, frame, job.tile_id))
+        worker.sent_bytes[job.tile_id] = worker.sent_bytes.get(job.tile_id, 0) + len(frame)
+        core.counters.bytes_down += len(frame)
+        return
+    if msg.tile_id and held:
+        worker.refused += 1
+        core.counters.refused += 1
+        log.warning(
+            "worker %s refused tile %s: %s: %s", worker.name, msg.tile_id, msg.code, msg.message
+        )
+        worker.sent_at.pop(msg.tile_id, None)
+        core.scheduler.reject(
+            worker.worker_id, msg.tile_id, core.now, reason=f"refused: {msg.code}"
+        )
+        core.dispatch(effects)
+        core.rescue_stranded(effects)
+    else:
+        log.warning("worker %s reported %s: %s", worker.name, msg.code, msg.message)
+
+
+def failed_check(
+    core: CoordinatorCore, worker: Worker, tile_id: str, effects: Effects, check: CheckResult | None
+) -> None:
+    """A wrong result: discard it, re-issue the tile, cut the worker's reputation, and
+    ban its key (closing all its connections) once the reputation falls too low."""
+    core.counters.rejected += 1
+    policy = core.config.reputation
+    before = core.ledger.get(worker.key)
+    reputation = after_failed(before.reputation, policy)
+    banned = ""
+    if not before.banned_reason and is_banned(reputation, policy):
+        banned = ban_reason(before.rejected + 1, reputation)
+    core.ledger.reject(
+        worker.key,
+        name=worker.name,
+        reputation=reputation,
+        banned_reason=banned,
+        now=core.wall_time(),
+    )
+    log.warning(
+        "tile %s from %s failed verification (%s; reputation %.2f): re-issuing",
+        tile_id,
+        worker.who,
+        _why(check),
+        reputation,
+    )
+    worker.sent_at.pop(tile_id, None)
+    core.scheduler.reject(worker.worker_id, tile_id, core.now, reason="failed verification")
+    # Tell the worker: an honest volunteer with faulty hardware should learn of it.
+    verdict = Error(
+        "failed_check",
+        f"the result failed verification and was discarded; reputation now {reputation:.2f}",
+        tile_id,
+    )
+    effects.send(worker.worker_id, verdict)
+    if banned:
+        core.counters.banned += 1
+        log.warning("banning worker %s: %s", worker.who, banned)
+        for other in [w for w in core.workers.values() if w.key == worker.key]:
+            effects.send(other.worker_id, Error("banned", f"banned: {banned}"))
+            core.drop(other, CloseCode.POLICY, f"banned: {banned}", effects)
+    core.dispatch(effects)
+    core.rescue_stranded(effects)
+
+
+HANDLERS: dict[type, Callable[[CoordinatorCore, Worker, Any, Effects], None]] = {
+    Heartbeat: on_heartbeat,
+    Error: on_error,
+    Pause: on_pause,
+    Resume: on_resume,
+    Bye: on_bye,
+}
+
+
+def _why(check: CheckResult | None) -> str:
+    if check is None:
+        return "undecodable"
+    if check.reason == "mismatch":
+        return f"{check.margin:.3g}x its rounding threshold"
+    return check.reason

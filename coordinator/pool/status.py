@@ -1,0 +1,69 @@
+"""The core's state as the status JSON shows it (``/api/status``, the dashboard)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from common.signing import fingerprint
+
+if TYPE_CHECKING:
+    from coordinator.pool.core import CoordinatorCore
+
+
+def core_status(core: CoordinatorCore, now: float) -> dict[str, Any]:
+    workers = []
+    for worker in core.workers.values():
+        standing = core.ledger.get(worker.key)
+        workers.append(
+            {
+                "id": worker.worker_id,
+                "key": worker.fingerprint,
+                "name": worker.name,
+                "state": worker.state.value,
+                "reason": worker.reason,
+                "device": worker.profile.device_name or worker.profile.device,
+                "threads": worker.profile.threads,
+                "gflops": worker.profile.gflops,
+                # What its tiles show, which may differ from what it measured at start.
+                "gflops_observed": round(worker.estimate.flops_per_s / 1e9, 2)
+                if worker.estimate is not None
+                else 0.0,
+                "connected_s": round(now - worker.connected_at, 1),
+                "last_seen_s": round(now - worker.last_seen, 1),
+                "in_flight": len(core.scheduler.in_flight(worker.worker_id)),
+                "tiles_session": worker.tiles_session,
+                "refused": worker.refused,
+                "reputation": round(standing.reputation, 4),
+                "contribution": standing.to_json(),
+            }
+        )
+    counters = core.counters
+    return {
+        "coordinator_key": fingerprint(core.key),
+        "workers": workers,
+        "ledger": {c.key_fingerprint: c.to_json() for c in core.ledger.all()},
+        "banned": [
+            {"key": c.key_fingerprint, "name": c.name, "reason": c.banned_reason}
+            for c in core.ledger.banned()
+        ],
+        "tiles": {
+            "sent": counters.tiles_sent,
+            "verified": counters.tiles_verified,
+            "reissued": counters.reissued,
+            "speculated": counters.speculated,
+            "rejected": counters.rejected,
+            "refused": counters.refused,
+            "duplicates": counters.duplicates,
+            "not_assigned": counters.not_assigned,
+            "computed_here": counters.computed_here,
+            "kept_here": counters.kept_here,
+            "queued": core.scheduler.queued_count(),
+            "pending": core.scheduler.pending(),
+        },
+        "traffic": {
+            "bytes_down": counters.bytes_down,
+            "bytes_down_uncached": counters.bytes_down_uncached,
+            "bytes_up": counters.bytes_up,
+            "bytes_half": counters.bytes_half,
+        },
+    }
