@@ -1,0 +1,276 @@
+"""The scheduler's bookkeeping: its workers, tiles, queues and timeout heaps, and the
+moves that keep those indexes consistent with one another. `Scheduler` (the public face)
+and the assignment and speculation helpers act through these; see
+coordinator.schedule.scheduler for the tile life cycle they implement."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+
+from coordinator.schedule.records import (
+    STAT_NAMES,
+    Assignment,
+    Holding,
+    SchedulerConfig,
+    TileRecord,
+    TileTicket,
+    UnknownWorkerError,
+    WorkerRecord,
+)
+
+# A queue entry is (tile_id, token); it is live while the token matches the tile's.
+QueueEntry = tuple[str, int]
+
+
+class SchedulerState:
+    """Everything one `Scheduler` knows; its indexes must agree (`invariant_problems`)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.workers: dict[str, WorkerRecord] = {}
+        # Unpaused workers with a free slot, in the order they are served next.
+        self.ready: dict[str, None] = {}
+        self.tiles: dict[str, TileRecord] = {}  # submitted and not done
+        self.tiles_by_gemm: dict[str, dict[str, None]] = {}
+        self.done: dict[str, str] = {}  # tile_id -> gemm_id, until the GEMM is forgotten
+        self.done_by_gemm: dict[str, set[str]] = {}
+        # An entry whose token no longer matches the tile's is stale and skipped, which
+        # makes removal from the middle O(1).
+        self.queue: deque[QueueEntry] = deque()
+        # Fresh tiles planned for a worker, per worker, in plan order (same entries).
+        self.planned: dict[str, deque[QueueEntry]] = {}
+        self.queued = 0
+        self._seq = 0
+        # Min-heaps with lazy deletion: entries are checked against live state when popped.
+        self._deadlines: list[tuple[float, int, str, str]] = []
+        self._heartbeats: list[tuple[float, int, str]] = []
+        self.window_total = 0
+        self.counts = dict.fromkeys(STAT_NAMES, 0)
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def bump(self, stat: str, by: int = 1) -> None:
+        self.counts[stat] += by
+
+    def known(self, worker_id: str) -> WorkerRecord:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorkerError(worker_id)
+        return worker
+
+    # --- liveness and deadlines ---------------------------------------------------------
+
+    def touch(self, worker: WorkerRecord, now: float) -> None:
+        if now > worker.last_seen:
+            worker.last_seen = now
+            self.push_heartbeat(worker)
+
+    def push_heartbeat(self, worker: WorkerRecord) -> None:
+        heapq.heappush(self._heartbeats, (worker.last_seen, worker.incarnation, worker.worker_id))
+        if len(self._heartbeats) > 2 * len(self.workers) + 64:
+            self._heartbeats = [
+                (w.last_seen, w.incarnation, w.worker_id) for w in self.workers.values()
+            ]
+            heapq.heapify(self._heartbeats)
+
+    def _push_deadline(self, tile_id: str, worker_id: str, holding: Holding) -> None:
+        heapq.heappush(self._deadlines, (holding.deadline, holding.seq, tile_id, worker_id))
+        if len(self._deadlines) > 2 * self.window_total + 64:
+            self._deadlines = [
+                (h.deadline, h.seq, tile.tile_id, holder)
+                for tile in self.tiles.values()
+                for holder, h in tile.holders.items()
+            ]
+            heapq.heapify(self._deadlines)
+
+    def drop_silent_workers(self, now: float) -> tuple[list[str], list[str]]:
+        """Remove workers whose last heartbeat is older than the timeout; returns them and
+        the tiles that went back to the queue because of them."""
+        dead: list[str] = []
+        requeued: list[str] = []
+        limit = now - self.config.heartbeat_timeout_s
+        while self._heartbeats and self._heartbeats[0][0] < limit:
+            last_seen, incarnation, worker_id = heapq.heappop(self._heartbeats)
+            worker = self.workers.get(worker_id)
+            if worker is None or (worker.incarnation, worker.last_seen) != (incarnation, last_seen):
+                continue
+            dead.append(worker_id)
+            requeued.extend(self.drop_worker(worker, now))
+        return dead, requeued
+
+    def requeue_overdue(self, now: float) -> list[str]:
+        """Queue again, at the front, the tiles whose deadline passed and that no holder
+        holds within its deadline; returns them. Their holders keep them."""
+        overdue: dict[str, None] = {}  # ordered set: a tile may have several overdue holders
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, seq, tile_id, worker_id = heapq.heappop(self._deadlines)
+            tile = self.tiles.get(tile_id)
+            holding = tile.holders.get(worker_id) if tile is not None else None
+            if tile is None or holding is None or holding.seq != seq:
+                continue  # stale entry: the tile or this assignment is gone
+            if self.needs_requeue(tile, now):
+                overdue[tile_id] = None
+        self.requeue_front(list(overdue))
+        return list(overdue)
+
+    # --- queues -------------------------------------------------------------------------
+
+    def refresh_ready(self, worker: WorkerRecord) -> None:
+        if not worker.paused and worker.free_slots() > 0:
+            self.ready.setdefault(worker.worker_id, None)
+        else:
+            self.ready.pop(worker.worker_id, None)
+
+    def needs_requeue(self, tile: TileRecord, now: float) -> bool:
+        return tile.queue_token is None and not tile.has_live_holder(now)
+
+    def enqueue(self, tile: TileRecord, *, front: bool) -> None:
+        if tile.queue_token is None:
+            self.queued += 1
+        tile.queue_token = self.next_seq()
+        entry = (tile.tile_id, tile.queue_token)
+        owner = self.workers.get(tile.ticket.planned_for or "")
+        fresh = not tile.times_assigned and not tile.refused_by
+        if fresh and owner is not None and not owner.paused and owner.can_hold(tile.ticket):
+            self.planned.setdefault(owner.worker_id, deque()).append(entry)
+        elif front:
+            self.queue.appendleft(entry)
+        else:
+            self.queue.append(entry)
+
+    def release_planned(self, worker_id: str) -> None:
+        """The worker left or paused: its planned tiles go to the front of the common
+        queue, in plan order (the GEMMs that wait on them are already late; the tiles
+        it held go in front of them)."""
+        queue = self.planned.pop(worker_id, deque())
+        live = [entry for entry in queue if self.live_queue_entry(entry) is not None]
+        self.queue.extendleft(reversed(live))
+
+    def requeue_front(self, tile_ids: list[str]) -> None:
+        # Reversed so that the tiles keep their relative order at the front.
+        for tile_id in reversed(tile_ids):
+            self.enqueue(self.tiles[tile_id], front=True)
+
+    def live_queue_entry(self, entry: QueueEntry) -> TileRecord | None:
+        tile_id, token = entry
+        tile = self.tiles.get(tile_id)
+        return tile if tile is not None and tile.queue_token == token else None
+
+    # --- handing out and taking back ----------------------------------------------------
+
+    def hand_out(self, tile: TileRecord, worker: WorkerRecord, now: float) -> Assignment:
+        worker_id, tile_id = worker.worker_id, tile.tile_id
+        holding = Holding(now + self.config.tile_timeout_s, self.next_seq())
+        tile.holders[worker_id] = holding
+        tile.released_to.discard(worker_id)
+        worker.released.discard(tile_id)
+        worker.cancelled.pop(tile_id, None)
+        worker.in_flight[tile_id] = None
+        self._push_deadline(tile_id, worker_id, holding)
+        reissue = tile.times_assigned > 0
+        tile.times_assigned += 1
+        if reissue:
+            self.bump("reissued")
+        return Assignment(worker_id, tile_id, holding.deadline, reissue)
+
+    def dequeue_to(self, tile: TileRecord, worker: WorkerRecord, now: float) -> Assignment:
+        """Hand out a queued tile whose queue entry the caller has taken off its queue."""
+        tile.queue_token = None
+        self.queued -= 1
+        return self.hand_out(tile, worker, now)
+
+    def retire(self, tile: TileRecord, *, winner: str | None) -> list[str]:
+        """Take a finished or forgotten tile off every worker; returns holders to cancel."""
+        tile_id = tile.tile_id
+        to_cancel: list[str] = []
+        for worker_id in tile.holders:
+            worker = self.workers[worker_id]
+            del worker.in_flight[tile_id]
+            self.refresh_ready(worker)
+            if worker_id != winner:
+                to_cancel.append(worker_id)
+                worker.remember_cancel(tile_id)
+        for worker_id in tile.released_to:
+            worker = self.workers[worker_id]
+            worker.released.discard(tile_id)
+            if worker_id != winner:
+                worker.remember_cancel(tile_id)
+        if tile.queue_token is not None:
+            self.queued -= 1  # its queue entry is now stale
+        del self.tiles[tile_id]
+        gemm_tiles = self.tiles_by_gemm.get(tile.ticket.gemm_id)
+        if gemm_tiles is not None:
+            gemm_tiles.pop(tile_id, None)
+            if not gemm_tiles:
+                del self.tiles_by_gemm[tile.ticket.gemm_id]
+        return to_cancel
+
+    def mark_done(self, ticket: TileTicket) -> None:
+        self.done[ticket.tile_id] = ticket.gemm_id
+        self.done_by_gemm.setdefault(ticket.gemm_id, set()).add(ticket.tile_id)
+
+    def drop_worker(self, worker: WorkerRecord, now: float) -> list[str]:
+        """Forget a worker; returns the tiles that went back to the queue because of it."""
+        worker_id = worker.worker_id
+        del self.workers[worker_id]
+        self.ready.pop(worker_id, None)
+        self.window_total -= worker.window
+        lost: list[str] = []
+        for tile_id in worker.in_flight:
+            tile = self.tiles[tile_id]
+            del tile.holders[worker_id]
+            if self.needs_requeue(tile, now):
+                lost.append(tile_id)
+        for tile_id in worker.released:
+            self.tiles[tile_id].released_to.discard(worker_id)
+        self.release_planned(worker_id)
+        self.requeue_front(lost)
+        return lost
+
+    # --- self-check ---------------------------------------------------------------------
+
+    def invariant_problems(self) -> Iterable[str]:
+        yield from self._worker_problems()
+        yield from self._tile_problems()
+
+    def _worker_problems(self) -> Iterable[str]:
+        for worker_id, worker in self.workers.items():
+            if worker.free_slots() < 0:
+                yield f"{worker_id} holds {len(worker.in_flight)} > window {worker.window}"
+            if worker.paused and worker.in_flight:
+                yield f"paused {worker_id} holds tiles"
+            if (worker_id in self.ready) != (not worker.paused and worker.free_slots() > 0):
+                yield f"{worker_id} ready-set membership is wrong"
+            for tile_id in worker.in_flight:
+                if worker_id not in self.tiles[tile_id].holders:
+                    yield f"{tile_id} in {worker_id}'s in-flight set but not held"
+            for tile_id in worker.released:
+                if worker_id not in self.tiles[tile_id].released_to:
+                    yield f"{tile_id} released by {worker_id} but not mirrored"
+
+    def _tile_problems(self) -> Iterable[str]:
+        queued = 0
+        for tile_id, tile in self.tiles.items():
+            if tile_id in self.done:
+                yield f"{tile_id} is both pending and done"
+            for worker_id in tile.holders:
+                if tile_id not in self.workers[worker_id].in_flight:
+                    yield f"{tile_id} held by {worker_id} but not in its in-flight set"
+            for worker_id in tile.released_to:
+                if tile_id not in self.workers[worker_id].released:
+                    yield f"{tile_id} released to {worker_id} but not mirrored"
+            queued += tile.queue_token is not None
+        entries = itertools.chain(self.queue, *self.planned.values())
+        live_entries = sum(self.live_queue_entry(entry) is not None for entry in entries)
+        for owner in self.planned:
+            if owner not in self.workers or self.workers[owner].paused:
+                yield f"tiles planned for {owner}, which is gone or paused"
+        if not queued == live_entries == self.queued:
+            yield f"queue count {self.queued}, tiles {queued}, live entries {live_entries}"
+        if self.window_total != sum(w.window for w in self.workers.values()):
+            yield "window total is wrong"
