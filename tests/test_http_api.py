@@ -9,16 +9,19 @@ import re
 from pathlib import Path
 from typing import Any
 
+from test_metrics import parse_exposition
+
 from coordinator.serve import http_api
 
 PAGE = Path(http_api.__file__).with_name("dashboard.html")
+_IMG = "<img src=x onerror=alert(1)>"
 
 
 def _status() -> dict[str, Any]:
     return {
         "job": "j",
         "step": 3,
-        "workers": [{"id": "w1", "name": "<img src=x onerror=alert(1)>", "state": "working"}],
+        "workers": [{"id": "w1", "name": _IMG, "state": "working"}],
         "tiles": {"verified": 9},
     }
 
@@ -40,9 +43,10 @@ def test_metrics_are_the_prometheus_text_format() -> None:
     response = _get("/metrics")
     assert response.status_code == 200
     assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    body = response.body.decode()
-    assert "cleave_tiles_verified_total 9\n" in body
-    assert 'worker="<img src=x onerror=alert(1)>"' in body  # plain text: no HTML escaping
+    parsed = parse_exposition(response.body.decode())
+    assert parsed.value("cleave_tiles_verified_total") == 9
+    labels = {"id": "w1", "worker": _IMG, "state": "working", "device": "", "key": ""}
+    assert parsed.value("cleave_worker_info", **labels) == 1  # plain text: no HTML escaping
     assert int(response.headers["Content-Length"]) == len(response.body)
 
 

@@ -2,17 +2,22 @@
 
 ``render_metrics`` is a pure function of the ``/api/status`` dictionary, so the page and
 the metrics can never disagree and the format is tested without a server. Fields that a
-status lacks (an older server, no training yet) are simply left out.
+status lacks (an older server, no training yet) are simply left out. ``prometheus_client``
+writes the text; ``StatusCollector`` only says which families a snapshot holds.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+# What generate_latest writes; CONTENT_TYPE_LATEST (version=1.0.0) would also announce
+# UTF-8 metric names, which this page never uses.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 # status["tiles"] key -> counter name and help. Counters only grow for a process's life;
 # Prometheus treats the drop to zero at a restart as a counter reset.
@@ -52,50 +57,71 @@ TILE_GAUGES: tuple[tuple[str, str, str], ...] = (
 STATES = ("starting", "waiting for workers", "training", "stopping", "done", "stopped", "failed")
 
 
-@dataclass
-class _Family:
-    name: str
-    kind: str  # "counter" or "gauge"
-    help: str
-    samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
+def render_metrics(status: Mapping[str, Any]) -> str:
+    """The Prometheus text exposition of one ``/api/status`` snapshot."""
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(status))
+    return generate_latest(registry).decode()
 
 
-class _Exposition:
-    """Metric families in the order first declared; one HELP/TYPE header each."""
+class StatusCollector(Collector):
+    """The metric families of one status snapshot, built when collected."""
+
+    def __init__(self, status: Mapping[str, Any]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Metric]:
+        out = _Families()
+        _totals(out, self._status)
+        _training(out, self._status)
+        _workers(out, self._status.get("workers") or [])
+        banned = self._status.get("banned")
+        if isinstance(banned, list):
+            out.gauge("cleave_workers_banned", "Worker keys banned from this pool.", len(banned))
+        yield from out.families()
+
+
+class _Families:
+    """Families in the order first declared; a family with no sample is left out."""
 
     def __init__(self) -> None:
-        self._families: dict[str, _Family] = {}
+        self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
-    def add(
+    def gauge(
+        self, name: str, help_text: str, value: Any, labels: Mapping[str, str] | None = None
+    ) -> None:
+        self._add(GaugeMetricFamily, name, help_text, value, labels or {})
+
+    def counter(
+        self, name: str, help_text: str, value: Any, labels: Mapping[str, str] | None = None
+    ) -> None:
+        # CounterMetricFamily drops the "_total" that every name here ends in and
+        # generate_latest writes it back, so the exposed name is the one given.
+        self._add(CounterMetricFamily, name, help_text, value, labels or {})
+
+    def _add(
         self,
+        kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
         name: str,
-        kind: str,
         help_text: str,
         value: Any,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str],
     ) -> None:
         number = _number(value)
         if number is None:
             return
-        family = self._families.setdefault(name, _Family(name, kind, help_text))
-        family.samples.append((dict(labels or {}), number))
+        family = self._families.get(name)
+        if family is None:
+            family = self._families[name] = kind(name, help_text, labels=list(labels))
+        family.add_metric([printable(text) for text in labels.values()], number)
 
-    def text(self) -> str:
-        lines: list[str] = []
-        for family in self._families.values():
-            lines.append(f"# HELP {family.name} {_escape_help(family.help)}")
-            lines.append(f"# TYPE {family.name} {family.kind}")
-            for labels, value in family.samples:
-                lines.append(f"{family.name}{_labels(labels)} {_format_value(value)}")
-        return "\n".join(lines) + "\n"
+    def families(self) -> Iterable[Metric]:
+        return self._families.values()
 
 
-def render_metrics(status: Mapping[str, Any]) -> str:
-    """The Prometheus text exposition of one ``/api/status`` snapshot."""
-    out = _Exposition()
-    out.add(
+def _totals(out: _Families, status: Mapping[str, Any]) -> None:
+    out.gauge(
         "cleave_info",
-        "gauge",
         "Constant 1, labelled with the job and the coordinator's key fingerprint.",
         1,
         {
@@ -105,131 +131,100 @@ def render_metrics(status: Mapping[str, Any]) -> str:
     )
     tiles = status.get("tiles") or {}
     for key, name, help_text in TILE_COUNTERS:
-        out.add(name, "counter", help_text, tiles.get(key))
+        out.counter(name, help_text, tiles.get(key))
     for key, name, help_text in TILE_GAUGES:
-        out.add(name, "gauge", help_text, tiles.get(key))
+        out.gauge(name, help_text, tiles.get(key))
     traffic = status.get("traffic") or {}
-    out.add(
-        "cleave_bytes_down_total",
-        "counter",
-        "Tile bundle bytes sent to workers.",
-        traffic.get("bytes_down"),
+    out.counter(
+        "cleave_bytes_down_total", "Tile bundle bytes sent to workers.", traffic.get("bytes_down")
     )
-    out.add(
+    out.counter(
         "cleave_bytes_down_uncached_total",
-        "counter",
         "What the bytes to workers would have been without their operand caches.",
         traffic.get("bytes_down_uncached"),
     )
-    out.add(
+    out.counter(
         "cleave_bytes_up_total",
-        "counter",
         "Verified result bytes received from workers.",
         traffic.get("bytes_up"),
     )
-    out.add(
+    out.counter(
         "cleave_bytes_half_precision_total",
-        "counter",
         "Bytes of bf16/fp16 tiles, both ways: fp32 would have moved twice as many.",
         traffic.get("bytes_half"),
     )
     connections = status.get("connections") or {}
-    out.add(
+    out.counter(
         "cleave_handshakes_refused_total",
-        "counter",
         "Connections closed before they authenticated (bad hello, token, ban, timeout).",
         connections.get("refused_handshakes"),
     )
-    out.add(
+    out.counter(
         "cleave_workers_banned_run_total",
-        "counter",
         "Worker keys banned by this coordinator process.",
         connections.get("banned_this_run"),
     )
-    _training(out, status)
-    _workers(out, status.get("workers") or [])
-    banned = status.get("banned")
-    if isinstance(banned, list):
-        out.add("cleave_workers_banned", "gauge", "Worker keys banned from this pool.", len(banned))
-    return out.text()
 
 
-def _training(out: _Exposition, status: Mapping[str, Any]) -> None:
-    out.add(
+def _training(out: _Families, status: Mapping[str, Any]) -> None:
+    out.counter(
         "cleave_steps_total",
-        "counter",
         "Training steps completed, counting steps resumed from a checkpoint.",
         status.get("step"),
     )
-    out.add("cleave_step", "gauge", "The step being trained now.", status.get("step"))
-    out.add(
-        "cleave_steps_target", "gauge", "Steps to train in total (--steps).", status.get("steps")
-    )
+    out.gauge("cleave_step", "The step being trained now.", status.get("step"))
+    out.gauge("cleave_steps_target", "Steps to train in total (--steps).", status.get("steps"))
     history = status.get("history") or []
     last = history[-1] if history else {}
-    out.add("cleave_loss", "gauge", "Loss of the last completed step.", last.get("loss"))
-    out.add(
-        "cleave_step_seconds",
-        "gauge",
-        "Wall time of the last completed step.",
-        last.get("seconds"),
-    )
-    out.add("cleave_step_tiles", "gauge", "Tiles verified in the last step.", last.get("tiles"))
+    out.gauge("cleave_loss", "Loss of the last completed step.", last.get("loss"))
+    out.gauge("cleave_step_seconds", "Wall time of the last completed step.", last.get("seconds"))
+    out.gauge("cleave_step_tiles", "Tiles verified in the last step.", last.get("tiles"))
     flops = status.get("flops") or {}
-    out.add(
+    out.gauge(
         "cleave_step_gflop",
-        "gauge",
         "GFLOP of the last step, every op counted (torch.utils.flop_counter conventions).",
         flops.get("gflop"),
     )
-    out.add(
+    out.gauge(
         "cleave_step_workers_flop_share",
-        "gauge",
         "Share of the last step's FLOPs that workers computed (0 to 1).",
         flops.get("workers_share"),
     )
     for kept in flops.get("kept_here") or []:
-        out.add(
+        out.gauge(
             "cleave_step_kept_here_gflop",
-            "gauge",
             "GFLOP of the last step computed at the coordinator, by op.",
             kept.get("gflop"),
             {"op": str(kept.get("op", ""))},
         )
-    out.add(
+    out.gauge(
         "cleave_checkpoint_step",
-        "gauge",
         "Step of the last checkpoint written.",
         status.get("checkpoint_step"),
     )
     state = status.get("state")
     if isinstance(state, str):
         for known in STATES:
-            out.add(
+            out.gauge(
                 "cleave_state",
-                "gauge",
                 "1 for the coordinator's current training state.",
                 int(state == known),
                 {"state": known},
             )
 
 
-def _workers(out: _Exposition, workers: Iterable[Mapping[str, Any]]) -> None:
-    connected = active = 0
-    rows = []
-    for worker in workers:
-        connected += 1
-        active += worker.get("state") != "paused"
-        rows.append(worker)
-    out.add("cleave_workers_connected", "gauge", "Workers connected now.", connected)
-    out.add("cleave_workers_active", "gauge", "Connected workers not paused.", active)
+def _workers(out: _Families, workers: Iterable[Mapping[str, Any]]) -> None:
+    rows = list(workers)
+    out.gauge("cleave_workers_connected", "Workers connected now.", len(rows))
+    active = sum(worker.get("state") != "paused" for worker in rows)
+    out.gauge("cleave_workers_active", "Connected workers not paused.", active)
     for worker in rows:
-        # Names are chosen by volunteers: never trusted, always escaped in _labels.
+        # Names are chosen by volunteers: never trusted. generate_latest escapes quotes,
+        # backslashes and newlines; printable() replaces the other control characters.
         labels = {"id": str(worker.get("id", "")), "worker": str(worker.get("name", ""))}
         contribution = worker.get("contribution") or {}
-        out.add(
+        out.gauge(
             "cleave_worker_info",
-            "gauge",
             "Constant 1 per connected worker, labelled with its state and device.",
             1,
             {
@@ -239,51 +234,44 @@ def _workers(out: _Exposition, workers: Iterable[Mapping[str, Any]]) -> None:
                 "key": str(worker.get("key", "")),
             },
         )
-        out.add(
+        out.counter(
             "cleave_worker_tiles_verified_total",
-            "counter",
             "Verified tiles credited to this worker's name, all time.",
             contribution.get("tiles"),
             labels,
         )
-        out.add(
+        out.counter(
             "cleave_worker_gflop_verified_total",
-            "counter",
             "Verified GFLOP credited to this worker's name, all time.",
             contribution.get("gflop"),
             labels,
         )
-        out.add(
+        out.gauge(
             "cleave_worker_tiles_session",
-            "gauge",
             "Tiles verified on this connection.",
             worker.get("tiles_session"),
             labels,
         )
-        out.add(
+        out.gauge(
             "cleave_worker_in_flight",
-            "gauge",
             "Tiles this worker holds now.",
             worker.get("in_flight"),
             labels,
         )
-        out.add(
+        out.counter(
             "cleave_worker_refused_total",
-            "counter",
             "Tiles this connection refused.",
             worker.get("refused"),
             labels,
         )
-        out.add(
+        out.gauge(
             "cleave_worker_last_seen_seconds",
-            "gauge",
             "Seconds since this worker's last frame.",
             worker.get("last_seen_s"),
             labels,
         )
-        out.add(
+        out.gauge(
             "cleave_worker_reputation",
-            "gauge",
             "This worker's reputation, 0 to 1.",
             worker.get("reputation"),
             labels,
@@ -297,30 +285,14 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _format_value(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(value)
+def printable(value: str) -> str:
+    """``value`` with control characters other than newline replaced by U+FFFD.
+
+    The text format escapes only backslash, double quote and newline (generate_latest does
+    that); a carriage return or NUL would pass through raw and could break line-oriented
+    tools that read this page."""
+    return "".join("\ufffd" if _is_control(ch) else ch for ch in value)
 
 
-def escape_label_value(value: str) -> str:
-    """Escape a label value per the text format: backslash, double quote and newline.
-    Other control characters are replaced, so that a hostile worker name cannot break
-    line-oriented tools that read this page."""
-    out = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return "".join("\ufffd" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch for ch in out)
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _labels(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{key}="{escape_label_value(value)}"' for key, value in labels.items())
-    return "{" + inner + "}"
+def _is_control(ch: str) -> bool:
+    return ch != "\n" and (ord(ch) < 0x20 or ord(ch) == 0x7F)
