@@ -45,7 +45,7 @@ from bench_step import eager_seconds, serve_job  # noqa: E402
 from real_models import make_cnn_job  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from coordinator import lowering  # noqa: E402
+from coordinator.step import lowering  # noqa: E402
 from coordinator.step.job import Job  # noqa: E402
 
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ import pytest
 import torch
 from real_models import make_cnn_job, make_sdpa_job
 
-from coordinator import lowering
+from coordinator.step import lowering
 from coordinator.step.eager import EagerOffloadMode
 from coordinator.step.tracing import GEMM_OPS, trace_step
 
