@@ -21,7 +21,7 @@ import torch
 from common.gemm_speed import matmul_gflops
 from common.signing import fingerprint, load_or_create_private_key
 from coordinator.config_file import ConfigError, read_config
-from coordinator.plan.costmodel import LivePlanning
+from coordinator.plan.live import LivePlanning
 from coordinator.plan.planner import plan_config_for
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import SchedulerConfig

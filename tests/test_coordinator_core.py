@@ -33,7 +33,7 @@ from common.messages import (
     parse_message,
 )
 from common.signing import generate_private_key, public_key_hex
-from coordinator.plan.costmodel import DeviceEstimate
+from coordinator.plan.estimates import DeviceEstimate
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.core import MIN_PLANNING_MEMORY_CAP, CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, CloseCode, Effects

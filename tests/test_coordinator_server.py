@@ -54,7 +54,7 @@ from common.messages import (
     verify_task,
 )
 from common.signing import fingerprint, generate_private_key, public_key_hex
-from coordinator.plan.costmodel import LivePlanning
+from coordinator.plan.live import LivePlanning
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.ledger import Contribution, Ledger
 from coordinator.schedule.scheduler import SchedulerConfig

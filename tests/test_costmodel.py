@@ -11,25 +11,27 @@ import math
 import pytest
 
 from common.messages import DeviceProfile
-from coordinator.plan.costmodel import (
-    LOCAL,
+from coordinator.plan.estimates import (
     UNMEASURED_FLOPS_PER_S,
-    Commitments,
     DeviceEstimate,
     LinkModel,
-    Placement,
-    PoolPlan,
     TileObservation,
-    candidate_configs,
-    candidate_plans,
     for_planning,
     from_profile,
     lower_bound,
     observe,
     overdue_finish,
+    queued_start,
+)
+from coordinator.plan.live import Commitments
+from coordinator.plan.placement import (
+    LOCAL,
+    Placement,
+    PoolPlan,
+    candidate_configs,
+    candidate_plans,
     place_tiles,
     plan_for_pool,
-    queued_start,
 )
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 

@@ -17,18 +17,9 @@ import torch
 
 from common.signing import generate_private_key
 from coordinator.cli import _coordinator_gflops
-from coordinator.plan.costmodel import (
-    Commitments,
-    DeviceEstimate,
-    LinkModel,
-    LiveChoice,
-    LivePlanning,
-    PoolPlan,
-    candidate_configs,
-    fastest,
-    for_planning,
-    plan_for_pool,
-)
+from coordinator.plan.estimates import DeviceEstimate, LinkModel, for_planning
+from coordinator.plan.live import Commitments, LiveChoice, LivePlanning
+from coordinator.plan.placement import PoolPlan, candidate_configs, fastest, plan_for_pool
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.workers import PoolView
 from coordinator.serve.offload import TileOffload

@@ -37,7 +37,7 @@ from common.messages import (
 )
 from common.signing import fingerprint
 from common.token_bucket import TokenBucket
-from coordinator.plan.costmodel import (
+from coordinator.plan.estimates import (
     DeviceEstimate,
     from_profile,
     overdue_finish,

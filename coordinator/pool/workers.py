@@ -14,7 +14,7 @@ from common.block_cache import BlockCache
 from common.messages import DeviceProfile
 from common.signing import fingerprint
 from common.token_bucket import TokenBucket
-from coordinator.plan.costmodel import DeviceEstimate, TileObservation, observe
+from coordinator.plan.estimates import DeviceEstimate, TileObservation, observe
 from coordinator.schedule.scheduler import TileTicket
 
 
@@ -77,7 +77,7 @@ class Worker:
     blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
     sent_bytes: dict[str, int] = field(default_factory=dict)  # tile id -> bytes it cost
     # When its last result arrived: a tile sent while another was computing starts its
-    # own compute no earlier (costmodel.queued_start).
+    # own compute no earlier (estimates.queued_start).
     last_result_at: float = 0.0
 
     @property

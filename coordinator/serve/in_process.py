@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from common.signing import fingerprint, load_or_create_private_key
-from coordinator.plan.costmodel import LivePlanning
+from coordinator.plan.live import LivePlanning
 from coordinator.plan.planner import plan_config_for
 from coordinator.pool.ledger import Ledger
 from coordinator.serve.local_workers import LocalWorkers

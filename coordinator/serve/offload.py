@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.tensors import DTYPE_NAMES
 from common.unfold import Unfold
-from coordinator.plan.costmodel import Commitments, LivePlanning
+from coordinator.plan.live import Commitments, LivePlanning
 from coordinator.plan.planner import GemmShape, PlanConfig
 from coordinator.serve.server import CoordinatorServer
 from coordinator.step.executor import GemmDone

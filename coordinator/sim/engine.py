@@ -27,7 +27,8 @@ from typing import Any
 
 from common.messages import Cancel, DeviceProfile, Heartbeat, Hello, Result
 from common.signing import generate_private_key
-from coordinator.plan.costmodel import Commitments, DeviceEstimate, LiveChoice, LivePlanning
+from coordinator.plan.estimates import DeviceEstimate
+from coordinator.plan.live import Commitments, LiveChoice, LivePlanning
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_config_for, plan_gemm
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Effects

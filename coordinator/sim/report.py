@@ -10,14 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.plan.costmodel import (
-    DeviceEstimate,
-    LinkModel,
-    PoolPlan,
-    candidate_configs,
-    place_tiles,
-    plan_for_pool,
-)
+from coordinator.plan.estimates import DeviceEstimate, LinkModel
+from coordinator.plan.placement import PoolPlan, candidate_configs, place_tiles, plan_for_pool
 from coordinator.plan.planner import GemmShape, Grid, PlanConfig, plan_gemm
 from coordinator.sim.baselines import restart_recovery_s, tensor_parallel_step_bytes
 from coordinator.sim.engine import SimConfig, gemm_makespans, simulate
@@ -248,7 +242,7 @@ def section_step_time(out: list[str], svgs: dict[str, str]) -> None:
         "rule) and, for comparison, without it (every tile carries both operands). "
         "Utilisation (with the cache) = useful tile FLOPs / (pool FLOP/s x step time); "
         "MB/dev = downlink MB per device per step. 'cost' columns: the live default planner "
-        "(`costmodel.LivePlanning`: grids from the cost model of the devices as estimated "
+        "(`live.LivePlanning`: grids from the cost model of the devices as estimated "
         "so far, placed by earliest finish where compute binds and as pull would hand "
         "them out where links bind, the coordinator computing the share it would finish "
         "first), its first step (estimates from the "
@@ -454,7 +448,7 @@ def section_planner(out: list[str], svgs: dict[str, str]) -> None:
         "Links: 'unlimited' (scheduling alone), '10 Gbit/s LAN' (every device; the "
         "coordinator's uplink 100 Gbit/s), 'home' (the population's links, median "
         "100 Mbit/s down, uplink 2-10x slower; coordinator 10 Gbit/s). The planner is "
-        "`costmodel.plan_for_pool`: grids from `plan_gemm` under the limits of "
+        "`placement.plan_for_pool`: grids from `plan_gemm` under the limits of "
         "`candidate_configs` (bigger tiles, K splits for long K) with up to 8 tiles per "
         "device, list scheduling by earliest estimated finish with operand-block reuse, "
         "workers pipelined with the server's prefetch window of 2, and the coordinator "
@@ -573,7 +567,7 @@ writes JSON (`--json FILE`).
 - A discrete-event loop with a simulated clock drives the **real** `coordinator.schedule.scheduler.
   Scheduler` (submit, assign, complete, expire on heartbeat ticks, stranded/take_over,
   speculate) and the real planners: `planner.plan_gemm` (the old default, still
-  `serve --planner grid`) and `costmodel.LivePlanning` (the live default: the cost model
+  `serve --planner grid`) and `live.LivePlanning` (the live default: the cost model
   of the devices as estimated so far; tiles placed by earliest finish, each naming its
   worker, where compute binds and links are measured, else as pull would hand them out;
   after the work earlier plans committed, the coordinator computing the share it would

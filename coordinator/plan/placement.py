@@ -1,0 +1,367 @@
+"""A GEMM's tile grid placed on a pool of estimated devices, and the grid that finishes
+first.
+
+`plan_for_pool` picks, for one GEMM, offload vs local and the tile grid (candidates come
+from `planner.plan_gemm`, so batch splits, then M x N, and K only where a memory cap
+demands it) by placing each candidate's tiles, largest first, on the worker that would
+finish it earliest (list scheduling), and keeping the grid with the smallest makespan.
+A tile's time on a device is estimates.py's model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from coordinator.plan.estimates import SEQUENTIAL, DeviceEstimate, LinkModel, lower_bound
+from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, TileRegion, plan_gemm
+
+Block = tuple[str, int, int, int]  # ("A", bi, mi, ki) or ("B", bi, ni, ki)
+Run = tuple[float, float, float, float]  # (start, download end, compute end, finish)
+Choice = tuple[int, Run, int]  # (lane index, its run of the tile, operand bytes sent)
+Attempt = Callable[["_Lane"], tuple[Run, int]]
+DEFAULT_PLAN = PlanConfig()
+# The coordinator itself, when it computes a share of a GEMM: no link to cross.
+LOCAL = "coordinator"
+
+
+@dataclass(frozen=True)
+class Placement:
+    tile: TileRegion
+    worker_id: str  # LOCAL: the coordinator computes it
+    start: float  # its download starts (compute, for LOCAL)
+    finish: float  # its result is back
+    down_bytes: int  # operand bytes actually sent: blocks the worker holds are not resent
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    plan: GemmPlan | None  # None: run the GEMM at the coordinator
+    placements: tuple[Placement, ...]
+    makespan: float  # estimated, seconds from now (ready_at counted)
+    lower_bound: float
+    local_seconds: float
+
+    @property
+    def down_bytes(self) -> int:
+        return sum(p.down_bytes for p in self.placements)
+
+    @property
+    def local_tiles(self) -> tuple[TileRegion, ...]:
+        """Tiles the plan keeps at the coordinator (with `share_local`)."""
+        return tuple(p.tile for p in self.placements if p.worker_id == LOCAL)
+
+
+def operand_blocks(shape: GemmShape, tile: TileRegion) -> tuple[tuple[Block, int], ...]:
+    """The A and B blocks a tile reads, with their sizes in bytes."""
+    bi, mi, ni, ki = tile.index
+    b, m, n, k = tile.dims
+    return (
+        (("A", bi, mi, ki), shape.itemsize * b * m * k),
+        (("B", bi, ni, ki), shape.itemsize * b * k * n),
+    )
+
+
+def _attempt(
+    tile: TileRegion,
+    blocks: tuple[tuple[Block, int], ...],
+    up: int,
+    links: LinkModel,
+    floor: float,
+    lane: _Lane,
+) -> tuple[Run, int]:
+    """The lane's timeline for the tile, and the operand bytes it would be sent."""
+    if lane.device.worker_id == LOCAL:  # the coordinator: no link to cross
+        return lane.run(tile.flops, 0, up, links.window, 0.0), 0
+    down = sum(nbytes for block, nbytes in blocks if block not in lane.held)
+    return lane.run(tile.flops, down, up, links.window, floor + down / links.egress_bps), down
+
+
+@dataclass
+class _Lane:
+    """One device's timeline while tiles are being placed: when its downlink, compute and
+    uplink are next free, when its tiles finish (for the window), what it holds."""
+
+    device: DeviceEstimate
+    down_free: float
+    comp_free: float
+    up_free: float
+    finishes: list[float]
+    held: set[Block]
+
+    def slot(self, window: int) -> float:
+        """When the coordinator may send this device its next tile."""
+        if len(self.finishes) < window:
+            return self.down_free
+        return max(self.down_free, self.finishes[-window])
+
+    def run(self, flops: int, down: int, up: int, window: int, egress_floor: float) -> Run:
+        """(start, download end, compute end, finish) of this device's next tile; the
+        download cannot end before `egress_floor`, when the coordinator's uplink has had
+        time to carry every byte sent so far plus this tile's."""
+        d = self.device
+        start = self.slot(window)
+        down_end = max(start + down / d.down_bps, egress_floor)
+        comp_end = max(down_end, self.comp_free) + flops / d.flops_per_s
+        finish = max(comp_end, self.up_free) + up / d.up_bps
+        return start, down_end, comp_end, finish
+
+    def take(self, run: Run, blocks: tuple[tuple[Block, int], ...]) -> None:
+        """Book the tile `run` describes on this lane; the lane now holds its blocks."""
+        _, self.down_free, self.comp_free, self.up_free = run
+        self.finishes.append(self.up_free)
+        self.held.update(block for block, _ in blocks)
+
+
+def _pull_choice(
+    lanes: Sequence[_Lane],
+    slots: list[tuple[float, int]],
+    here: Sequence[int],
+    size: int,
+    attempt: Attempt,
+) -> Choice | None:
+    """Rule "pull": the worker with the earliest free slot that can hold the tile, unless
+    a lane with no link (`here`) would finish it no later. The chosen worker's slot is
+    popped; the caller pushes its next one."""
+    skipped = []
+    while slots and not lanes[slots[0][1]].device.can_hold(size):
+        skipped.append(heapq.heappop(slots))
+    choice: Choice | None = None
+    if slots:
+        run, down = attempt(lanes[slots[0][1]])
+        choice = (slots[0][1], run, down)
+    for i in here:
+        run, _ = attempt(lanes[i])
+        if choice is None or run[3] <= choice[1][3]:
+            choice = (i, run, 0)
+    if choice is not None and choice[0] not in here:
+        heapq.heappop(slots)
+    for entry in skipped:
+        heapq.heappush(slots, entry)
+    return choice
+
+
+def _finish_choice(
+    lanes: Sequence[_Lane], blocks: tuple[tuple[Block, int], ...], size: int, attempt: Attempt
+) -> Choice | None:
+    """Rule "finish": the lane that would finish the tile first; ties to the lane holding
+    more of its operand blocks, then to the earlier lane."""
+    best: tuple[float, int, int] | None = None
+    choice: Choice | None = None
+    for i, lane in enumerate(lanes):
+        if not lane.device.can_hold(size):
+            continue
+        run, down = attempt(lane)
+        key = (run[3], -sum(b in lane.held for b, _ in blocks), i)
+        if best is None or key < best:
+            best, choice = key, (i, run, down)
+    return choice
+
+
+def place_tiles(
+    shape: GemmShape,
+    tiles: Sequence[TileRegion],
+    devices: Sequence[DeviceEstimate],
+    *,
+    ready_at: Mapping[str, float] | None = None,
+    held: Mapping[str, frozenset[Block]] | None = None,
+    links: LinkModel = SEQUENTIAL,
+    rule: str = "finish",
+) -> tuple[Placement, ...] | None:
+    """Place tiles on devices one at a time. None when some tile fits no device's cap.
+
+    rule "finish" (the planner): largest tile first, each to the device that finishes it
+    earliest (list scheduling). A device that already holds one of the tile's operand
+    blocks (sent for an earlier tile, or in `held`) is not sent it again, so it tends to
+    win and keep a row or column of the grid; ties go to the device holding more of the
+    operands, then to the earlier device in `devices`.
+
+    rule "pull" (what the server's scheduler does): tiles in grid order, each to the
+    device with the earliest free slot, however slow it is; a device with no link (the
+    coordinator, LOCAL) takes a tile instead when it would finish it no later.
+    """
+    if rule not in ("finish", "pull"):
+        raise ValueError(f"unknown rule {rule!r}")
+    lanes = []
+    for d in devices:
+        ready = (ready_at or {}).get(d.worker_id, 0.0)
+        have = set((held or {}).get(d.worker_id, frozenset()))
+        lanes.append(_Lane(d, ready, ready, ready, [], have))
+    order = sorted(tiles, key=lambda t: (-t.flops, t.index)) if rule == "finish" else tiles
+    t0 = min((lane.down_free for lane in lanes), default=0.0)
+    sent = 0  # bytes through the coordinator's uplink so far (a shared fluid pipe)
+    remote = 0  # tiles sent to workers so far
+    # Pull: workers by their next free slot, so each tile costs log(devices), not devices.
+    # The coordinator (no link) pulls nothing: it keeps a tile when it would finish it
+    # before the worker that would pull it.
+    here = [i for i, lane in enumerate(lanes) if lane.device.worker_id == LOCAL]
+    slots = [(lane.slot(links.window), i) for i, lane in enumerate(lanes) if i not in here]
+    heapq.heapify(slots)
+    placements: list[Placement] = []
+    for tile in order:
+        blocks = operand_blocks(shape, tile)
+        size = tile.total_bytes(shape.itemsize)
+        # A download cannot end before the coordinator's uplink carried it and the bytes
+        # placed before it, and spent its per-tile work on it and on the tiles before.
+        floor = t0 + sent / links.egress_bps + (remote + 1) * links.tile_overhead_s
+        attempt = functools.partial(
+            _attempt, tile, blocks, tile.up_bytes(shape.itemsize), links, floor
+        )
+        if rule == "pull":
+            choice = _pull_choice(lanes, slots, here, size, attempt)
+        else:
+            choice = _finish_choice(lanes, blocks, size, attempt)
+        if choice is None:
+            return None
+        chosen, run, down = choice
+        lane = lanes[chosen]
+        lane.take(run, blocks)
+        sent += down
+        remote += lane.device.worker_id != LOCAL
+        if rule == "pull" and chosen not in here:
+            heapq.heappush(slots, (lane.slot(links.window), chosen))
+        placements.append(Placement(tile, lane.device.worker_id, run[0], run[3], down))
+    return tuple(placements)
+
+
+def candidate_configs(base: PlanConfig) -> list[PlanConfig]:
+    """Tile limits to try besides base's. Bigger tiles (4x and 16x the FLOP limit) carry
+    more FLOPs per byte sent, which fast devices on slow links need; a smallest side of
+    1024 makes a long-K GEMM split K instead of cutting M and N into thin strips whose
+    operands are mostly K. List scheduling keeps big tiles off slow devices."""
+    configs = [base]
+    for flops_factor, side in ((1, 1024), (4, 256), (4, 1024), (16, 1024)):
+        configs.append(
+            dataclasses.replace(
+                base,
+                max_tile_flops=base.max_tile_flops * flops_factor,
+                min_tile_side=max(base.min_tile_side, side),
+            )
+        )
+    return list(dict.fromkeys(configs))
+
+
+def candidate_plans(
+    shape: GemmShape,
+    devices: Sequence[DeviceEstimate],
+    base: PlanConfig,
+    *,
+    tiles_per_device: int = 4,
+    configs: Sequence[PlanConfig] | None = None,
+) -> list[GemmPlan]:
+    """plan_gemm's grids for 1, 2, 4, ... up to `tiles_per_device` tiles per device, for
+    each of `configs` (default: base alone), deduplicated. More tiles balance mixed
+    speeds better and re-send more operands.
+
+    The memory cap is the largest device's (never above the config's): a tile only needs
+    one device that can hold it, and K is split only when even that one cannot.
+    """
+    caps = [d.mem_cap_bytes for d in devices]
+    plans: dict[tuple[int, int, int, int], GemmPlan] = {}
+    for config in configs or [base]:
+        cap = config.tile_mem_cap_bytes
+        if caps and None not in caps:
+            cap = min(cap, max(c for c in caps if c is not None))
+        target = 1
+        while target <= max(1, tiles_per_device * len(devices)):
+            grown = dataclasses.replace(config, target_tiles=target, tile_mem_cap_bytes=cap)
+            try:
+                plan = plan_gemm(shape, grown)
+            except ValueError:
+                return []  # not even a 1x1x1 tile fits: only the coordinator can run it
+            if plan is None:
+                return []
+            plans.setdefault(plan.grid, plan)
+            target *= 2
+    return list(plans.values())
+
+
+def plan_for_pool(
+    shape: GemmShape,
+    devices: Sequence[DeviceEstimate],
+    *,
+    local_flops_per_s: float,
+    base: PlanConfig = DEFAULT_PLAN,
+    ready_at: Mapping[str, float] | None = None,
+    held: Mapping[str, frozenset[Block]] | None = None,
+    links: LinkModel = SEQUENTIAL,
+    share_local: bool = False,
+    tiles_per_device: int = 4,
+    configs: Sequence[PlanConfig] | None = None,
+    rule: str = "finish",
+    grids: Sequence[GemmPlan] | None = None,
+) -> PoolPlan:
+    """Offload vs local and the tile grid with the smallest estimated makespan.
+
+    With `share_local` the coordinator is one more device in the placement (worker id
+    LOCAL, no link to cross), so a plan may keep some tiles here and send the rest: on a
+    pool whose links cannot carry a whole GEMM's operands in time, the coordinator does
+    what the links cannot feed. Its speed then counts in the lower bound too.
+
+    `configs` are the tile limits whose grids are tried (default: base's alone;
+    `candidate_configs(base)` adds bigger tiles and K splits for long K); `grids`, if
+    given, are the only grids tried.
+
+    `local_flops_per_s` 0 means the coordinator computes no GEMM of its own (local takes
+    forever), unless no worker can.
+
+    Local wins ties: it moves no bytes. GEMMs below base.min_offload_flops stay local,
+    as in plan_gemm. A grid whose tiles fit no device is skipped.
+    """
+    if local_flops_per_s < 0 or (share_local and local_flops_per_s == 0):
+        raise ValueError("local_flops_per_s must be >= 0, and > 0 to share")
+    # Times are seconds from now; `ready_at` says when a device (LOCAL: the coordinator)
+    # is done with work it already has.
+    local_ready = (ready_at or {}).get(LOCAL, 0.0)
+    local = local_ready + shape.flops / local_flops_per_s if local_flops_per_s else math.inf
+    everyone = list(devices)
+    if share_local:
+        everyone.insert(0, DeviceEstimate(LOCAL, local_flops_per_s, math.inf, math.inf))
+    bound = lower_bound(shape.flops, everyone) if devices else local
+    best = PoolPlan(None, (), local, bound, local)
+    if not devices:
+        return best
+    if grids is None:
+        grids = candidate_plans(
+            shape, devices, base, tiles_per_device=tiles_per_device, configs=configs
+        )
+    for plan in grids:
+        placed = place_tiles(
+            shape, plan.tiles, everyone, ready_at=ready_at, held=held, links=links, rule=rule
+        )
+        if placed is None:
+            continue
+        makespan = max(p.finish for p in placed)
+        better = makespan < best.makespan or (
+            makespan == best.makespan
+            and best.plan is not None
+            and len(placed) < len(best.placements)
+        )
+        if better:
+            best = PoolPlan(plan, placed, makespan, bound, local)
+    return best
+
+
+def fastest(
+    shape: GemmShape, devices: Sequence[DeviceEstimate], config: PlanConfig, count: int
+) -> list[DeviceEstimate]:
+    """The `count` devices that would finish the largest of plan_gemm's tiles of this GEMM
+    first (ties: the order given). A device whose cap is below that tile comes last."""
+    plan = plan_gemm(shape, config)
+    if plan is None:
+        return list(devices[:count])
+    tile = plan.tiles[0]
+    size = tile.total_bytes(shape.itemsize)
+
+    def seconds(d: DeviceEstimate) -> float:
+        if not d.can_hold(size):
+            return math.inf
+        return d.tile_seconds(
+            tile.flops, tile.down_bytes(shape.itemsize), tile.up_bytes(shape.itemsize)
+        )
+
+    return sorted(devices, key=seconds)[:count]
