@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from procs import Coordinator, assert_losses_match, wait_until
 from torch import nn
 
-from coordinator.cli import EXIT_TERMINATED
 from coordinator.jobs.tiny_gpt import make_job
+from coordinator.run import EXIT_TERMINATED
 from coordinator.step.checkpoint import load_checkpoint
 from coordinator.step.executor import StepCancelled
 from coordinator.step.job import Job, train_locally

@@ -137,11 +137,15 @@ def test_status_https_and_untrusted_or_plain_clients_are_refused(tmp_path: Path)
 
 
 def test_tls_cert_and_key_go_together(tmp_path: Path) -> None:
-    from coordinator.cli import tls_context
+    from coordinator.cli import parse_args
+    from coordinator.run import ServeOptions
+
+    def options(*tls: str) -> ServeOptions:
+        return ServeOptions.from_args(parse_args(["serve", "--coordinator-gflops", "0", *tls]))
 
     cert, key = _self_signed(tmp_path)
-    assert tls_context(None, None) is None
-    assert tls_context(cert, key) is not None
-    for half in ((cert, None), (None, key)):
+    assert options().tls_context() is None
+    assert options("--tls-cert", str(cert), "--tls-key", str(key)).tls_context() is not None
+    for half in (("--tls-cert", str(cert)), ("--tls-key", str(key))):
         with pytest.raises(SystemExit, match="give both or neither"):
-            tls_context(*half)
+            options(*half)

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from common.signing import generate_private_key
-from coordinator.cli import _coordinator_gflops
 from coordinator.plan.estimates import DeviceEstimate, LinkModel, for_planning
 from coordinator.plan.live import Commitments, LiveChoice, LivePlanning
 from coordinator.plan.placement import PoolPlan, candidate_configs, fastest, plan_for_pool
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.workers import PoolView
+from coordinator.run import coordinator_gflops
 from coordinator.serve.offload import TileOffload
 
 CONFIG = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
@@ -147,17 +147,17 @@ def test_the_offload_sends_the_rest_and_computes_its_share() -> None:
     [("0", 0, 0.0), ("12.5", 0, 12.5), ("auto", 2, 0.0)],
 )
 def test_coordinator_gflops_values(value: str, local_workers: int, want: float) -> None:
-    assert _coordinator_gflops(value, local_workers) == want
+    assert coordinator_gflops(value, local_workers) == want
 
 
 def test_coordinator_gflops_auto_measures_this_machine() -> None:
-    assert _coordinator_gflops("auto", 0) > 0.1
+    assert coordinator_gflops("auto", 0) > 0.1
 
 
 @pytest.mark.parametrize("value", ["fast", "-1", "inf", "nan"])
 def test_coordinator_gflops_rejects_nonsense(value: str) -> None:
     with pytest.raises(SystemExit, match="--coordinator-gflops"):
-        _coordinator_gflops(value, 0)
+        coordinator_gflops(value, 0)
 
 
 def test_plans_commit_their_workers_and_the_next_plan_waits_for_them() -> None:

@@ -1,0 +1,442 @@
+"""One ``cleave-coordinator serve`` run: validated options, then start, wait for workers,
+train, shut down, each its own step.
+
+``cli.py`` parses the command line into ``ServeOptions`` (every check happens there,
+before anything is created); ``CoordinatorRun`` composes the parts (ledger, server,
+local workers, offload, trainer) and owns their order: a checkpoint always lands before
+the workers go and the server closes, whatever ends the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import signal
+import ssl
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.gemm_speed import matmul_gflops
+from common.signing import fingerprint, load_or_create_private_key
+from coordinator.plan.live import LivePlanning
+from coordinator.plan.planner import plan_config_for
+from coordinator.pool.ledger import Ledger
+from coordinator.schedule.scheduler import SchedulerConfig
+from coordinator.serve.local_workers import LocalWorkers
+from coordinator.serve.offload import TileOffload
+from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
+from coordinator.step.flops import describe
+from coordinator.step.job import Job
+from coordinator.step.progress import Progress
+from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
+from coordinator.structured_log import PROGRESS_LOGGER
+
+log = logging.getLogger("cleave.coordinator")
+progress_log = logging.getLogger(PROGRESS_LOGGER)
+# Stopped by a signal, after the checkpoint: the shell's convention, 128 + signal number.
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
+ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+class RunAborted(Exception):
+    """The run cannot go on; the message says why and what to look at."""
+
+
+def say(text: str, **fields: Any) -> None:
+    """Progress for the operator: a plain line on stdout, or a JSON record with ``fields``."""
+    progress_log.info(text, extra=fields)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``serve`` was asked to do, checked: building one raises SystemExit with a
+    message that names the option, before any state is touched."""
+
+    job: str
+    steps: int
+    host: str
+    port: int
+    state_dir: Path
+    tls_cert: Path | None
+    tls_key: Path | None
+    metrics_out: Path | None
+    checkpoint_every: int
+    fresh: bool
+    local_workers: int
+    local_worker_threads: int | None
+    min_workers: int
+    min_offload_mflop: float
+    planner: str
+    coordinator_gflops: float
+    heartbeat_timeout: float
+    speculate_after: float | None
+    leave_for_faster: float | None
+    join_token: str
+    handshake_timeout: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        if args.steps < 0 or args.local_workers < 0:
+            raise SystemExit("--steps and --local-workers must be >= 0")
+        if args.speculate_after and args.speculate_after < 1:
+            raise SystemExit("--speculate-after must be >= 1 (or 0 to turn copies off)")
+        if args.leave_for_faster and args.leave_for_faster < 1:
+            raise SystemExit("--leave-for-faster must be >= 1 (or 0 to turn it off)")
+        if args.checkpoint_every < 1:
+            raise SystemExit("--checkpoint-every must be >= 1")
+        if args.min_workers is not None and args.min_workers < 1:
+            raise SystemExit("--min-workers must be >= 1: tiles need someone to compute them")
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise SystemExit("--tls-cert and --tls-key go together: give both or neither")
+        return cls(
+            job=args.job,
+            steps=args.steps,
+            host=args.host,
+            port=args.port,
+            state_dir=args.state_dir,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            metrics_out=args.metrics_out,
+            checkpoint_every=args.checkpoint_every,
+            fresh=args.fresh,
+            local_workers=args.local_workers,
+            local_worker_threads=args.local_worker_threads,
+            min_workers=args.min_workers or max(1, args.local_workers),
+            min_offload_mflop=args.min_offload_mflop,
+            planner=args.planner,
+            coordinator_gflops=coordinator_gflops(args.coordinator_gflops, args.local_workers),
+            heartbeat_timeout=args.heartbeat_timeout,
+            speculate_after=args.speculate_after or None,
+            leave_for_faster=args.leave_for_faster or None,
+            join_token=args.join_token,
+            handshake_timeout=args.handshake_timeout,
+        )
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """A server context for ``--tls-cert``/``--tls-key``, or None for plain ws://."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(certfile=self.tls_cert, keyfile=self.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SystemExit(
+                f"cannot load --tls-cert {self.tls_cert} / --tls-key {self.tls_key}: {exc}"
+            ) from None
+        return ctx
+
+    def server_config(self) -> ServerConfig:
+        return ServerConfig(
+            handshake_timeout_s=self.handshake_timeout,
+            # Several heartbeats per timeout, so one late beat never drops a worker.
+            heartbeat_interval_s=min(ServerConfig.heartbeat_interval_s, self.heartbeat_timeout / 4),
+            join_token=self.join_token,
+            scheduler=SchedulerConfig(
+                heartbeat_timeout_s=self.heartbeat_timeout,
+                speculate_after=self.speculate_after,
+                leave_for_faster=self.leave_for_faster,
+            ),
+        )
+
+
+def coordinator_gflops(value: str, local_workers: int) -> float:
+    """--coordinator-gflops as a number. auto measures this machine, unless local workers
+    run here too: they already use its cores, and a share for the coordinator would
+    compete with them while the planner counts both."""
+    if value != "auto":
+        try:
+            gflops = float(value)
+        except ValueError:
+            raise SystemExit(
+                f"--coordinator-gflops must be a number or auto, not {value!r}"
+            ) from None
+        if not gflops >= 0 or gflops == float("inf"):
+            raise SystemExit("--coordinator-gflops must be >= 0 and finite")
+        return gflops
+    if local_workers:
+        return 0.0
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    return matmul_gflops(a, b, target_s=0.2)
+
+
+class CoordinatorRun:
+    """The parts of one run, in the order they start and stop."""
+
+    def __init__(self, options: ServeOptions, job: Job) -> None:
+        self.options = options
+        self.job = job
+        self.ssl_context = options.tls_context()
+        self.progress = Progress(options.steps)
+        self.cancel = threading.Event()
+        self.stop_signal: signal.Signals | None = None
+        self.in_trainer = False  # the training thread runs: it must finish before we stop
+        state = options.state_dir
+        state.mkdir(parents=True, exist_ok=True)
+        self.key = load_or_create_private_key(state / "coordinator.key")
+        self.ledger = Ledger(state / "ledger.sqlite")
+        self.server = CoordinatorServer(
+            key=self.key,
+            job_name=job.name,
+            ledger=self.ledger,
+            config=options.server_config(),
+            status_extra=self.progress.status,
+        )
+        self.url = ""
+        self._training: asyncio.Future[None] | None = None
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.options.state_dir / "checkpoint.pt"
+
+    async def main(self) -> int:
+        await self.start()
+        trainer = self._trainer()
+        local = self._local_workers()
+        await self._resume(trainer)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        local.start()
+        self._training = asyncio.ensure_future(self.train(trainer, local))
+        failed: str | None = None
+        try:
+            await self._training
+        except RunAborted as exc:
+            failed = str(exc)
+        except (asyncio.CancelledError, Exception) as exc:
+            if self.stop_signal is None:
+                log.exception("training failed")
+                failed = f"training failed: {type(exc).__name__}: {exc}"
+        finally:
+            await self.shutdown(trainer, local, failed)
+        return self._exit_code(failed)
+
+    async def start(self) -> None:
+        """Listen, and say where."""
+        options = self.options
+        port = await self.server.start(options.host, options.port, ssl_context=self.ssl_context)
+        # What is alive now (modules, the job, its model) lives for the whole run: keep
+        # it out of the full garbage collections, which otherwise pause the event loop
+        # with a thousand workers connected (bench/bench_load.py).
+        gc.freeze()
+        connect_host = "127.0.0.1" if options.host in ANY_ADDRESS else options.host
+        ws, http = ("wss", "https") if self.ssl_context is not None else ("ws", "http")
+        self.url = f"{ws}://{connect_host}:{port}{WS_PATH}"
+        name = self.job.name
+        say(f"Cleave coordinator for job {name!r} on {self.url}", url=self.url, job=name)
+        say(f"  dashboard:       {http}://{connect_host}:{port}/")
+        say(f"  status:          {http}://{connect_host}:{port}/api/status")
+        say(f"  metrics:         {http}://{connect_host}:{port}/metrics")
+        say(f"  key fingerprint: {fingerprint(self.key)}")
+        if options.planner == "grid":
+            say("  planner:         grid (about two tiles per worker)")
+        elif options.coordinator_gflops:
+            say(
+                "  planner:         cost model; this machine computes a share "
+                f"({options.coordinator_gflops:.0f} GFLOP/s)"
+            )
+        else:
+            say("  planner:         cost model; every tile goes to workers")
+        if options.host in ANY_ADDRESS:
+            say(f"  connect a worker: cleave-worker --coordinator {ws}://THIS-HOST:{port}{WS_PATH}")
+            say(f"  (local workers use {self.url})")
+        else:
+            say(f"  connect a worker: cleave-worker --coordinator {self.url}")
+
+    def _local_workers(self) -> LocalWorkers:
+        options = self.options
+        return LocalWorkers(
+            options.local_workers,
+            self.url,
+            options.state_dir,
+            options.local_worker_threads,
+            # They connect to 127.0.0.1 or the --host name: the certificate must name it.
+            ca_file=options.tls_cert.resolve()
+            if self.ssl_context is not None and options.tls_cert is not None
+            else None,
+        )
+
+    def _trainer(self) -> Trainer:
+        options, server = self.options, self.server
+        offload = TileOffload(
+            server,
+            asyncio.get_running_loop(),
+            self.key,
+            plan_config_for(options.min_offload_mflop),
+            LivePlanning(
+                cost_model=options.planner == "cost",
+                coordinator_flops_per_s=options.coordinator_gflops * 1e9,
+            ),
+        )
+        return Trainer(
+            self.job,
+            offload,
+            # Plain ints and an immutable snapshot: safe to read from the training thread.
+            pool_counters=lambda: PoolCounters(
+                server.counters.tiles_verified,
+                server.counters.reissued,
+                server.pool.workers,
+                server.counters.flops_computed_here,
+            ),
+            metrics_out=options.metrics_out,
+            cancel=self.cancel,
+            checkpoint_path=self.checkpoint,
+            checkpoint_every=options.checkpoint_every,
+        )
+
+    async def _resume(self, trainer: Trainer) -> None:
+        """Resume from the state directory's checkpoint (or start over with --fresh)."""
+        if self.options.fresh:
+            self.checkpoint.unlink(missing_ok=True)
+        try:
+            resumed = trainer.resume()
+        except Exception as exc:
+            await self.server.close()
+            self.ledger.close()
+            raise SystemExit(
+                f"cannot resume from {self.checkpoint} ({type(exc).__name__}: {exc}); "
+                "is it from another job? Move it away to start over."
+            ) from None
+        steps = self.options.steps
+        if resumed:
+            say(f"resuming from step {trainer.step} of {steps}")
+            if trainer.step >= steps:
+                say(
+                    f"this state directory has already trained {trainer.step} steps: raise "
+                    "--steps to go on, or pass --fresh to start over"
+                )
+        self.progress.step = trainer.step
+        self.progress.checkpoint_step = trainer.checkpointed_step
+
+    async def wait_for_workers(self, local: LocalWorkers) -> None:
+        server, wanted = self.server, self.options.min_workers
+        self.progress.state = "waiting for workers"
+        waited = time.monotonic()
+        while server.pool.active < wanted:
+            if local.count and local.all_exited():
+                raise RunAborted(
+                    f"all {local.count} local workers exited before training could start; "
+                    f"their logs are in {local.dir}"
+                )
+            say(f"waiting for workers: {server.pool.active}/{wanted} connected")
+            try:
+                await asyncio.wait_for(server.wait_for_workers(wanted), 10)
+            except asyncio.TimeoutError:
+                continue
+        log.info("%d workers after %.1f s", server.pool.active, time.monotonic() - waited)
+
+    async def train(self, trainer: Trainer, local: LocalWorkers) -> None:
+        await self.wait_for_workers(local)
+        # --steps is the total: after a resume, only the steps still missing are trained.
+        steps = max(0, self.options.steps - trainer.step)
+        log.info("training %d steps", steps)
+        self.progress.state = "training"
+        if self.cancel.is_set():
+            return
+        self.in_trainer = True  # no await since the check above: no signal slipped between
+
+        def on_step(record: StepRecord) -> None:  # on the training thread
+            self.progress.add(
+                record, trainer.dag.get("gflop"), trainer.checkpointed_step, trainer.flops
+            )
+            say(
+                f"step {record.step:4d}  loss {record.loss:.4f}  {record.seconds:6.2f} s  "
+                f"tiles {record.tiles:4d}  reissued {record.reissued:3d}  "
+                f"workers {record.workers}",
+                event="step",
+                **asdict(record),
+            )
+
+        await asyncio.to_thread(trainer.run, steps, on_step)
+        self.progress.state = "done"
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stop_signal is not None:
+            log.warning("%s again: still stopping (checkpoint first)", sig.name)
+            return
+        self.stop_signal = sig
+        self.progress.state = "stopping"
+        log.info("%s: stopping; the last completed step is checkpointed first", sig.name)
+        self.cancel.set()
+        # Waiting for workers is safe to cut short; a running step notices ``cancel``.
+        if not self.in_trainer and self._training is not None and not self._training.done():
+            self._training.cancel()
+
+    async def shutdown(self, trainer: Trainer, local: LocalWorkers, failed: str | None) -> None:
+        """The training thread has returned and trainer.run has checkpointed the last
+        completed step; only now do the workers go and the server close."""
+        self.cancel.set()
+        progress = self.progress
+        if trainer.checkpointed_step is not None:
+            progress.checkpoint_step = trainer.checkpointed_step
+            say(
+                f"checkpoint: step {trainer.checkpointed_step} in {self.checkpoint}",
+                event="checkpoint",
+                step=trainer.checkpointed_step,
+            )
+        progress.state = "failed" if failed else "stopped" if self.stop_signal else progress.state
+        await asyncio.to_thread(local.stop)
+        await self.server.close()
+        say_traffic(self.server)
+        if trainer.flops:
+            say(f"FLOPs of the last step: {describe(trainer.flops)}", flops=trainer.flops)
+        say_contributions(self.ledger)
+        self.ledger.close()
+
+    def _exit_code(self, failed: str | None) -> int:
+        if failed is not None:
+            say(f"error: {failed}")
+            return 1
+        if self.stop_signal is not None:
+            name = self.stop_signal.name
+            say(f"stopped by {name}", event="stopped", signal=name)
+            return EXIT_TERMINATED if self.stop_signal == signal.SIGTERM else EXIT_INTERRUPTED
+        return 0
+
+
+def say_traffic(server: CoordinatorServer) -> None:
+    counters = server.counters
+    if not counters.tiles_sent:
+        return
+    down, uncached = counters.bytes_down, counters.bytes_down_uncached
+    saved = max(0.0, 1 - down / uncached) if uncached else 0.0
+    say(
+        f"\ntraffic this run: {down / 1e6:.1f} MB to workers ({uncached / 1e6:.1f} MB without "
+        f"their operand caches: {saved:.0%} saved), {counters.bytes_up / 1e6:.1f} MB back"
+    )
+    if counters.bytes_half:
+        say(
+            f"bf16/fp16 tiles: {counters.bytes_half / 1e6:.1f} MB of that traffic; as fp32 "
+            f"they would have been {2 * counters.bytes_half / 1e6:.1f} MB "
+            f"({counters.bytes_half / 1e6:.1f} MB saved)"
+        )
+    if counters.kept_here:
+        say(
+            f"tiles: {counters.tiles_verified} verified from workers, {counters.kept_here} "
+            "computed here (the planner's share for the coordinator)"
+        )
+
+
+def say_contributions(ledger: Ledger) -> None:
+    rows = ledger.all()
+    if not rows:
+        return
+    say("\ncontributions (verified, all time; workers are known by their key):")
+    say(
+        f"  {'worker':<20} {'key':<9} {'tiles':>7} {'GFLOP':>9} {'MB down':>9} {'MB up':>8} "
+        f"{'rejected':>8} {'reputation':>10}"
+    )
+    for c in rows:
+        standing = "BANNED" if c.banned_reason else f"{c.reputation:.2f}"
+        say(
+            f"  {c.name[:20]:<20} {c.key_fingerprint[:9]:<9} {c.tiles:>7} {c.gflop:>9.2f} "
+            f"{c.bytes_down / 1e6:>9.1f} {c.bytes_up / 1e6:>8.1f} {c.rejected:>8} {standing:>10}"
+        )
