@@ -25,8 +25,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# The unit tier: one process, no network, about a minute.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m unit
 
 bench: setup
 	$(BIN)/python bench/bench_tile.py
