@@ -304,14 +304,18 @@ class Simulation:
         state.runs.clear()
 
     def _on_tick(self, _: None) -> None:
+        silent: dict[str, frozenset[str]] = {}  # what each silently dead device holds
         for device_id, state in self.devices.items():
             if state.registered:
                 if state.alive:
                     beat = Heartbeat(0, "working", len(state.runs))
                     self._apply(self.core.handle(device_id, beat, self.now))
-                else:  # what the expiry below may take back from it
-                    self.lost_tiles.update(self.scheduler.in_flight(device_id))
-        self._apply(self.core.tick(self.now))
+                else:
+                    silent[device_id] = self.scheduler.in_flight(device_id)
+        effects = self.core.tick(self.now)
+        for close in effects.closes:  # expired: what it held goes back to the queue
+            self.lost_tiles.update(silent.get(close.worker_id, ()))
+        self._apply(effects)
         self._push(self.now + self.config.heartbeat_interval_s, "tick", None)
 
     def _on_result(self, key: tuple[str, str, int]) -> None:
