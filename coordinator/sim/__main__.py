@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from coordinator.sim.report import INTRO, pool_for_cli, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The core logs what it decides about each worker, for operators; simulated devices
+    # joining, lagging and dying by the thousand are not news.
+    logging.getLogger("cleave.coordinator").setLevel(logging.ERROR)
     parser = argparse.ArgumentParser(prog="python -m coordinator.sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate training steps on one pool; print a summary")

@@ -34,6 +34,7 @@ from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Effects
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import Scheduler, SchedulerConfig, TileTicket
+from coordinator.sim.devices import DeviceState, Run, SimGemm, SimTile
 from coordinator.sim.models import MODELS, Stage, step_flops, step_stages
 from coordinator.sim.population import Device
 from coordinator.tiles.verify import CheckResult
@@ -79,38 +80,6 @@ class SimConfig:
             raise ValueError(f"unknown planner {self.planner!r}; one of {PLANNERS}")
 
 
-@dataclass(eq=False)
-class _Run:
-    """One tile on one device: its timeline, re-planned when a tile ahead of it goes."""
-
-    ticket: TileTicket
-    assigned: float
-    down_start: float
-    down_end: float
-    comp_start: float = 0.0
-    comp_end: float = 0.0
-    up_start: float = 0.0
-    up_end: float = 0.0
-    token: int = 0
-    down_bytes: int = 0  # operand bytes actually sent (less the blocks the device held)
-
-
-@dataclass(eq=False)
-class _DeviceState:
-    device: Device
-    registered: bool = False
-    alive: bool = True
-    runs: dict[str, _Run] = field(default_factory=dict)  # tile_id -> run, FIFO order
-    down_free: float = 0.0
-    comp_free: float = 0.0
-    up_free: float = 0.0
-    down_bytes: int = 0
-    up_bytes: int = 0
-    saved_bytes: int = 0  # operand bytes not sent because the device held the block
-    useful_flops: int = 0
-    wasted_flops: int = 0  # computed, then cancelled or lost
-
-
 @dataclass
 class _Step:
     index: int
@@ -119,53 +88,6 @@ class _Step:
     waiting_tiles: set[str] = field(default_factory=set)
     waiting_local: int = 0
     stage_start: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Frame:
-    """A task frame's stand-in: only its size travels the simulated links."""
-
-    nbytes: int
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-
-@dataclass(eq=False)
-class _Gemm:
-    gemm_id: str
-    remaining: int = 0  # its tiles still out (the coordinator's share is not counted)
-
-
-@dataclass(eq=False)
-class _Tile:
-    """One tile as ``CoordinatorCore`` sees it (``coordinator.pool.core.Tile``), without data."""
-
-    tile_id: str
-    ticket: TileTicket
-    blocks: tuple[str, str]
-    sizes: tuple[int, int]  # A and B block bytes
-    itemsize: int
-    gemm: _Gemm
-
-    @property
-    def flops(self) -> int:
-        return self.ticket.flops
-
-    @property
-    def bundle(self) -> _Frame:
-        return _Frame(self.ticket.down_bytes)
-
-    @property
-    def half(self) -> bool:
-        return self.itemsize == 2
-
-    def block_bytes(self) -> tuple[int, int]:
-        return self.sizes
-
-    def task_frame(self, refs: frozenset[str], key: object) -> _Frame:
-        held = sum(size for name, size in zip("ab", self.sizes, strict=True) if name in refs)
-        return _Frame(self.ticket.down_bytes - held)
 
 
 class Simulation:
@@ -207,7 +129,7 @@ class Simulation:
             rule=config.placement,
         )
         self._plan_config = plan_config_for(config.min_offload_flops / 1e6)
-        self.devices = {d.device_id: _DeviceState(d) for d in devices}
+        self.devices = {d.device_id: DeviceState(d) for d in devices}
         self._known_pool = known_pool
         self.now = 0.0
         self._events: list[tuple[float, int, str, Any]] = []
@@ -215,7 +137,7 @@ class Simulation:
         self._coord_link_free = 0.0
         self._coord_comp_free = 0.0
         self._commitments = Commitments()
-        self._tiles: dict[str, _Tile] = {}
+        self._tiles: dict[str, SimTile] = {}
         self._step: _Step | None = None
         self.step_times: list[float] = []
         self.stage_times: list[float] = []  # each stage, from planning to its last result
@@ -297,10 +219,10 @@ class Simulation:
             self.failures.append((device_id, self.now, "fail"))
             self._kill(state)  # stays registered until its heartbeats are missed
 
-    def _kill(self, state: _DeviceState) -> None:
+    def _kill(self, state: DeviceState) -> None:
         state.alive = False
         for run in state.runs.values():
-            state.wasted_flops += self._computed_part(run)
+            state.wasted_flops += run.computed_part(self.now)
         state.runs.clear()
 
     def _on_tick(self, _: None) -> None:
@@ -396,7 +318,7 @@ class Simulation:
         step = self._step
         assert step is not None
         step.stage_start = self.now
-        tiles: list[_Tile] = []
+        tiles: list[SimTile] = []
         for name, shape in self.stages[step.stage]:
             gemm_id = f"s{step.index}.{name}"
             choice = self._plan(shape)
@@ -404,7 +326,7 @@ class Simulation:
                 step.waiting_local += 1
                 self._run_locally(shape.flops, None)
                 continue
-            gemm = _Gemm(gemm_id)
+            gemm = SimGemm(gemm_id)
             owners = choice.owners if self.config.follow_plan else {}
             for region in choice.plan.tiles:
                 if region.index in choice.local:  # the coordinator's share
@@ -425,7 +347,7 @@ class Simulation:
                     planned_for=owners.get(region.index),
                 )
                 sizes = (shape.itemsize * b * m * k, shape.itemsize * b * k * n)
-                tile = _Tile(tile_id, ticket, blocks, sizes, shape.itemsize, gemm)
+                tile = SimTile(tile_id, ticket, blocks, sizes, shape.itemsize, gemm)
                 gemm.remaining += 1
                 self._tiles[tile_id] = tile
                 step.waiting_tiles.add(tile_id)
@@ -461,15 +383,15 @@ class Simulation:
         self.local_flops += flops
         self._push(self._coord_comp_free, "local", tile_id)
 
-    def _cancel(self, state: _DeviceState, tile_id: str) -> None:
+    def _cancel(self, state: DeviceState, tile_id: str) -> None:
         run = state.runs.pop(tile_id, None)
         if run is not None:
-            state.wasted_flops += self._computed_part(run)
-            self._replan(state)
+            state.wasted_flops += run.computed_part(self.now)
+            self._push_results(state)
 
     # --- device side --------------------------------------------------------------------
 
-    def _start_run(self, state: _DeviceState, tile_id: str, nbytes: int) -> None:
+    def _start_run(self, state: DeviceState, tile_id: str, nbytes: int) -> None:
         ticket = self._tiles[tile_id].ticket
         state.saved_bytes += ticket.down_bytes - nbytes
         start = max(self.now, state.down_free)
@@ -480,45 +402,14 @@ class Simulation:
         state.down_bytes += nbytes
         if not state.alive:
             return  # a silently dead worker was handed a tile: the bytes are gone
-        state.runs[tile_id] = _Run(
+        state.runs[tile_id] = Run(
             ticket, self.now, start, down_end, comp_start=math.inf, down_bytes=nbytes
         )
-        self._replan(state)
+        self._push_results(state)
 
-    def _replan(self, state: _DeviceState) -> None:
-        """Lay the device's tiles on its compute and uplink again from `now`: stages
-        already started keep their times, the rest move up into freed time."""
-        now, device = self.now, state.device
-        comp_free = up_free = now
-        for tile_id, run in state.runs.items():
-            if run.comp_start <= now:
-                comp_free = max(comp_free, run.comp_end)
-                comp_end = run.comp_end
-                comp_start = run.comp_start
-            else:
-                comp_start = max(run.down_end, comp_free)
-                comp_end = comp_start + run.ticket.flops / device.true_flops
-                comp_free = comp_end
-            if run.up_start <= now and run.comp_start <= now and run.up_end > 0:
-                up_free = max(up_free, run.up_end)
-                up_start, up_end = run.up_start, run.up_end
-            else:
-                up_start = max(comp_end, up_free)
-                up_end = up_start + run.ticket.up_bytes / device.up_bps
-                up_free = up_end
-            if (comp_start, up_end) != (run.comp_start, run.up_end):
-                run.comp_start, run.comp_end = comp_start, comp_end
-                run.up_start, run.up_end = up_start, up_end
-                run.token += 1
-                self._push(up_end, "result", (device.device_id, tile_id, run.token))
-        state.comp_free, state.up_free = comp_free, up_free
-
-    def _computed_part(self, run: _Run) -> int:
-        if self.now <= run.comp_start:
-            return 0
-        if self.now >= run.comp_end:
-            return run.ticket.flops
-        return int(run.ticket.flops * (self.now - run.comp_start) / (run.comp_end - run.comp_start))
+    def _push_results(self, state: DeviceState) -> None:
+        for at, tile_id, token in state.replan(self.now):
+            self._push(at, "result", (state.device.device_id, tile_id, token))
 
     # --- results ------------------------------------------------------------------------
 
