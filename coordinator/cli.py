@@ -43,83 +43,116 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cleave-coordinator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a job to workers and train it")
-    serve.add_argument(
+    _job_options(serve.add_argument_group("the job and its run"))
+    _network_options(serve.add_argument_group("network and trust"))
+    _pool_options(serve.add_argument_group("workers and planning"))
+    _log_options(serve.add_argument_group("logging"))
+    return parser
+
+
+def _job_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--config",
         type=Path,
         metavar="FILE",
         help="read options from this TOML file (keys are option names: steps = 100, "
         'state-dir = "/var/lib/cleave"); options on the command line win',
     )
-    serve.add_argument(
+    group.add_argument(
         "--job",
         default="coordinator.jobs.tiny_gpt:make_job",
         help="MODULE:FACTORY returning a coordinator.Job (default: built-in tiny GPT)",
     )
-    serve.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
-    )
-    serve.add_argument(
-        "--port", type=int, default=8765, help="port for workers and status (0: any)"
-    )
-    serve.add_argument(
-        "--tls-cert",
-        type=Path,
-        metavar="PEM",
-        help="serve wss:// and https:// with this certificate (chain); needs --tls-key",
-    )
-    serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
-    serve.add_argument(
+    group.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    group.add_argument(
         "--state-dir",
         type=Path,
         default=Path("cleave-state"),
         help="coordinator key, ledger and logs (default ./cleave-state)",
     )
-    serve.add_argument("--metrics-out", type=Path, help="append one JSON object per step here")
-    serve.add_argument(
+    group.add_argument("--metrics-out", type=Path, help="append one JSON object per step here")
+    group.add_argument(
         "--checkpoint-every",
         type=int,
         default=1,
         help="write STATE_DIR/checkpoint.pt every N steps and at the end (default 1: "
         "small jobs checkpoint cheaply); a restart with the same --state-dir resumes",
     )
-    serve.add_argument(
+    group.add_argument(
         "--fresh",
         action="store_true",
         help="start from step 0: discard STATE_DIR/checkpoint.pt (the key and ledger stay)",
     )
-    serve.add_argument(
+
+
+def _network_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    group.add_argument(
+        "--port", type=int, default=8765, help="port for workers and status (0: any)"
+    )
+    group.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="PEM",
+        help="serve wss:// and https:// with this certificate (chain); needs --tls-key",
+    )
+    group.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
+    group.add_argument(
+        "--join-token",
+        default="",
+        metavar="TOKEN",
+        help="private pool: only workers that present this token may join "
+        "(use with TLS, or the token crosses the network in clear)",
+    )
+    group.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a new connection has to authenticate before it is closed",
+    )
+    group.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat before a worker's tiles are re-issued",
+    )
+
+
+def _pool_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--local-workers",
         type=int,
         default=0,
         help="start K cleave-worker processes against this coordinator",
     )
-    serve.add_argument(
+    group.add_argument(
         "--local-worker-threads",
         type=int,
         default=None,
         help="torch threads per local worker (default: cores / K)",
     )
-    serve.add_argument(
+    group.add_argument(
         "--min-workers",
         type=int,
         default=None,
         help="wait for this many workers before training (default 1, or K local)",
     )
-    serve.add_argument(
+    group.add_argument(
         "--min-offload-mflop",
         type=float,
         default=1.0,
         help="GEMMs smaller than this many MFLOP run at the coordinator",
     )
-    serve.add_argument(
+    group.add_argument(
         "--planner",
         default="cost",
         choices=["cost", "grid"],
         help="cost (default): each GEMM's grid from the cost model of the connected "
         "workers (their measured speeds and links); grid: about two tiles per worker",
     )
-    serve.add_argument(
+    group.add_argument(
         "--coordinator-gflops",
         default="auto",
         metavar="GFLOPS|auto",
@@ -127,13 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tiles it would finish before any worker (auto: measured at start-up, 0 while "
         "--local-workers share this machine; 0: never)",
     )
-    serve.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=10.0,
-        help="seconds without a heartbeat before a worker's tiles are re-issued",
-    )
-    serve.add_argument(
+    group.add_argument(
         "--speculate-after",
         type=float,
         default=3.0,
@@ -141,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="copy a tile to an idle worker once its holder's predicted finish is more "
         "than RATIO times what the idle worker needs (default 3; 0 turns copies off)",
     )
-    serve.add_argument(
+    group.add_argument(
         "--leave-for-faster",
         type=float,
         default=0.0,
@@ -150,34 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
         "now, perhaps) is predicted to return RATIO times sooner (0, the default: off; "
         "in simulated pools it helped on fast LANs and hurt on slower links)",
     )
-    serve.add_argument(
-        "--join-token",
-        default="",
-        metavar="TOKEN",
-        help="private pool: only workers that present this token may join "
-        "(use with TLS, or the token crosses the network in clear)",
-    )
-    serve.add_argument(
-        "--handshake-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a new connection has to authenticate before it is closed",
-    )
-    serve.add_argument(
+
+
+def _log_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         type=str.upper,
         help="diagnostics at or above this level (default INFO); progress is always shown",
     )
-    serve.add_argument(
+    group.add_argument(
         "--log-format",
         default="text",
         choices=LOG_FORMATS,
         help="text (default): progress on stdout, diagnostics on stderr; json: one JSON "
         "object per line on stdout for everything, step records with their fields",
     )
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
