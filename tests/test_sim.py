@@ -15,7 +15,7 @@ from coordinator.sim.baselines import (
 from coordinator.sim.engine import SimConfig, Simulation, gemm_makespans, simulate
 from coordinator.sim.models import MODELS, step_flops, step_stages
 from coordinator.sim.population import PoolSpec, make_pool, with_stragglers
-from coordinator.sim.report import cleave_step_bytes
+from coordinator.sim.report_bytes import cleave_step_bytes
 from coordinator.sim.svg import line_chart
 
 SMALL = SimConfig(model="opt-125m", batch=1, seq=128)
