@@ -71,7 +71,7 @@ from common.signing import generate_private_key, public_key_from_hex, public_key
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm  # noqa: E402
 from coordinator.pool.ledger import Ledger  # noqa: E402
 from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
-from coordinator.tiles.tiled_gemm import TiledGemm, TileJob  # noqa: E402
+from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm  # noqa: E402
 
 PROFILE = DeviceProfile("cpu", "bench-load simulated worker", 1, 1 << 30, 1 << 28, 10.0)
 MAX_FRAME = 64 << 20  # far above a 64^3 tile; the coordinator never sends more than a tile
@@ -161,7 +161,7 @@ class GemmStream:
             self.report.tiles_submitted += len(jobs)
             self.server.submit(jobs)
 
-    def _cut(self, gemm_id: str, seq: int, loop: asyncio.AbstractEventLoop) -> list[TileJob]:
+    def _cut(self, gemm_id: str, seq: int, loop: asyncio.AbstractEventLoop) -> list[SignedTile]:
         g = torch.Generator().manual_seed(seq)
         m, n, k = self.plan.shape.m, self.plan.shape.n, self.plan.shape.k
         a = torch.randn(m, k, generator=g)

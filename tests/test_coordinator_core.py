@@ -40,7 +40,7 @@ from coordinator.pool.effects import Check, CloseCode, Effects
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.workers import WorkerState
 from coordinator.schedule.scheduler import SchedulerConfig
-from coordinator.tiles.tiled_gemm import TiledGemm, TileJob
+from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
 from coordinator.tiles.verify import CheckCache, check_product, new_generator
 
 PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
@@ -79,7 +79,7 @@ class Harness:
 
     def gemm(
         self, gemm_id: str = "g", shape: tuple[int, int, int] = (32, 16, 24), owner: str = ""
-    ) -> list[TileJob]:
+    ) -> list[SignedTile]:
         """A GEMM's tiles (``owner``: the worker the planner placed every one of them on)."""
         m, k, n = shape
         gen = torch.Generator().manual_seed(len(gemm_id))
@@ -93,7 +93,7 @@ class Harness:
     def receive(self, worker_id: str, msg: Message, tensors: Any = None) -> Effects:
         return self.core.receive(worker_id, encode_message(msg, tensors), self.now)
 
-    def result(self, worker_id: str, job: TileJob, *, wrong: bool = False) -> Effects:
+    def result(self, worker_id: str, job: SignedTile, *, wrong: bool = False) -> Effects:
         a, b = job.matrices()
         c = a @ b
         if wrong:
@@ -113,7 +113,7 @@ class Harness:
             _merge(out, done)
         return out
 
-    def complete(self, worker_id: str, job: TileJob, *, wrong: bool = False) -> Effects:
+    def complete(self, worker_id: str, job: SignedTile, *, wrong: bool = False) -> Effects:
         returned = self.result(worker_id, job, wrong=wrong)
         assert len(returned.checks) == 1, returned
         return self.check(returned)

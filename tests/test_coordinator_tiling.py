@@ -19,7 +19,7 @@ from common.errors import SignatureError
 from common.messages import Task, parse_message, verify_task
 from common.signing import generate_private_key
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.tiles.tiled_gemm import TiledGemm, TileJob, block_id
+from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm, block_id
 
 KEY = generate_private_key()
 SMALL = dict(min_offload_flops=1, min_tile_flops=1)
@@ -96,7 +96,7 @@ class Done:
             self.calls.append(out)
 
 
-def tiled(case: tuple, seed: int = 0) -> tuple[TiledGemm, list[TileJob], Done, torch.Tensor]:
+def tiled(case: tuple, seed: int = 0) -> tuple[TiledGemm, list[SignedTile], Done, torch.Tensor]:
     op, batch, m, n, k, dtype, config, grid = case
     a, b = operands(op, batch, m, n, k, dtype, seed)
     want = torch.matmul(a, b)
@@ -109,7 +109,7 @@ def tiled(case: tuple, seed: int = 0) -> tuple[TiledGemm, list[TileJob], Done, t
     return gemm, list(gemm.iter_jobs(KEY)), done, want
 
 
-def product(job: TileJob) -> torch.Tensor:
+def product(job: SignedTile) -> torch.Tensor:
     return torch.matmul(job.a, job.b)
 
 

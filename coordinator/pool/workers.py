@@ -27,7 +27,7 @@ class WorkerState(str, Enum):
 
 
 class Tile(Protocol):
-    """One tile as the core needs it: ``coordinator.tiles.tiled_gemm.TileJob`` on the server, a
+    """One tile as the core needs it: ``coordinator.tiles.tiled_gemm.SignedTile`` on the server, a
     sized stand-in in the simulator."""
 
     tile_id: str

@@ -39,7 +39,7 @@ from coordinator.pool.reputation import ReputationPolicy
 from coordinator.pool.workers import Counters, PoolView, Worker
 from coordinator.schedule.scheduler import Scheduler, SchedulerConfig
 from coordinator.serve import http_api
-from coordinator.tiles.tiled_gemm import TileJob
+from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new_generator
 
 log = logging.getLogger("cleave.coordinator")
@@ -199,7 +199,7 @@ class CoordinatorServer:
 
     # ---- work in (event loop thread only) -------------------------------------------
 
-    def submit(self, jobs: list[TileJob]) -> None:
+    def submit(self, jobs: list[SignedTile]) -> None:
         """Queue a GEMM's tiles."""
         self._apply(self.core.submit(jobs, self.clock()))
 
@@ -253,18 +253,18 @@ class CoordinatorServer:
             verdict = await loop.run_in_executor(self._verify_pool, self._check, check.job, check.c)
         self._apply(self.core.checked(check, verdict, self.clock()))
 
-    def _check(self, job: TileJob, c: torch.Tensor) -> CheckResult:
+    def _check(self, job: SignedTile, c: torch.Tensor) -> CheckResult:
         """The result check, on the verify thread."""
         blocks = job.check_blocks if all(job.blocks) else None
         a, b = job.matrices()
         return check_product(a, b, c, self._check_vectors, cache=self._check_cache, blocks=blocks)
 
-    async def _deliver(self, job: TileJob, c: torch.Tensor) -> None:
+    async def _deliver(self, job: SignedTile, c: torch.Tensor) -> None:
         loop = asyncio.get_running_loop()
         finished = await loop.run_in_executor(self._verify_pool, job.gemm.deliver, job.region, c)
         self._apply(self.core.delivered(job, finished, self.clock()))
 
-    async def _compute_here(self, job: TileJob) -> None:
+    async def _compute_here(self, job: SignedTile) -> None:
         loop = asyncio.get_running_loop()
         finished = await loop.run_in_executor(self._verify_pool, _compute_and_deliver, job)
         self._apply(self.core.delivered(job, finished, self.clock()))
@@ -391,7 +391,7 @@ class CoordinatorServer:
         }
 
 
-def _compute_and_deliver(job: TileJob) -> bool:
+def _compute_and_deliver(job: SignedTile) -> bool:
     a, b = job.matrices()
     product = torch.bmm(a, b) if job.gemm.op == "bmm" else torch.mm(a, b)
     return job.gemm.deliver(job.region, product)

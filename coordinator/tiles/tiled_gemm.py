@@ -25,7 +25,7 @@ from coordinator.schedule.scheduler import TileTicket
 
 
 @dataclass(frozen=True)
-class TileJob:
+class SignedTile:
     """Everything the server needs to send, check and deliver one tile."""
 
     tile_id: str
@@ -161,7 +161,7 @@ class TiledGemm:
             b = self._b[r.k0 : r.k1, r.n0 : r.n1]
         return a, b
 
-    def iter_jobs(self, key: Ed25519PrivateKey) -> Iterator[TileJob]:
+    def iter_jobs(self, key: Ed25519PrivateKey) -> Iterator[SignedTile]:
         """Encode and sign tiles one at a time, so the first can be on its way to a
         worker while the rest are still being cut."""
         itemsize = self._a.element_size()
@@ -192,7 +192,7 @@ class TiledGemm:
                 blocks=blocks,
                 planned_for=self.owners.get(region.index),
             )
-            yield TileJob(tile_id, self, region, bundle, a, b, ticket, blocks, self.unfold)
+            yield SignedTile(tile_id, self, region, bundle, a, b, ticket, blocks, self.unfold)
         if not self.local:
             # Every tile now holds its own operands; the full matrices can go.
             self._a = self._b = torch.empty(0)
