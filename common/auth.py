@@ -29,7 +29,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from common.errors import AuthError
+from common.errors import AuthError, ErrorCode
 from common.frames import canonical_json
 from common.messages import Challenge, DeviceProfile, Hello, Welcome, wire_header
 from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, public_key_from_hex, public_key_hex
@@ -156,7 +156,7 @@ def answer_challenge(
 class TokenRefused(AuthError):
     """The pool is private and the hello proved no (or the wrong) join token."""
 
-    code = "bad_token"
+    code = ErrorCode.BAD_TOKEN
 
 
 def check_hello(

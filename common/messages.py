@@ -17,7 +17,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from common import PROTOCOL_VERSION
-from common.errors import LimitExceeded, ProtocolError, TensorCodecError
+from common.errors import ErrorCode, LimitExceeded, ProtocolError, TensorCodecError
 from common.frames import Frame, allocate_frame, decode_frame, encode_frame, rewrite_header
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, sign_bundle, verify_bundle
@@ -248,7 +248,7 @@ class Task:
     def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Task:
         op = _str(h, "op", "task", limits)
         if op not in TILE_OPS:
-            raise ProtocolError(f"task: op {op!r} is not one of {TILE_OPS}", code="bad_op")
+            raise ProtocolError(f"task: op {op!r} is not one of {TILE_OPS}", code=ErrorCode.BAD_OP)
         tensors = h.get("tensors")
         if not isinstance(tensors, list):
             raise ProtocolError('task: field "tensors" must be a list')
@@ -257,7 +257,9 @@ class Task:
             raise ProtocolError('task: field "sig" must be a string')
         unfold = Unfold.from_header(h[UNFOLD_FIELD]) if UNFOLD_FIELD in h else None
         if unfold is not None and op != "mm":
-            raise ProtocolError(f'task: "{UNFOLD_FIELD}" needs op "mm", not {op!r}', code="bad_op")
+            raise ProtocolError(
+                f'task: "{UNFOLD_FIELD}" needs op "mm", not {op!r}', code=ErrorCode.BAD_OP
+            )
         return cls(
             tile_id=_str(h, "tile_id", "task", limits),
             op=op,
@@ -276,13 +278,15 @@ def check_operands(
     """The operands of a task, after checking they make a valid GEMM for ``op``; with
     ``unfold``, the image operand expanded into its patch matrix."""
     if op not in TILE_OPS:
-        raise ProtocolError(f"task: op {op!r} is not one of {TILE_OPS}", code="bad_op")
+        raise ProtocolError(f"task: op {op!r} is not one of {TILE_OPS}", code=ErrorCode.BAD_OP)
     if set(tensors) != {"a", "b"}:
         raise TensorCodecError(f"task needs exactly tensors 'a' and 'b', got {sorted(tensors)}")
     a, b = tensors["a"], tensors["b"]
     if unfold is not None:
         if op != "mm":
-            raise ProtocolError(f"task: an unfolded operand needs op mm, not {op!r}", code="bad_op")
+            raise ProtocolError(
+                f"task: an unfolded operand needs op mm, not {op!r}", code=ErrorCode.BAD_OP
+            )
         image, other = (a, b) if unfold.operand == "a" else (b, a)
         unfold.check_image(image, limits)
         if other.dim() != 2 or image.dtype != other.dtype:
@@ -634,7 +638,7 @@ def _resolve_ref(
     cached = blocks.get(block)
     if cached is None:
         raise ProtocolError(
-            f"operand block {block[:80]!r} is not cached here", code="missing_block"
+            f"operand block {block[:80]!r} is not cached here", code=ErrorCode.MISSING_BLOCK
         )
     if dtype_name(cached.dtype) != desc.get("dtype") or list(cached.shape) != desc.get("shape"):
         raise TensorCodecError(f"operand block {block[:80]!r} does not match its reference")
@@ -661,9 +665,11 @@ def parse_message(
         raise ProtocolError(
             f"protocol version {frame.header['v']} is not supported (this side speaks "
             f"{PROTOCOL_VERSION})",
-            code="version",
+            code=ErrorCode.VERSION,
         )
     cls = MESSAGE_TYPES.get(frame.type)
     if cls is None:
-        raise ProtocolError(f"unknown message type {frame.type[:64]!r}", code="unknown_type")
+        raise ProtocolError(
+            f"unknown message type {frame.type[:64]!r}", code=ErrorCode.UNKNOWN_TYPE
+        )
     return Received(message=cls.from_header(frame.header, limits), frame=frame)

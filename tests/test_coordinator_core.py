@@ -15,6 +15,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common import PROTOCOL_VERSION
+from common.errors import ErrorCode
 from common.frames import encode_frame
 from common.messages import (
     Ack,
@@ -429,7 +430,7 @@ def test_a_message_only_the_coordinator_sends_gets_an_error_and_the_link_stays(
     w1, _ = h.admit("one")
     effects = h.receive(w1, Cancel("x"))
     [error] = messages(effects, w1)
-    assert isinstance(error, Error) and error.code == "unexpected"
+    assert isinstance(error, Error) and error.code == ErrorCode.UNEXPECTED_MESSAGE
     assert effects.closes == [] and w1 in h.core.workers
 
 

@@ -498,7 +498,7 @@ async def test_unknown_or_malformed_messages_get_an_error_and_the_connection_sta
                     ),
                     "bad_message",
                 ),
-                (encode_message(Welcome("w", "00", 1.0, 1, "j")), "unexpected"),
+                (encode_message(Welcome("w", "00", 1.0, 1, "j")), "unexpected_message"),
             ]
             for seq, (frame, code) in enumerate(checks, start=1):
                 await raw.ws.send(frame)

@@ -232,8 +232,8 @@ async def attack_as_insider(url: str) -> None:
     for frame, code in (
         (encode_frame({"type": "gimme-credit", "v": PROTOCOL_VERSION}), "unknown_type"),
         (encode_frame({"type": "heartbeat", "v": PROTOCOL_VERSION + 7}), "version"),
-        (encode_message(Welcome("w", "00", 1.0, 1, "j")), "unexpected"),
-        (encode_message(Cancel("x")), "unexpected"),
+        (encode_message(Welcome("w", "00", 1.0, 1, "j")), "unexpected_message"),
+        (encode_message(Cancel("x")), "unexpected_message"),
     ):
         await link.send(frame)
         assert (await link.next(Error)).code == code

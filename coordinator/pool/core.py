@@ -25,7 +25,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.block_cache import BlockCache
-from common.errors import FrameError, LimitExceeded, ProtocolError
+from common.errors import ErrorCode, FrameError, LimitExceeded, ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
     Cancel,
@@ -214,7 +214,8 @@ class CoordinatorCore:
         if worker.messages is not None and worker.messages.reserve(1) > 0.0:
             limit = self.config.max_messages_per_s
             effects.send(
-                worker_id, Error("rate_limited", f"more than max_messages_per_s={limit:g} messages")
+                worker_id,
+                Error(ErrorCode.RATE_LIMITED, f"more than max_messages_per_s={limit:g} messages"),
             )
             return self.drop(
                 worker, CloseCode.POLICY, f"message rate over max_messages_per_s={limit:g}", effects
@@ -241,7 +242,9 @@ class CoordinatorCore:
             return effects
         handler = HANDLERS.get(type(msg))
         if handler is None:
-            effects.send(worker_id, Error("unexpected", f"{msg.TYPE} is not sent by workers"))
+            effects.send(
+                worker_id, Error(ErrorCode.UNEXPECTED_MESSAGE, f"{msg.TYPE} is not sent by workers")
+            )
             return effects
         handler(self, worker, msg, effects)
         return effects

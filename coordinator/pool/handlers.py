@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.errors import ErrorCode
 from common.messages import Ack, Bye, Error, Heartbeat, Pause, Result, Resume
 from coordinator.pool.effects import Check, CloseCode, Effects, Send
 from coordinator.pool.reputation import after_failed, ban_reason, is_banned
@@ -42,7 +43,7 @@ def on_result(
         core.counters.not_assigned += 1
         effects.send(
             worker.worker_id,
-            Error("not_assigned", "result for a tile not assigned to you", msg.tile_id),
+            Error(ErrorCode.NOT_ASSIGNED, "result for a tile not assigned to you", msg.tile_id),
         )
         return
     # Checked off the event loop, so this connection's next frames (heartbeats among
@@ -86,7 +87,7 @@ def on_bye(core: CoordinatorCore, worker: Worker, msg: Bye, effects: Effects) ->
 def on_error(core: CoordinatorCore, worker: Worker, msg: Error, effects: Effects) -> None:
     held = msg.tile_id in core.scheduler.in_flight(worker.worker_id)
     job = core.jobs.get(msg.tile_id)
-    if msg.code == "missing_block" and job is not None and held:
+    if msg.code == ErrorCode.MISSING_BLOCK and job is not None and held:
         # Its cache and our mirror of it disagree (it dropped the tile that would
         # have cached a block, say). It emptied its cache; so do we, and resend whole.
         log.info("worker %s lacks an operand block of %s: resending", worker.who, msg.tile_id)
@@ -142,7 +143,7 @@ def failed_check(
     core.scheduler.reject(worker.worker_id, tile_id, core.now, reason="failed verification")
     # Tell the worker: an honest volunteer with faulty hardware should learn of it.
     verdict = Error(
-        "failed_check",
+        ErrorCode.FAILED_CHECK,
         f"the result failed verification and was discarded; reputation now {reputation:.2f}",
         tile_id,
     )
@@ -151,7 +152,7 @@ def failed_check(
         core.counters.banned += 1
         log.warning("banning worker %s: %s", worker.who, banned)
         for other in [w for w in core.workers.values() if w.key == worker.key]:
-            effects.send(other.worker_id, Error("banned", f"banned: {banned}"))
+            effects.send(other.worker_id, Error(ErrorCode.BANNED, f"banned: {banned}"))
             core.drop(other, CloseCode.POLICY, f"banned: {banned}", effects)
     core.dispatch(effects)
     core.rescue_stranded(effects)

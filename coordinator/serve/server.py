@@ -28,7 +28,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from common.auth import check_hello, make_welcome, new_nonce
-from common.errors import ProtocolError
+from common.errors import ErrorCode, ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import Challenge, Error, Hello, encode_message, parse_message
 from common.signing import fingerprint, public_key_hex
@@ -340,7 +340,7 @@ class CoordinatorServer:
             if not isinstance(hello, Hello):
                 raise ProtocolError(
                     f"expected a hello, got a {received.frame.type!r} message",
-                    code="unexpected_message",
+                    code=ErrorCode.UNEXPECTED_MESSAGE,
                 )
             check_hello(hello, received.frame.header, challenge, self.config.join_token)
         except ProtocolError as exc:
@@ -348,7 +348,7 @@ class CoordinatorServer:
             raise _Refused(CloseCode.POLICY, f"bad hello: {exc.message}") from None
         refusal = self.core.refusal(hello)
         if refusal:
-            await ws.send(encode_message(Error("banned", refusal)))
+            await ws.send(encode_message(Error(ErrorCode.BANNED, refusal)))
             raise _Refused(CloseCode.POLICY, refusal)
         worker_id = self.core.next_worker_id()
         welcome = make_welcome(
