@@ -1,8 +1,8 @@
 """Ed25519 keys and task-bundle signatures.
 
 A bundle is signed over ``DOMAIN | canonical header without "sig" | BLAKE3(payload)``.
-Signing a digest keeps the Ed25519 cost constant; BLAKE3 hashes ~5x faster than
-SHA-256 on the machines we measured, so verification stays a few percent of a tile.
+Signing a digest keeps the Ed25519 cost constant; BLAKE3 hashes several times faster
+than SHA-256 (bench/bench_wire.py), so verification stays a small part of a tile.
 The domain tag keeps a task signature from ever being valid as anything else.
 """
 

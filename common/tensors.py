@@ -187,7 +187,7 @@ def _view(
         return torch.frombuffer(chunk, dtype=dtype).reshape(shape)
     with warnings.catch_warnings():
         # Received frames are immutable bytes; the tensors are read-only by contract,
-        # and copying every operand would cost ~10% of a tile's time.
+        # and copying every operand would cost a noticeable share of a tile's time.
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // itemsize, offset=offset)
     return flat.reshape(shape)

@@ -75,11 +75,9 @@ class LivePlanning:
     coordinator_flops_per_s: float = 0.0  # 0: the coordinator computes no tile itself
     window: int = 2  # a worker's prefetch window (the worker's default)
     # What one more tile costs beyond its bytes and FLOPs: signing, framing, two event-loop
-    # hops, the signature check and the result check. Measured on the built-in job (2
-    # cores, 2 local workers): 2 ms planned too many tiles (0.5-0.7 s/step, rising as the
-    # estimates settled), 4 ms 0.42-0.45 s/step (grid planner: 0.53 s). A coordinator
-    # alone handles ~640 tiles/s (bench/bench_load.py), ~1.6 ms each; erring high costs a
-    # little balance, erring low floods the coordinator with crumbs.
+    # hops, the signature check and the result check (bench/bench_load.py measures the
+    # coordinator's share). Erring high costs a little balance; erring low floods the
+    # coordinator with crumbs.
     tile_overhead_s: float = 4e-3
     egress_bps: float = math.inf  # the coordinator's uplink, if known
     # Links a worker has not shown yet are planned as 10 Gbit/s (estimates.for_planning).
@@ -96,18 +94,16 @@ class LivePlanning:
     # and the tickets name nobody. "auto": "finish" where compute binds (the plan is
     # within `follow_within` of total work / total speed, so the cost model has little
     # to get wrong), "pull" where links bind: there the plans mispredict transfers, and
-    # in the simulator binding them all made steps slower (opt-125m, 64 campus devices:
-    # 4.9 s vs 3.8 s per step), while in compute-bound pools of 16-64 devices following
-    # them took GEMMs from 1.8-85x of the bound to 1.01-1.12x (simulation table d)...
+    # binding every tile to its planned worker makes steps slower, while in compute-bound
+    # pools following them brings GEMMs close to the bound (docs/simulation.md, (d))...
     rule: str = "auto"
     follow_within: float = 1.5
     # ...or where the plan promises to beat pull by this factor even so: a gain that big
-    # survives the mispredicted transfers (simulation table d: 64 GPUs and CPUs on a
-    # 10 Gbit/s LAN, 13x of the bound followed vs 81x pulled).
+    # survives the mispredicted transfers (docs/simulation.md, (d)).
     follow_gain: float = 2.0
-    # Placing by earliest finish costs tiles x workers per grid: ~0.07 s per GEMM at 64
-    # workers in Python (the simulator, opt-125m), too much for the training thread
-    # beyond that. Larger pools are pulled (their copies cover the tail).
+    # Placing by earliest finish costs tiles x workers per grid, in Python on the training
+    # thread: past this many workers it costs more than it saves. Larger pools are pulled
+    # (their copies cover the tail).
     follow_max_workers: int = 64
 
     def plan(
