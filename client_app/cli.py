@@ -27,6 +27,7 @@ from client_app.config import (
     config_dir,
     load_identity,
 )
+from client_app.options import WorkerOptions
 from client_app.policy import Schedule
 from client_app.policy_runner import PolicyRunner
 from client_app.worker import RunResult, WorkerCore
@@ -98,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cleave-worker",
         description="Donate this machine's CPU/GPU time to a Cleave coordinator.",
     )
+    _add_worker_flags(parser)
+    _add_policy_flags(parser)
+    _add_program_flags(parser)
+    return parser
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    """Where to join and what to give: the flags that override settings.json."""
     parser.add_argument(
         "--coordinator",
         metavar="URL",
@@ -141,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tiles to hold at once (default 2: one computing while the next arrives)",
     )
+
+
+def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     policy = parser.add_argument_group("when to compute (saved choices apply unless overridden)")
     policy.add_argument(
         "--idle-only",
@@ -170,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep computing on battery (default: pause while unplugged)",
     )
+
+
+def _add_program_flags(parser: argparse.ArgumentParser) -> None:
+    """How this program runs: pins, logging, reconnects."""
     parser.add_argument(
         "--forget",
         metavar="URL",
@@ -189,7 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="first reconnect delay ceiling; doubles per failure up to 30 s (default 0.5)",
     )
-    return parser
 
 
 def _configure_logging(level: str) -> None:
@@ -320,13 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not settings.coordinator_url:
         parser.error("--coordinator URL is required (none saved in settings.json)")
     try:
-        core = WorkerCore(
-            settings,
-            pin_check=pins.check,
-            backoff_base_s=args.backoff_base,
-            ca_file=args.ca_file,
-            identity=identity,
+        options = WorkerOptions(
+            identity=identity, ca_file=args.ca_file, backoff_base_s=args.backoff_base
         )
+        core = WorkerCore(settings, pin_check=pins.check, options=options)
     except ValueError as exc:
         parser.error(str(exc))
     log.info("worker identity (key fingerprint): %s", fingerprint(identity))

@@ -6,8 +6,9 @@ how long to rest so that, over a sliding window, the compute cost divided by the
 time (tiles, rests and any idle gaps together) comes back to p.
 
 What a tile costs is the caller's to measure; the worker passes the process's CPU time
-during the GEMM divided by its thread cap (see ``WorkerCore``), so that "50%" means half
-of the cores the owner granted, whatever contention stretches the GEMM's wall time.
+during the GEMM divided by its thread cap (see ``client_app.charging``), so that "50%"
+means half of the cores the owner granted, whatever contention stretches the GEMM's
+wall time.
 
 Pure logic: every time is passed in, so tests need no clock and no sleeping.
 """

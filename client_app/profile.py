@@ -60,3 +60,11 @@ def build_profile(
         mem_cap_bytes=mem_cap,
         gflops=round(measure_gflops(computer) if gflops is None else gflops, 2),
     )
+
+
+def describe_profile(profile: DeviceProfile) -> str:
+    """The profile in one line for the log."""
+    return (
+        f"{profile.device}, {profile.device_name}, threads={profile.threads}, "
+        f"{profile.gflops:.1f} GFLOP/s fp32, tile memory cap {profile.mem_cap_bytes >> 20} MiB"
+    )

@@ -11,19 +11,18 @@ One session lives as long as the worker; ``connect()`` starts each new connectio
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from client_app.session_types import NO_ACTIONS, Actions, Phase, SessionStats, TileJob
 from common.auth import answer_challenge, check_welcome, new_nonce
 from common.block_cache import BlockCache
-from common.errors import KeyMismatchError, LimitExceeded, ProtocolError
+from common.errors import ErrorCode, KeyMismatchError, LimitExceeded, ProtocolError
 from common.frames import Buffer, decode_frame
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
@@ -54,9 +53,9 @@ PinCheck = Callable[[str, str], bool]
 """(coordinator URL, key hex) -> True if pinned just now; raises KeyMismatchError."""
 
 # Errors after which reconnecting cannot help: the worker stops and says why.
-TERMINAL_ERRORS = {
-    "banned": "this coordinator has banned this worker",
-    "bad_token": "this coordinator refused the join token",
+TERMINAL_ERRORS: dict[str, str] = {
+    ErrorCode.BANNED: "this coordinator has banned this worker",
+    ErrorCode.BAD_TOKEN: "this coordinator refused the join token",
 }
 
 # Room for a result frame's header next to its tensor bytes (a few hundred bytes in
@@ -64,65 +63,11 @@ TERMINAL_ERRORS = {
 RESULT_HEADER_ALLOWANCE = 4096
 
 
-class Phase(enum.Enum):
-    DISCONNECTED = "disconnected"
-    CONNECTED = "connected"  # waiting for the coordinator's Challenge
-    HELLO_SENT = "hello_sent"  # waiting for Welcome
-    READY = "ready"  # welcomed: tasks are accepted
-    REFUSED = "refused"  # terminal: the coordinator's key changed
-    CLOSED = "closed"  # terminal: the worker said Bye
-
-
 _CONNECTED = (Phase.CONNECTED, Phase.HELLO_SENT, Phase.READY)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.nbytes
-
-
-@dataclass(frozen=True)
-class TileJob:
-    """A tile whose signature and operands checked out: ready for the compute thread."""
-
-    tile_id: str
-    op: str
-    a: torch.Tensor  # read-only views of the received frame
-    b: torch.Tensor
-    flop: int
-    received_at: float
-
-
-@dataclass(frozen=True)
-class Actions:
-    """What the pump must do after feeding the session one received message."""
-
-    send: tuple[bytes, ...] = ()
-    compute: tuple[str, ...] = ()  # tile ids now queued; take them with next_tile()
-    cancel: tuple[str, ...] = ()  # tile ids dropped (queued, or results to discard)
-    welcome: Welcome | None = None
-    first_pin: bool = False  # the welcome's key was pinned just now
-    refusal: str = ""  # terminal: stop, do not reconnect (key changed, banned, bad token)
-    close: str = ""  # close this connection and reconnect later, for this reason
-
-
-NO_ACTIONS = Actions()
-
-
-@dataclass
-class SessionStats:
-    """Totals over the worker's life, across reconnects."""
-
-    tiles_done: int = 0
-    tiles_refused: int = 0
-    tiles_cancelled: int = 0
-    compute_s: float = 0.0
-    flop_done: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    credit_tiles: int = 0
-    credit_gflop: float = 0.0
-    errors_from_coordinator: int = 0
-    last_error: str = ""
 
 
 class WorkerSession:
@@ -253,13 +198,15 @@ class WorkerSession:
         # Hello, Result, Heartbeat, Pause, Resume: worker-to-coordinator messages.
         log.warning("coordinator sent an unexpected %r message", msg.TYPE)
         unexpected = ProtocolError(
-            f"{msg.TYPE!r} is sent by workers, not coordinators", code="unexpected_message"
+            f"{msg.TYPE!r} is sent by workers, not coordinators", code=ErrorCode.UNEXPECTED_MESSAGE
         )
         return Actions(send=(self._error(unexpected),))
 
     def _on_challenge(self, msg: Challenge) -> Actions:
         if self.phase != Phase.CONNECTED:
-            again = ProtocolError("challenge after the handshake", code="unexpected_message")
+            again = ProtocolError(
+                "challenge after the handshake", code=ErrorCode.UNEXPECTED_MESSAGE
+            )
             return Actions(send=(self._error(again),))
         if msg.token_required and not self.token:
             return self._refuse(
@@ -287,7 +234,7 @@ class WorkerSession:
 
     def _on_welcome(self, received: Received, msg: Welcome, now: float) -> Actions:
         if self.phase != Phase.HELLO_SENT or self._challenge is None or self._hello is None:
-            again = ProtocolError("welcome out of turn", code="unexpected_message")
+            again = ProtocolError("welcome out of turn", code=ErrorCode.UNEXPECTED_MESSAGE)
             return Actions(send=(self._error(again),))
         try:
             key = public_key_from_hex(msg.coordinator_key)
@@ -321,11 +268,15 @@ class WorkerSession:
         tile_id = msg.tile_id
         try:
             if self.phase != Phase.READY or self._key is None:
-                raise ProtocolError("task before welcome", code="unexpected_message")
+                raise ProtocolError("task before welcome", code=ErrorCode.UNEXPECTED_MESSAGE)
             if self.paused_reason is not None:
-                raise ProtocolError(f"worker is paused: {self.paused_reason}", code="paused")
+                raise ProtocolError(
+                    f"worker is paused: {self.paused_reason}", code=ErrorCode.PAUSED
+                )
             if tile_id in self._queue or tile_id == self._live_computing_id():
-                raise ProtocolError(f"tile {tile_id} is already held", code="duplicate_tile")
+                raise ProtocolError(
+                    f"tile {tile_id} is already held", code=ErrorCode.DUPLICATE_TILE
+                )
             if self.in_flight >= self.max_held_tiles:
                 raise LimitExceeded(
                     f"worker already holds {self.in_flight} tiles "
@@ -336,7 +287,7 @@ class WorkerSession:
             self._check_fits(a, b)
             self._cache(received, arrived)
         except ProtocolError as exc:
-            if exc.code == "missing_block":
+            if exc.code == ErrorCode.MISSING_BLOCK:
                 # Our cache and the coordinator's mirror of it disagree: both start over
                 # (it resends the tile whole).
                 self._forget_blocks()
@@ -453,7 +404,7 @@ class WorkerSession:
             return None
         self.stats.tiles_refused += 1
         log.warning("tile %s failed: %s: %s", job.tile_id, type(exc).__name__, exc)
-        error = ProtocolError(f"{type(exc).__name__}: {exc}", code="compute_failed")
+        error = ProtocolError(f"{type(exc).__name__}: {exc}", code=ErrorCode.COMPUTE_FAILED)
         return self._error(error, job.tile_id)
 
     def _finish(self, job: TileJob) -> bool:

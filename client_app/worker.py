@@ -3,17 +3,16 @@
 Per connection, three tasks share one WebSocket: a receive loop feeding the session, a
 heartbeat loop, and a compute loop that hands verified tiles, in order, to one
 dedicated thread (torch work never runs on the event loop, so heartbeats and cancels
-keep flowing while a GEMM runs). Under a CPU-time limit the compute loop rests between
-tiles (an asyncio sleep, see ``client_app.duty``): heartbeats, cancels and the prefetch
-window carry on while it rests. Losing the connection ends all three; the session
-forgets that connection's tiles and the worker reconnects with backoff.
+keep flowing while a GEMM runs). The owner's CPU-time and bandwidth limits are waits on
+the event loop (``client_app.pacing``): a rest between tiles, a wait after each frame
+received and before each result sent; heartbeats have their own task and are never held
+back. Losing the connection ends all three; the session forgets that connection's tiles
+and the worker reconnects with backoff.
 
 A GUI drives ``WorkerCore`` from its own thread through the thread-safe methods
 (``stop``, ``set_threads``, ``set_cpu_percent``, ``set_bandwidth_kbps``, ``pause``,
 ``resume``) and observes it through ``WorkerStatus`` snapshots (delivered on the
-worker's event-loop thread). Under a bandwidth limit (``client_app.bandwidth``) the
-receive loop waits after each frame and results wait before they are sent; heartbeats
-have their own task and are never held back.
+worker's event-loop thread, see ``client_app.status_board``).
 """
 
 from __future__ import annotations
@@ -23,37 +22,31 @@ import contextlib
 import enum
 import logging
 import math
-import random
-import ssl
-import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, WebSocketException
-from websockets.protocol import State
 
 from client_app.backoff import backoff_delay
-from client_app.bandwidth import TokenBucket, bytes_per_s
+from client_app.charging import TileCharger
 from client_app.compute import TileComputer
 from client_app.config import WorkerSettings
-from client_app.duty import DutyCycle, fraction_from_percent
-from client_app.profile import build_profile
-from client_app.session import Actions, Phase, PinCheck, TileJob, WorkerSession
-from client_app.status import StatusObserver, WorkerStatus, refusal_line
-from common.limits import DEFAULT_LIMITS
+from client_app.connection import close_quietly, describe, open_connection, send_frames
+from client_app.options import WorkerOptions, tls_context
+from client_app.pacing import Pacer
+from client_app.profile import build_profile, describe_profile
+from client_app.session import Actions, PinCheck, TileJob, WorkerSession
+from client_app.status import StatusObserver, WorkerStatus
+from client_app.status_board import Activity, StatusBoard
+from client_app.summary import TileSummary
 from common.messages import DeviceProfile
 from common.signing import generate_private_key
 
 log = logging.getLogger(__name__)
 
-PING_INTERVAL_S = 20.0
-OPEN_TIMEOUT_S = 10.0
-CLOSE_TIMEOUT_S = 5.0
 BYE_TIMEOUT_S = 2.0
 
 
@@ -78,67 +71,39 @@ class WorkerCore:
         settings: WorkerSettings,
         *,
         pin_check: PinCheck,
+        options: WorkerOptions | None = None,
         observer: StatusObserver | None = None,
-        computer: TileComputer | None = None,
-        profile: DeviceProfile | None = None,
-        backoff_base_s: float = 0.5,
-        backoff_cap_s: float = 30.0,
-        rng: random.Random | None = None,
-        max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes,
-        welcome_timeout_s: float = 30.0,
-        summary_every: int = 10,
-        summary_min_interval_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-        ca_file: str | None = None,
-        identity: Ed25519PrivateKey | None = None,
-        client_name: str = "cleave-worker",
     ) -> None:
-        if not settings.coordinator_url.startswith(("ws://", "wss://")):
-            raise ValueError(
-                f"coordinator URL must start with ws:// or wss://, not {settings.coordinator_url!r}"
-            )
-        tls = settings.coordinator_url.startswith("wss://")
-        if ca_file is not None and not tls:
-            raise ValueError("a CA file applies only to wss:// coordinator URLs")
-        # wss://: verify the coordinator's certificate against the system store, plus
-        # (or, for a self-signed coordinator, in practice instead of it) the CA file.
-        self._ssl: ssl.SSLContext | None = None
-        if tls:
-            try:
-                self._ssl = ssl.create_default_context(cafile=ca_file)
-            except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"cannot load CA file {ca_file!r}: {exc}") from None
+        """A bad URL or CA file is a ValueError here (``WorkerOptions`` checks the rest)."""
+        options = options or WorkerOptions()
+        self._ssl = tls_context(settings.coordinator_url, options.ca_file)
         self.settings = settings
+        self.options = options
         self.url = settings.coordinator_url
-        # The CLI and the app pass the key kept in the config directory; without one
-        # (embedded use, tests) this worker is a new identity for this run only.
+        identity = options.identity
         self.identity = identity if identity is not None else generate_private_key()
-        self._client_name = client_name
-        self.computer = computer or TileComputer(settings.effective_threads, settings.use_gpu)
+        self.computer = options.computer or TileComputer(
+            settings.effective_threads, settings.use_gpu
+        )
         self._pin_check = pin_check
-        self._observers: list[StatusObserver] = [observer] if observer else []
-        self._profile = profile
-        self._backoff_base_s = backoff_base_s
-        self._backoff_cap_s = backoff_cap_s
-        self._rng = rng or random.Random()
-        self._max_frame_bytes = max_frame_bytes
-        self._welcome_timeout_s = welcome_timeout_s
-        self._summary_every = summary_every
-        self._summary_min_interval_s = summary_min_interval_s
-        self._summaries = 0
-        self._clock = clock
-        # The owner's limit; the event loop alone touches the controller (see _pace).
-        self._duty = DutyCycle(fraction_from_percent(settings.cpu_percent))
-        # Process CPU time at the last charge (see _compute); None: start afresh.
-        self._charge_from: float | None = None
-        self._cpu_percent = settings.cpu_percent
-        self._resting = False
-        self._duty_changed: asyncio.Event | None = None
-        # Bandwidth limit, one bucket per direction; like _duty, touched by the loop only.
-        self._bandwidth_kbps = settings.bandwidth_kbps
-        self._down = TokenBucket(bytes_per_s(settings.bandwidth_kbps), clock=clock)
-        self._up = TokenBucket(bytes_per_s(settings.bandwidth_kbps), clock=clock)
-        self._bandwidth_changed: asyncio.Event | None = None
+        self._clock = options.clocks.monotonic
+        # The limits; the event loop alone touches the controllers (see client_app.pacing).
+        self._pacer = Pacer(
+            settings.cpu_percent,
+            settings.bandwidth_kbps,
+            clock=self._clock,
+            wait=options.clocks.wait,
+            on_rest=self._publish,
+        )
+        self._charger = TileCharger(
+            self.computer,
+            process_time=options.clocks.process_time,
+            perf_counter=options.clocks.perf_counter,
+        )
+        self._summary = TileSummary(
+            every=options.summary_every, min_interval_s=options.summary_min_interval_s
+        )
+        self._board = StatusBoard(self.url, observer)
 
         self.session: WorkerSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,26 +115,28 @@ class WorkerCore:
         self._ws: ClientConnection | None = None
         self._welcomed: asyncio.Event | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._link = "connecting"  # connecting | reconnecting | refused | stopped
-        self._line_override = ""
-        self._detail = ""
-        self._status = WorkerStatus(state="stopped", line="Not started", coordinator_url=self.url)
-        # (tiles, compute_s, flop, wall time) when the last summary window started
-        self._summary_mark: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
 
     # ---- observing ------------------------------------------------------------------
 
     @property
     def status(self) -> WorkerStatus:
-        return self._status
+        return self._board.status
+
+    @property
+    def cpu_percent(self) -> int:
+        """The CPU-time limit in force (the last one set)."""
+        return self._pacer.cpu_percent
+
+    @property
+    def bandwidth_kbps(self) -> int:
+        """The bandwidth limit in force (the last one set; 0: unlimited)."""
+        return self._pacer.bandwidth_kbps
 
     def add_observer(self, observer: StatusObserver) -> None:
-        self._observers.append(observer)
-        observer(self._status)
+        self._board.add_observer(observer)
 
     def remove_observer(self, observer: StatusObserver) -> None:
-        with contextlib.suppress(ValueError):
-            self._observers.remove(observer)
+        self._board.remove_observer(observer)
 
     # ---- controls (thread-safe) -----------------------------------------------------
 
@@ -195,9 +162,7 @@ class WorkerCore:
         It governs the rest after the tile in progress; a rest already under way ends
         at once if the limit was raised, and runs its course if it was lowered.
         """
-        fraction_from_percent(percent)  # ValueError here, in the caller's thread
-        # An int store is atomic; the event loop hands it to the controller (_pace).
-        self._cpu_percent = percent
+        self._pacer.request_cpu_percent(percent)  # ValueError here, in the caller's thread
         self._call_in_loop(self._on_cpu_percent)
 
     def set_bandwidth_kbps(self, kbps: int) -> None:
@@ -205,30 +170,11 @@ class WorkerCore:
 
         A wait under way is recomputed at the new rate (it ends at once when unlimited).
         """
-        bytes_per_s(kbps)  # ValueError here, in the caller's thread
-        self._bandwidth_kbps = kbps
-        self._call_in_loop(self._on_bandwidth)
-
-    def _on_bandwidth(self) -> None:
-        rate = bytes_per_s(self._bandwidth_kbps)
-        self._down.set_rate(rate)
-        self._up.set_rate(rate)
-        if self._bandwidth_changed is not None:
-            self._bandwidth_changed.set()
-
-    async def _throttle(self, bucket: TokenBucket, n: int) -> None:
-        """Charge ``n`` bytes to ``bucket`` and wait until it allows more traffic."""
-        assert self._bandwidth_changed is not None
-        wait = bucket.reserve(n)
-        while wait > 0.0:
-            self._bandwidth_changed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._bandwidth_changed.wait(), wait)
-            wait = bucket.wait_s()
+        self._pacer.request_bandwidth_kbps(kbps)  # ValueError here, in the caller's thread
+        self._call_in_loop(self._pacer.bandwidth_changed)
 
     def _on_cpu_percent(self) -> None:
-        if self._duty_changed is not None:
-            self._duty_changed.set()
+        self._pacer.cpu_percent_changed()
         self._publish()
 
     def pause(self, reason: str) -> None:
@@ -278,9 +224,9 @@ class WorkerCore:
         # Fire-and-forget from a control method: a lost connection is the receive
         # loop's to report, and the session re-announces a pause on the next Welcome.
         try:
-            await _send(ws, *frames)
+            await send_frames(ws, *frames)
         except (ConnectionClosed, OSError) as exc:
-            log.debug("could not send to %s: %s", self.url, _describe(exc))
+            log.debug("could not send to %s: %s", self.url, describe(exc))
 
     # ---- running --------------------------------------------------------------------
 
@@ -293,14 +239,11 @@ class WorkerCore:
         if self._started:
             raise RuntimeError("a WorkerCore runs once; make a new one to join again")
         self._started = True
-        loop = asyncio.get_running_loop()
-        self._loop = loop
+        self._loop = asyncio.get_running_loop()
         # Events are made here, not in __init__: they belong to the loop that runs us.
         self._stop_event = asyncio.Event()
         self._welcomed = asyncio.Event()
-        self._duty_changed = asyncio.Event()
-        self._bandwidth_changed = asyncio.Event()
-        self._on_bandwidth()  # a limit set before run() counts from here
+        self._pacer.start()
         if self._stop_requested:
             self._stop_event.set()
         # One thread for all torch work: tiles run in arrival order, and torch's
@@ -308,33 +251,9 @@ class WorkerCore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cleave-compute")
         result = RunResult.STOPPED
         try:
-            self._link = "connecting"
+            self._board.link = "connecting"
             self._publish(line="Measuring this device")
-            profile = self._profile
-            if profile is None:
-                # Benchmarked on the compute thread, under the thread cap tiles will use.
-                measure = partial(build_profile, self.computer, memory_mb=self.settings.memory_mb)
-                profile = await loop.run_in_executor(self._executor, measure)
-            log.info(
-                "device: %s, %s, threads=%d, %.1f GFLOP/s fp32, tile memory cap %d MiB",
-                profile.device,
-                profile.device_name,
-                profile.threads,
-                profile.gflops,
-                profile.mem_cap_bytes >> 20,
-            )
-            self.session = WorkerSession(
-                self.url,
-                name=self.settings.name or "cleave-worker",
-                identity=self.identity,
-                profile=profile,
-                pin_check=self._pin_check,
-                window=self.settings.window,
-                token=self.settings.join_token,
-                # Operands kept between tiles get the same budget as one tile.
-                cache_bytes=profile.mem_cap_bytes,
-                client=self._client_name,
-            )
+            self.session = self._new_session(await self._device_profile())
             if self._pause_reason is not None:
                 self.session.pause(self._pause_reason)
             result = await self._connect_loop()
@@ -343,17 +262,41 @@ class WorkerCore:
             self._executor.shutdown(wait=False, cancel_futures=True)
             for task in list(self._background):
                 task.cancel()
-            self._link = "refused" if result is RunResult.REFUSED else "stopped"
+            self._board.link = "refused" if result is RunResult.REFUSED else "stopped"
             self._publish()
             self._loop = None
         return result
+
+    async def _device_profile(self) -> DeviceProfile:
+        profile = self.options.profile
+        if profile is None:
+            # Benchmarked on the compute thread, under the thread cap tiles will use.
+            measure = partial(build_profile, self.computer, memory_mb=self.settings.memory_mb)
+            loop = asyncio.get_running_loop()
+            profile = await loop.run_in_executor(self._executor, measure)
+        log.info("device: %s", describe_profile(profile))
+        return profile
+
+    def _new_session(self, profile: DeviceProfile) -> WorkerSession:
+        return WorkerSession(
+            self.url,
+            name=self.settings.name or "cleave-worker",
+            identity=self.identity,
+            profile=profile,
+            pin_check=self._pin_check,
+            window=self.settings.window,
+            token=self.settings.join_token,
+            # Operands kept between tiles get the same budget as one tile.
+            cache_bytes=profile.mem_cap_bytes,
+            client=self.options.client_name,
+        )
 
     async def _connect_loop(self) -> RunResult:
         assert self._stop_event is not None and self._welcomed is not None
         assert self.session is not None
         attempt = 0
         while not self._stop_event.is_set():
-            self._link = "connecting"
+            self._board.link = "connecting"
             self._welcomed.clear()
             self._publish(line=f"Connecting to {self.url}")
             try:
@@ -361,12 +304,13 @@ class WorkerCore:
                 if not self._stop_event.is_set():
                     log.warning("connection to %s was closed", self.url)
             except _Refused as refusal:
-                self._detail = str(refusal)
+                self._board.detail = str(refusal)
                 return RunResult.REFUSED
             except _NoWelcome:
-                log.warning("%s sent no welcome within %.0f s", self.url, self._welcome_timeout_s)
+                timeout_s = self.options.welcome_timeout_s
+                log.warning("%s sent no welcome within %.0f s", self.url, timeout_s)
             except (OSError, WebSocketException, asyncio.TimeoutError) as exc:
-                log.warning("connection to %s ended: %s", self.url, _describe(exc))
+                log.warning("connection to %s ended: %s", self.url, describe(exc))
             finally:
                 self.session.connection_lost()
                 self._ws = None
@@ -375,10 +319,13 @@ class WorkerCore:
             if self._welcomed.is_set():
                 attempt = 0  # it worked for a while: start over from short delays
             delay = backoff_delay(
-                attempt, base=self._backoff_base_s, cap=self._backoff_cap_s, rng=self._rng
+                attempt,
+                base=self.options.backoff_base_s,
+                cap=self.options.backoff_cap_s,
+                rng=self.options.rng,
             )
             attempt += 1
-            self._link = "reconnecting"
+            self._board.link = "reconnecting"
             self._publish(line=f"Reconnecting in {math.ceil(delay)} s")
             log.info("reconnecting to %s in %.1f s", self.url, delay)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -387,34 +334,19 @@ class WorkerCore:
 
     async def _one_connection(self) -> None:
         assert self._stop_event is not None
-        # websockets refuses ssl= on a ws:// URL, so pass it only for wss://.
-        tls: dict[str, Any] = {"ssl": self._ssl} if self._ssl is not None else {}
-        opening = asyncio.ensure_future(
-            connect(
-                self.url,
-                **tls,
-                # Deflate on float tensors cuts throughput ~25x and saves almost nothing.
-                compression=None,
-                max_size=self._max_frame_bytes,
-                ping_interval=PING_INTERVAL_S,
-                open_timeout=OPEN_TIMEOUT_S,
-                close_timeout=CLOSE_TIMEOUT_S,
-            )
+        ws = await open_connection(
+            self.url,
+            tls=self._ssl,
+            max_size=self.options.max_frame_bytes,
+            stop=self._stop_event,
         )
-        # A stop must not wait out the open timeout of an unresponsive host.
-        stopping = asyncio.ensure_future(self._stop_event.wait())
-        await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not opening.done():
-            opening.cancel()
-            await asyncio.gather(opening, return_exceptions=True)
-            return
-        ws = opening.result()
+        if ws is None:
+            return  # stopped while opening
         self._ws = ws
         try:
             await self._serve(ws)
         finally:
-            await _close_quietly(ws)
+            await close_quietly(ws)
 
     async def _serve(self, ws: ClientConnection) -> None:
         session = self.session
@@ -442,7 +374,7 @@ class WorkerCore:
             bye = session.bye("worker stopping")
             if bye is not None:
                 with contextlib.suppress(ConnectionClosed, OSError, asyncio.TimeoutError):
-                    await asyncio.wait_for(_send(ws, bye), BYE_TIMEOUT_S)
+                    await asyncio.wait_for(send_frames(ws, bye), BYE_TIMEOUT_S)
                 log.info("left %s (sent bye)", self.url)
 
     async def _receive_loop(
@@ -451,7 +383,7 @@ class WorkerCore:
         # Ends normally on a clean close; raises ConnectionClosedError on a broken one.
         async for data in ws:
             actions = session.receive(data, self._clock())
-            await _send(ws, *actions.send)
+            await send_frames(ws, *actions.send)
             if actions.welcome is not None:
                 self._on_welcome(session, actions.first_pin)
             if actions.refusal:
@@ -466,7 +398,7 @@ class WorkerCore:
                 return
             # Not reading the next frame is the limit: TCP backpressure slows the sender.
             # Heartbeats are sent by their own task and never wait here.
-            await self._throttle(self._down, len(data))
+            await self._pacer.after_receiving(len(data))
 
     def _on_welcome(self, session: WorkerSession, first_pin: bool) -> None:
         assert self._welcomed is not None
@@ -485,27 +417,24 @@ class WorkerCore:
                 session.worker_id,
                 session.fingerprint,
             )
-        stats = session.stats
-        self._summary_mark = (stats.tiles_done, stats.compute_s, stats.flop_done, self._clock())
+        self._summary.start_window(session.stats, self._clock())
 
     async def _heartbeat_loop(self, ws: ClientConnection, session: WorkerSession) -> None:
         # Doubles as the welcome watchdog: a coordinator that never welcomes is dropped.
         assert self._welcomed is not None
         try:
-            await asyncio.wait_for(self._welcomed.wait(), self._welcome_timeout_s)
+            await asyncio.wait_for(self._welcomed.wait(), self.options.welcome_timeout_s)
         except asyncio.TimeoutError:
             raise _NoWelcome() from None
         while True:
             frame = session.heartbeat(self._clock())
             if frame is not None:
-                await _send(ws, frame)
+                await send_frames(ws, frame)
             await asyncio.sleep(max(0.0, session.next_heartbeat_at - self._clock()))
 
     async def _compute_loop(
         self, ws: ClientConnection, session: WorkerSession, work: asyncio.Event
     ) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._executor is not None
         while True:
             job = session.next_tile()
             if job is None:
@@ -514,203 +443,53 @@ class WorkerCore:
                 await work.wait()
                 # Whatever ran while there was no work (heartbeats) is not owed by
                 # the next tile: charging starts afresh.
-                self._charge_from = None
+                self._charger.start_afresh()
                 continue
             self._publish()
             start = self._clock()
-            cost = 0.0  # a tile that failed is not charged: its cost is unknown
-            try:
-                c, seconds, cost = await loop.run_in_executor(self._executor, self._compute, job)
-            except (RuntimeError, ValueError, MemoryError) as exc:
-                frame = session.tile_failed(job, exc)
-            else:
-                frame = session.tile_finished(job, c, seconds)
-                if frame is not None:
-                    log.debug(
-                        "tile %s: %s %s @ %s %s in %.1f ms",
-                        job.tile_id,
-                        job.op,
-                        list(job.a.shape),
-                        list(job.b.shape),
-                        job.a.dtype,
-                        seconds * 1e3,
-                    )
+            frame, cost = await self._compute_tile(session, job)
             end = self._clock()
             if frame is not None:
-                await self._throttle(self._up, len(frame))
-                await _send(ws, frame)
-            self._maybe_log_summary(session)
+                await self._pacer.before_sending(len(frame))
+                await send_frames(ws, frame)
+            self._summary.after_tile(session.stats, self._clock())
             self._publish()
-            await self._pace(start, end, cost)
+            await self._pacer.rest_after_tile(start, end, cost)
 
-    def _compute(self, job: TileJob) -> tuple[torch.Tensor, float, float]:
-        """``(c, GEMM seconds, cost)``; runs on the compute thread.
-
-        The cost is what the CPU-time limit charges: the process's CPU time since the
-        previous tile was charged (this GEMM, plus the decoding, signature checks and
-        heartbeats done meanwhile, also while resting) over the thread cap, i.e. the
-        share of the granted cores the worker used. Wall time
-        would overcharge a GEMM slowed by the owner's own programs, and the compute
-        thread's own CPU time (``time.thread_time``) misses torch's other intra-op
-        threads. Event-loop work done meanwhile (decoding the next tile) is the
-        worker's too and is charged with it. On a GPU the device is what the limit
-        occupies, so a tile costs its wall time.
-        """
-        threads = self.computer.threads
-        now_cpu = time.process_time()
-        cpu0 = now_cpu if self._charge_from is None else self._charge_from
-        start = time.perf_counter()
-        c = self.computer.compute(job.op, job.a, job.b)
-        seconds = time.perf_counter() - start
-        cpu1 = time.process_time()
-        self._charge_from = cpu1  # only this (single) compute thread writes it
-        if self.computer.device.type == "cpu":
-            cost = (cpu1 - cpu0) / threads
-        else:
-            cost = seconds
-        return c, seconds, cost
-
-    async def _pace(self, start: float, end: float, cost: float) -> None:
-        """Rest after a tile as long as the CPU-time limit asks (no-op at 100%)."""
-        assert self._duty_changed is not None
-        self._duty.set_fraction(self._cpu_percent / 100.0)
-        rest_s = self._duty.unit_done(start, end, cost)
-        if rest_s <= 0.0:
-            return
-        # Sleeping on the event loop, not the compute thread: heartbeats, cancels and
-        # prefetched tiles keep flowing; a stop cancels this task mid-rest.
-        deadline = self._clock() + rest_s
-        percent = self._cpu_percent
-        self._resting = True
-        self._publish()
+    async def _compute_tile(
+        self, session: WorkerSession, job: TileJob
+    ) -> tuple[bytes | None, float]:
+        """The frame to send for ``job`` (None if not wanted any more) and its cost."""
+        loop = asyncio.get_running_loop()
+        assert self._executor is not None
         try:
-            while (left := deadline - self._clock()) > 0:
-                self._duty_changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._duty_changed.wait(), left)
-                if self._cpu_percent > percent:
-                    break  # a raised limit owes no more of the rest the old one asked
-                percent = self._cpu_percent
-        finally:
-            self._resting = False
-            self._publish()
-
-    def _maybe_log_summary(self, session: WorkerSession) -> None:
-        stats = session.stats
-        tiles0, compute0, flop0, wall0 = self._summary_mark
-        if stats.tiles_done - tiles0 < self._summary_every:
-            return
-        now = self._clock()
-        # Small tiles finish in milliseconds: after the first summary, at most one line
-        # per interval keeps the log readable.
-        if self._summaries and now - wall0 < self._summary_min_interval_s:
-            return
-        self._summaries += 1
-        busy = stats.compute_s - compute0
-        flop = stats.flop_done - flop0
-        log.info(
-            "computed %d tiles in the last %.1f s (busy %.0f%%, %.1f GFLOP/s); "
-            "total %d tiles, %.2f GFLOP; credit %d tiles",
-            stats.tiles_done - tiles0,
-            now - wall0,
-            100.0 * busy / max(now - wall0, 1e-9),
-            flop / max(busy, 1e-9) / 1e9,
-            stats.tiles_done,
-            stats.flop_done / 1e9,
-            stats.credit_tiles,
-        )
-        self._summary_mark = (stats.tiles_done, stats.compute_s, stats.flop_done, now)
+            charged = await loop.run_in_executor(
+                self._executor, self._charger.compute, job.op, job.a, job.b
+            )
+        except (RuntimeError, ValueError, MemoryError) as exc:
+            # A tile that failed is not charged: its cost is unknown.
+            return session.tile_failed(job, exc), 0.0
+        frame = session.tile_finished(job, charged.c, charged.seconds)
+        if frame is not None:
+            log.debug(
+                "tile %s: %s %s @ %s %s in %.1f ms",
+                job.tile_id,
+                job.op,
+                list(job.a.shape),
+                list(job.b.shape),
+                job.a.dtype,
+                charged.seconds * 1e3,
+            )
+        return frame, charged.cost
 
     # ---- status ---------------------------------------------------------------------
 
     def _publish(self, line: str = "") -> None:
         """Tell observers the current status if it changed; ``line`` overrides the text."""
-        if line:
-            self._line_override = line
-        status = self._build_status()
-        if status == self._status:
-            return
-        self._status = status
-        for observer in list(self._observers):
-            try:
-                observer(status)
-            except Exception:  # a broken observer (GUI bug) must not stop the worker
-                log.exception("status observer %r failed", observer)
-
-    def _build_status(self) -> WorkerStatus:
-        session = self.session
-        state, line = self._state_and_line()
-        extra: dict[str, Any] = {}
-        if session is not None:
-            stats = session.stats
-            extra = {
-                "coordinator_fingerprint": session.fingerprint,
-                "worker_id": session.worker_id,
-                "current_tile": session.current_tile,
-                "tiles_done": stats.tiles_done,
-                "tiles_refused": stats.tiles_refused,
-                "compute_s": stats.compute_s,
-                "gflop_done": stats.flop_done / 1e9,
-                "bytes_in": stats.bytes_in,
-                "bytes_out": stats.bytes_out,
-                "credit_tiles": stats.credit_tiles,
-                "credit_gflop": stats.credit_gflop,
-            }
-        return WorkerStatus(
-            state=state,
-            line=line,
-            coordinator_url=self.url,
-            detail=self._detail,
+        activity = Activity(
             threads=self.computer.threads,
             device=self.computer.device.type,
-            **extra,
+            resting=self._pacer.resting,
+            cpu_percent=self._pacer.cpu_percent,
         )
-
-    def _state_and_line(self) -> tuple[str, str]:
-        session = self.session
-        if self._link == "refused":
-            return "refused", refusal_line(self._detail)
-        if self._link == "stopped":
-            return "stopped", "Stopped"
-        if session is not None and session.phase is Phase.READY:
-            if session.paused_reason is not None:
-                return "paused", f"Paused: {session.paused_reason}"
-            if session.current_tile:
-                return "computing", f"Computing tile {session.current_tile}"
-            if self._resting:
-                # Still "computing": the worker is at work, pacing itself between tiles.
-                return "computing", f"Resting (CPU limit {self._cpu_percent}%)"
-            return "waiting", f"Waiting for tiles ({session.stats.tiles_done} done)"
-        return self._link, self._line_override or f"Connecting to {self.url}"
-
-
-# DESIGN §6: once the peer closed with 1009 (we sent a frame over its limit) while a
-# large frame was still being written, websockets aborts a transport that asyncio has
-# already torn down, and send()/close() raise AttributeError ('NoneType' object has no
-# attribute 'call_soon'). Only on a connection that is no longer open is that this
-# known teardown race; on an open one it would be a real bug and is re-raised.
-
-
-async def _send(ws: ClientConnection, *frames: bytes) -> None:
-    for frame in frames:
-        try:
-            await ws.send(frame)
-        except AttributeError:
-            if ws.state is State.OPEN:
-                raise
-            raise ConnectionAbortedError("connection torn down after the peer closed it") from None
-
-
-async def _close_quietly(ws: ClientConnection) -> None:
-    try:
-        await ws.close()
-    except AttributeError:
-        if ws.state is State.OPEN:
-            raise
-        log.debug("connection to the coordinator was already torn down")
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._board.publish(self.session, activity, line)

@@ -1,20 +1,25 @@
-"""The bandwidth limit: the token bucket with a fake clock, then a real worker on loopback."""
+"""The bandwidth limit: the token bucket, then a real worker on loopback, both under an
+injected clock (``FakeTime``), so every rate is exact however loaded the machine is.
+The rate a worker reaches in real time is measured by bench/bench_limits.py."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from test_worker_loopback import PROFILE, FakeCoordinator, stop
+from test_worker_pacing import FakeTime, until
 
 from client_app.bandwidth import BYTES_PER_KB, TokenBucket, bytes_per_s
 from client_app.config import PinStore, WorkerSettings
-from client_app.worker import WorkerCore
+from client_app.options import WorkerOptions
+from client_app.worker import RunResult, WorkerCore
 from common.messages import Result
 from common.token_bucket import MIN_BURST as MIN_BURST_BYTES
-from tests.test_worker_loopback import PROFILE, FakeCoordinator, stop
+
+pytestmark = pytest.mark.timeout(60)
 
 
 class FakeClock:
@@ -79,80 +84,95 @@ def test_settings_validate_the_limit() -> None:
         WorkerSettings(bandwidth_kbps=-1)
 
 
-def measure_receive_rate(limit_kbps: int, config: Path, n_frames: int = 10) -> float:
-    """Bytes per second a worker limited to ``limit_kbps`` took in, keeping its window
-    full like a real coordinator (a burst's worth passes at once, and the last frame is
-    answered before the wait it causes: both are left out)."""
-    window = 2
+# ---- a real worker on loopback, under a fake clock ------------------------------------
 
-    async def scenario() -> tuple[float, int]:
-        async with FakeCoordinator() as coord:
-            settings = WorkerSettings(
-                coordinator_url=coord.url,
-                name="bw",
-                threads=1,
-                use_gpu=False,
-                window=window,
-                bandwidth_kbps=limit_kbps,
-            )
-            core = WorkerCore(settings, pin_check=PinStore.in_dir(config).check, profile=PROFILE)
-            run = asyncio.create_task(core.run())
-            link = await coord.next_link()
-            gen = torch.Generator().manual_seed(0)
-            frames = [
-                coord.task(f"t-{i}", torch.randn(64, 128, generator=gen), torch.randn(128, 64))
-                for i in range(n_frames)
-            ]
-            start = time.monotonic()
-            for frame in frames[:window]:
-                await link.send(frame)
-            arrivals = []
-            for i in range(n_frames):
-                received = await link.expect(Result)
-                assert isinstance(received.message, Result)
-                arrivals.append(time.monotonic())
-                if i + window < n_frames:
-                    await link.send(frames[i + window])
-            await stop(core, run)
-            burst = TokenBucket(limit_kbps * BYTES_PER_KB).burst
-            return arrivals[-1] - start, sum(len(f) for f in frames[:-1]) - int(burst)
-
-    elapsed, carried = asyncio.run(scenario())
-    return carried / elapsed
+# No heartbeats, so no acks: the worker takes in only the frames a test sends.
+QUIET_S = 3600.0
 
 
-@pytest.mark.timeout(30)
-def test_worker_receives_no_faster_than_its_bandwidth_limit(tmp_path: Path) -> None:
-    limit_kbps = 256
-    rate = measure_receive_rate(limit_kbps, tmp_path)
-    # Faster than the limit is a bug; slower, only a loaded machine (the rate reached is
-    # measured by bench/bench_limits.py).
-    assert rate <= 1.2 * limit_kbps * BYTES_PER_KB, (rate, limit_kbps)
+def make_core(url: str, config: Path, time: FakeTime, kbps: int, window: int = 2) -> WorkerCore:
+    settings = WorkerSettings(
+        coordinator_url=url,
+        name="bw",
+        threads=1,
+        use_gpu=False,
+        window=window,
+        bandwidth_kbps=kbps,
+    )
+    options = WorkerOptions(profile=PROFILE, clocks=time.clocks())
+    return WorkerCore(settings, pin_check=PinStore.in_dir(config).check, options=options)
 
 
-def test_bandwidth_limit_can_be_lifted_while_running(tmp_path: Path) -> None:
-    async def scenario() -> float:
-        async with FakeCoordinator() as coord:
-            settings = WorkerSettings(
-                coordinator_url=coord.url, name="bw", threads=1, use_gpu=False, bandwidth_kbps=1
-            )
-            core = WorkerCore(settings, pin_check=PinStore.in_dir(tmp_path).check, profile=PROFILE)
-            run = asyncio.create_task(core.run())
-            link = await coord.next_link()
-            # 256 KiB in, 64 bytes out: at 1 KiB/s the receive loop would sit out minutes
-            # after t-0, while its tiny result passes within the upload burst.
-            a, b = torch.zeros(4, 8192), torch.zeros(8192, 4)
-            await link.send(coord.task("t-0", a, b))
-            await link.send(coord.task("t-1", a, b))
+async def test_worker_takes_in_exactly_its_bandwidth_limit(tmp_path: Path) -> None:
+    limit_kbps, n_frames, window = 256, 10, 2
+    time = FakeTime()
+    async with FakeCoordinator(heartbeat_interval_s=QUIET_S) as coord:
+        core = make_core(coord.url, tmp_path, time, limit_kbps, window)
+        run = asyncio.create_task(core.run())
+        link = await coord.next_link()
+        gen = torch.Generator().manual_seed(0)
+        frames = [
+            coord.task(f"t-{i}", torch.randn(64, 128, generator=gen), torch.randn(128, 64))
+            for i in range(n_frames)
+        ]
+        # Kept full like a real coordinator keeps a window (64 KiB in, 16 KiB out a tile).
+        for frame in frames[:window]:
+            await link.send(frame)
+        for i in range(n_frames):
             await link.expect(Result)
-            start = time.monotonic()
-            core.set_bandwidth_kbps(0)
-            await link.expect(Result)
-            lifted_after = time.monotonic() - start
-            with pytest.raises(ValueError):
-                core.set_bandwidth_kbps(-1)
-            await stop(core, run)
-            return lifted_after
+            if i + window < n_frames:
+                await link.send(frames[i + window])
+        taken_in = core.status.bytes_in
+        assert await stop(core, run) is RunResult.STOPPED
+    rate = limit_kbps * BYTES_PER_KB
+    burst = TokenBucket(rate).burst
+    assert taken_in > sum(len(f) for f in frames) > 2 * burst
+    # A wait after each frame paid for every byte past the burst: not a byte early.
+    assert time.t - 1000.0 == pytest.approx((taken_in - burst) / rate, rel=1e-9)
+    assert len(time.waits) >= n_frames - 1 and time.held == []
 
-    # At 1 KiB/s the second tile's 256 KiB would take minutes.
-    assert asyncio.run(scenario()) < 30.0
+
+async def test_each_result_waits_until_the_upload_limit_allows_it(tmp_path: Path) -> None:
+    limit_kbps, n_tiles = 64, 4
+    time = FakeTime()
+    async with FakeCoordinator(heartbeat_interval_s=QUIET_S) as coord:
+        core = make_core(coord.url, tmp_path, time, limit_kbps, window=n_tiles)
+        run = asyncio.create_task(core.run())
+        link = await coord.next_link()
+        a, b = torch.ones(256, 1), torch.ones(1, 256)  # 2 KiB in (within the burst), 256 KiB out
+        for i in range(n_tiles):
+            await link.send(coord.task(f"t-{i}", a, b))
+        for _ in range(n_tiles):
+            await link.expect(Result)
+        assert await stop(core, run) is RunResult.STOPPED
+    rate = limit_kbps * BYTES_PER_KB
+    burst = TokenBucket(rate).burst
+    sizes = link.sizes[:n_tiles]
+    # Only results waited (the tasks fit the download burst): the first for what it
+    # took past the burst, each later one for all of its own bytes.
+    assert time.waits == pytest.approx([(sizes[0] - burst) / rate] + [n / rate for n in sizes[1:]])
+    assert time.t - 1000.0 == pytest.approx((sum(sizes) - burst) / rate, rel=1e-9)
+
+
+async def test_bandwidth_limit_can_be_lifted_while_running(tmp_path: Path) -> None:
+    time = FakeTime(hold_over_s=1.0)  # a wait over 1 s lasts until the limit changes
+    async with FakeCoordinator(heartbeat_interval_s=QUIET_S) as coord:
+        core = make_core(coord.url, tmp_path, time, kbps=1)
+        run = asyncio.create_task(core.run())
+        link = await coord.next_link()
+        # 256 KiB in, 64 bytes out: at 1 KiB/s the receive loop sits out minutes after
+        # t-0, while its tiny result passes within the upload burst.
+        a, b = torch.zeros(4, 8192), torch.zeros(8192, 4)
+        await link.send(coord.task("t-0", a, b))
+        await link.send(coord.task("t-1", a, b))
+        await link.expect(Result)
+        await until(lambda: len(time.held) == 1, "the wait after t-0")
+        owed_s = (core.status.bytes_in - MIN_BURST_BYTES) / BYTES_PER_KB
+        assert time.held == [pytest.approx(owed_s)] and owed_s > 200
+        # From another thread, as the GUI's settings dialog does.
+        await asyncio.to_thread(core.set_bandwidth_kbps, 0)
+        await link.expect(Result)  # t-1, read at once
+        with pytest.raises(ValueError):
+            core.set_bandwidth_kbps(-1)
+        assert await stop(core, run) is RunResult.STOPPED
+    assert time.t == 1000.0 and core.bandwidth_kbps == 0  # the lift ended it, not time

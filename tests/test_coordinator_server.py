@@ -32,6 +32,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from client_app.config import PinStore, WorkerSettings
+from client_app.options import WorkerOptions
 from client_app.worker import RunResult, WorkerCore
 from common import PROTOCOL_VERSION
 from common.auth import answer_challenge, new_nonce
@@ -174,10 +175,9 @@ class Honest:
         self.core = WorkerCore(
             settings,
             pin_check=PinStore.in_dir(tmp_path / f"pins-{name}").check,
-            profile=PROFILE,
-            backoff_base_s=0.02,
-            backoff_cap_s=0.1,
-            rng=random.Random(0),
+            options=WorkerOptions(
+                profile=PROFILE, backoff_base_s=0.02, backoff_cap_s=0.1, rng=random.Random(0)
+            ),
         )
         self.task = asyncio.create_task(self.core.run())
 
@@ -937,7 +937,7 @@ async def test_an_honest_worker_core_joins_a_private_pool_with_its_token(tmp_pat
             join_token="pool-secret",
         )
         pins = PinStore.in_dir(tmp_path / "pins")
-        core = WorkerCore(settings, pin_check=pins.check, profile=PROFILE)
+        core = WorkerCore(settings, pin_check=pins.check, options=WorkerOptions(profile=PROFILE))
         task = asyncio.create_task(core.run())
         await until(lambda: "with-token" in coord.conn_ids(), "the member to join")
         gemm = Gemm(coord.server, "g", (64, 48, 40), seed=3)
@@ -950,7 +950,9 @@ async def test_an_honest_worker_core_joins_a_private_pool_with_its_token(tmp_pat
 
         # Without the token the same worker stops for good instead of retrying.
         settings = replace(settings, name="no-token", join_token="")
-        outsider = WorkerCore(settings, pin_check=pins.check, profile=PROFILE)
+        outsider = WorkerCore(
+            settings, pin_check=pins.check, options=WorkerOptions(profile=PROFILE)
+        )
         assert await within(outsider.run()) is RunResult.REFUSED
         assert "join token" in outsider.status.detail
         assert outsider.status.line == "Refused: the coordinator needs the right join token"

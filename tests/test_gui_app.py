@@ -28,6 +28,7 @@ from client_app.gui.bridge import WorkerBridge  # noqa: E402
 from client_app.gui.main_window import MainWindow  # noqa: E402
 from client_app.gui.status_text import shown_state, status_line  # noqa: E402
 from client_app.gui.tray import state_icon  # noqa: E402
+from client_app.options import WorkerOptions  # noqa: E402
 from client_app.policy import Readings  # noqa: E402
 from client_app.status import WorkerStatus  # noqa: E402
 from common.messages import Result  # noqa: E402
@@ -42,7 +43,10 @@ def plugged_in() -> Readings:
 
 def make_window(qtbot: QtBot, settings: WorkerSettings, **core_options: Any) -> MainWindow:
     bridge = WorkerBridge(
-        config_dir(), core_options=core_options, sample=plugged_in, policy_interval_s=0.2
+        config_dir(),
+        core_options=WorkerOptions(**core_options),
+        sample=plugged_in,
+        policy_interval_s=0.2,
     )
     window = MainWindow(settings, config_dir(), bridge=bridge)
     # Leave and wait for the worker thread before the window goes: a worker outliving
@@ -240,8 +244,8 @@ def test_settings_dialog_changes_apply_live_and_persist(qtbot: QtBot) -> None:
         qtbot.waitUntil(lambda: window.bridge.status.threads == 2, timeout=5_000)
         core = window.bridge._core
         assert core is not None
-        qtbot.waitUntil(lambda: core._bandwidth_kbps == 512, timeout=5_000)
-        assert core._cpu_percent == 50
+        qtbot.waitUntil(lambda: core.bandwidth_kbps == 512, timeout=5_000)
+        assert core.cpu_percent == 50
         assert WorkerSettings.load(config_dir()) == changed
         dialog.close()
     finally:

@@ -63,39 +63,36 @@ def test_corrupt_pin_file_stops_the_worker_before_it_joins(config: Path) -> None
     assert cli.main(["--coordinator", URL]) == cli.EXIT_USAGE
 
 
-def test_changed_key_exits_with_code_3_and_generates_a_persistent_name(config: Path) -> None:
+async def test_changed_key_exits_with_code_3_and_generates_a_persistent_name(config: Path) -> None:
     env = dict(os.environ, CLEAVE_CONFIG_DIR=str(config))
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE.parent), env.get("PYTHONPATH", "")])
 
-    async def scenario() -> tuple[int, str, str]:
-        async with FakeCoordinator() as coord:
-            PinStore.in_dir(config).check(coord.url, public_key_hex(generate_private_key()))
-            # A real process, so that a worker which wrongly keeps going can be killed.
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "client_app",
-                "--coordinator",
-                coord.url,
-                "--threads",
-                "1",
-                "--no-gpu",
-                env=env,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )
-            assert proc.stdout is not None
-            try:
-                hello_name = (await coord.next_link(timeout=30)).hello.name
-                code = await within(proc.wait(), 30)
-                output = (await within(proc.stdout.read())).decode(errors="replace")
-                return code, hello_name, output
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
+    async with FakeCoordinator() as coord:
+        PinStore.in_dir(config).check(coord.url, public_key_hex(generate_private_key()))
+        # A real process, so that a worker which wrongly keeps going can be killed.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "client_app",
+            "--coordinator",
+            coord.url,
+            "--threads",
+            "1",
+            "--no-gpu",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        assert proc.stdout is not None
+        try:
+            hello_name = (await coord.next_link(timeout=30)).hello.name
+            code = await within(proc.wait(), 30)
+            output = (await within(proc.stdout.read())).decode(errors="replace")
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
-    code, hello_name, output = asyncio.run(scenario())
     assert code == cli.EXIT_REFUSED, output
     assert "coordinator key changed" in output and "--forget" in output
     saved = json.loads((config / "settings.json").read_text())

@@ -1,28 +1,28 @@
-"""The CPU-time limit: the duty-cycle controller (pure) and a measured worker.
+"""The CPU-time limit: the duty-cycle controller (pure), then a real worker on loopback.
 
-The controller is tested exactly, with a fake clock. The measured tests run a real
-``WorkerCore`` against the loopback fake coordinator and assert only what load on the
-machine cannot break: the worker never uses more CPU time than its limit allows (+15%),
-rests at a limit below 100% and never at 100%. How close it comes to the limit from
-below is a measurement, not a test: ``python bench/bench_limits.py`` prints it.
+Both run on an injected clock: the controller takes every time as an argument, and the
+worker gets a ``FakeTime`` whose clocks move only by what its tile computer says a tile
+took and by the rests it asks for. So the share of the cores it uses comes out exact,
+however loaded the machine is. How close a worker comes to its limit in real time is a
+measurement, not a test: ``python bench/bench_limits.py`` prints it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_worker_loopback import PROFILE, FakeCoordinator, Link, within
+from test_worker_loopback import PROFILE, FakeCoordinator, Link, stop
+from test_worker_pacing import FakeTime, until
 
 from client_app.compute import TileComputer
 from client_app.config import PinStore, WorkerSettings
 from client_app.duty import DutyCycle, fraction_from_percent
+from client_app.options import WorkerOptions
 from client_app.status import WorkerStatus
 from client_app.worker import RunResult, WorkerCore
 from common.messages import Result
@@ -114,172 +114,127 @@ def test_bad_values_are_refused() -> None:
         make_core("ws://127.0.0.1:1/ws", Path("."), cpu_percent=0)
 
 
-# ---- a real worker, measured ---------------------------------------------------------
-
-TILE_CPU_S = 0.03  # each tile burns this much CPU time on the compute thread
+# ---- a real worker, on a fake clock --------------------------------------------------
 
 
-class BurningComputer(TileComputer):
-    """Computes the real tile, then burns a fixed CPU time in fp32 matmuls.
+class TimedComputer(TileComputer):
+    """Computes the real (tiny) tile, and tells the fake time that it took ``wall_s``
+    seconds and ``cpu_s`` CPU seconds of the process."""
 
-    Burning CPU time (not wall time) keeps every tile's work the same when other tests
-    compete for the cores; tiny operands keep the wire and signature work negligible.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(1, use_gpu=False)
-        self.burned_cpu_s = 0.0  # the compute thread's own CPU time in tiles
-        self.busy_wall_s = 0.0
-        self._x = torch.randn(128, 128)
+    def __init__(self, time: FakeTime, threads: int, *, wall_s: float, cpu_s: float) -> None:
+        super().__init__(threads, use_gpu=False)
+        self.time, self.wall_s, self.cpu_s = time, wall_s, cpu_s
 
     def compute(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        wall0, cpu0 = time.perf_counter(), time.thread_time()
         c = super().compute(op, a, b)
-        while time.thread_time() - cpu0 < TILE_CPU_S:
-            torch.matmul(self._x, self._x)
-        self.burned_cpu_s += time.thread_time() - cpu0
-        self.busy_wall_s += time.perf_counter() - wall0
+        self.time.busy(self.wall_s, self.cpu_s)
         return c
 
 
 def make_core(
-    url: str, config: Path, statuses: list[WorkerStatus] | None = None, **settings: Any
+    url: str,
+    config: Path,
+    time: FakeTime | None = None,
+    computer: TileComputer | None = None,
+    statuses: list[WorkerStatus] | None = None,
+    **settings: Any,
 ) -> WorkerCore:
+    time = time or FakeTime()
+    options = WorkerOptions(
+        computer=computer or TimedComputer(time, 1, wall_s=0.03, cpu_s=0.03),
+        profile=PROFILE,
+        backoff_base_s=0.02,
+        backoff_cap_s=0.1,
+        rng=random.Random(0),
+        clocks=time.clocks(),
+    )
     return WorkerCore(
         WorkerSettings(
             coordinator_url=url, name="duty-w", threads=1, use_gpu=False, window=2, **settings
         ),
         pin_check=PinStore.in_dir(config).check,
+        options=options,
         observer=statuses.append if statuses is not None else None,
-        computer=BurningComputer(),
-        profile=PROFILE,
-        backoff_base_s=0.02,
-        backoff_cap_s=0.1,
-        rng=random.Random(0),
     )
 
 
-async def keep_supplied(coord: FakeCoordinator, link: Link, window: int = 2) -> None:
-    """Hold the worker's window full: a new tile for every result, forever."""
+async def supply(coord: FakeCoordinator, link: Link, n: int, first: int = 0) -> None:
+    """``n`` tiles, holding the worker's window (2) full; returns once all are answered."""
     a, b = torch.randn(8, 8), torch.randn(8, 8)
-    # Signed ahead of time so that the fake coordinator's own CPU barely shows.
-    frames = iter([coord.task(f"t-{i}", a, b) for i in range(2000)])
-    for _ in range(window):
-        await link.send(next(frames))
-    while True:
+    frames = [coord.task(f"t-{first + i}", a, b) for i in range(n)]
+    for frame in frames[:2]:
+        await link.send(frame)
+    for i in range(n):
         await link.expect(Result)
-        await link.send(next(frames))
+        if i + 2 < n:
+            await link.send(frames[i + 2])
 
 
-class Meter:
-    """CPU time between two marks: the worker's two threads, and the whole process.
-
-    Mark and read on the event loop thread. The worker's CPU time is its compute thread
-    plus its event loop thread (which also runs the tiny fake coordinator). The whole
-    process also holds whatever threads earlier tests in this pytest run left behind,
-    so it is only reported, not asserted on.
-    """
-
-    def __init__(self, computer: BurningComputer) -> None:
-        self.computer = computer
-        self.mark()
-
-    def mark(self) -> None:
-        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
-        self.loop_cpu0 = time.thread_time()
-        self.burned0, self.busy0 = self.computer.burned_cpu_s, self.computer.busy_wall_s
-
-    def read(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.wall0
-        compute = (self.computer.burned_cpu_s - self.burned0) / wall
-        loop = (time.thread_time() - self.loop_cpu0) / wall
-        return {
-            "window_s": wall,
-            "worker": compute + loop,
-            "compute_thread": compute,
-            "loop_thread": loop,
-            "process": (time.process_time() - self.cpu0) / wall,
-            "busy_wall": (self.computer.busy_wall_s - self.busy0) / wall,
-        }
+async def test_half_cpu_uses_exactly_half_of_the_granted_cores(tmp_path: Path) -> None:
+    time, statuses = FakeTime(), []
+    # Each tile keeps both granted cores busy for 0.03 s (0.06 CPU seconds), stretched to
+    # 0.04 s of wall time by other programs: it is charged 0.03 s and rests 0.02 s.
+    computer = TimedComputer(time, 2, wall_s=0.04, cpu_s=0.06)
+    async with FakeCoordinator() as coord:
+        core = make_core(coord.url, tmp_path, time, computer, statuses, cpu_percent=50)
+        run = asyncio.create_task(core.run())
+        link = await coord.next_link()
+        await supply(coord, link, 20)
+        await until(lambda: len(time.waits) == 20, "the rest after the last tile")
+        assert await stop(core, run) is RunResult.STOPPED
+    assert time.waits == pytest.approx([0.02] * 20)
+    assert (time.cpu / 2) / (time.t - 1000.0) == pytest.approx(0.5, rel=1e-9)
+    assert "Resting (CPU limit 50%)" in {s.line for s in statuses}
 
 
-def measure_cpu(percent: int, config: Path, seconds: float = 4.0) -> dict[str, float]:
-    """A worker kept supplied with tiles at ``percent``: its CPU-time figures over
-    ``seconds`` after a warm-up, the heartbeats meanwhile, and whether it rested."""
-    statuses: list[WorkerStatus] = []
+async def test_full_cpu_never_rests_and_a_live_change_applies(tmp_path: Path) -> None:
+    time, statuses = FakeTime(), []
+    async with FakeCoordinator() as coord:
+        core = make_core(coord.url, tmp_path, time, statuses=statuses)
+        run = asyncio.create_task(core.run())
+        link = await coord.next_link()
+        await supply(coord, link, 10)
+        assert time.waits == [] and not any("Resting" in s.line for s in statuses)
 
-    async def scenario() -> dict[str, float]:
-        async with FakeCoordinator(heartbeat_interval_s=0.1) as coord:
-            core = make_core(coord.url, config, statuses, cpu_percent=percent)
-            assert isinstance(core.computer, BurningComputer)
-            run = asyncio.create_task(core.run())
-            link = await coord.next_link()
-            feeder = asyncio.create_task(keep_supplied(coord, link))
-            await asyncio.sleep(1.0)  # warm-up: torch's first matmuls, the first rests
-            meter, beats0 = Meter(core.computer), len(link.heartbeats)
-            await asyncio.sleep(seconds)
-            figures = meter.read()
-            # Heartbeats kept coming while the worker rested (every 0.1 s, give or take).
-            figures["heartbeats"] = len(link.heartbeats) - beats0
-            feeder.cancel()
-            core.stop()
-            assert await within(run) is RunResult.STOPPED
-        return figures
-
-    figures = asyncio.run(scenario())
-    figures["rested"] = float(f"Resting (CPU limit {percent}%)" in {s.line for s in statuses})
-    return figures
+        # From another thread, as a GUI would: the next tiles' rests obey 25%, and the
+        # busy time at 100% is not owed (0.03 s tiles, 0.09 s rests).
+        await asyncio.to_thread(core.set_cpu_percent, 25)
+        await supply(coord, link, 5, first=10)
+        await until(lambda: len(time.waits) == 5, "the rest after the last tile")
+        assert time.waits == pytest.approx([0.09] * 5)
+        assert core.cpu_percent == 25
+        with pytest.raises(ValueError):
+            core.set_cpu_percent(0)
+        assert await stop(core, run) is RunResult.STOPPED
 
 
-def test_half_cpu_never_exceeds_its_limit(tmp_path: Path) -> None:
-    figures = measure_cpu(50, tmp_path)
-    print(f"\nCPU limit 50%: {figures}")
-    # Over the limit is a bug; under it, only a loaded machine (bench/bench_limits.py).
-    assert figures["worker"] <= 0.575, figures
-    assert figures["compute_thread"] > 0 and figures["rested"], figures
-    assert figures["heartbeats"] >= 5, figures  # it kept talking while it rested
+async def test_a_resting_worker_keeps_talking_and_a_raised_limit_ends_its_rest(
+    tmp_path: Path,
+) -> None:
+    time = FakeTime(hold_over_s=0.0)  # every rest lasts until the limit changes
+    async with FakeCoordinator() as coord:
+        core = make_core(coord.url, tmp_path, time, cpu_percent=25)
+        run = asyncio.create_task(core.run())
+        link = await coord.next_link()
+        a, b = torch.randn(8, 8), torch.randn(8, 8)
+        await link.send(coord.task("t-0", a, b))
+        await link.expect(Result)
+        await until(lambda: len(time.held) == 1, "the rest after t-0")
+        assert time.held == pytest.approx([0.09])
+        assert core.status.line == "Resting (CPU limit 25%)"
 
+        # While it rests, the worker takes in the next tile but does not start it...
+        taken_in = core.status.bytes_in
+        await link.send(coord.task("t-1", a, b))
+        await until(lambda: core.status.bytes_in > taken_in, "t-1 to be taken in")
+        assert core.status.current_tile == "" and core.status.state == "computing"
+        # ... and heartbeats go on (they are due once the clock has moved on).
+        beats = len(link.heartbeats)
+        time.t += 1.0
+        await until(lambda: len(link.heartbeats) > beats, "a heartbeat during the rest")
 
-def test_full_cpu_never_rests_and_a_live_change_applies(tmp_path: Path) -> None:
-    statuses: list[WorkerStatus] = []
-
-    async def scenario() -> tuple[dict[str, float], dict[str, float], int]:
-        async with FakeCoordinator(heartbeat_interval_s=0.1) as coord:
-            core = make_core(coord.url, tmp_path, statuses)
-            assert isinstance(core.computer, BurningComputer)
-            run = asyncio.create_task(core.run())
-            link = await coord.next_link()
-            feeder = asyncio.create_task(keep_supplied(coord, link))
-            await asyncio.sleep(0.3)
-            meter = Meter(core.computer)
-            await asyncio.sleep(1.0)
-            full = meter.read()
-            rested_at_full = sum("Resting" in s.line for s in statuses)
-
-            # From another thread, as a GUI would: the next tile's rest obeys 25%.
-            threading.Thread(target=core.set_cpu_percent, args=(25,)).start()
-            await asyncio.sleep(0.3)
-            meter.mark()
-            await asyncio.sleep(1.5)
-            quarter = meter.read()
-
-            # Raising the limit ends a rest under way (within seconds even under load;
-            # the rest the 25% limit asks after a tile is longer).
-            core.set_cpu_percent(100)
-            for _ in range(100):
-                if not core.status.line.startswith("Resting"):
-                    break
-                await asyncio.sleep(0.05)
-            assert not core.status.line.startswith("Resting"), core.status
-            feeder.cancel()
-            core.stop()
-            assert await within(run) is RunResult.STOPPED
-        return full, quarter, rested_at_full
-
-    full, quarter, rested_at_full = asyncio.run(scenario())
-    print(f"\nCPU limit 100%: {full}\nCPU limit 25%: {quarter}")
-    assert rested_at_full == 0 and full["compute_thread"] > 0, full
-    assert quarter["worker"] <= 0.25 * 1.3, quarter
-    assert "Resting (CPU limit 25%)" in {s.line for s in statuses}
-    with pytest.raises(ValueError):
-        make_core("ws://x/ws", tmp_path).set_cpu_percent(0)
+        core.set_cpu_percent(100)  # owes no more of the rest: t-1 goes at once
+        await link.expect(Result)
+        assert time.held == pytest.approx([0.09]) and core.status.tiles_done == 2
+        assert await stop(core, run) is RunResult.STOPPED
+    assert time.t == pytest.approx(1000.0 + 2 * 0.03 + 1.0)  # the tiles and the nudge only

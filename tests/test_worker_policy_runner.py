@@ -153,23 +153,20 @@ def test_set_config_from_settings_keeps_the_idle_history() -> None:
     assert core.calls == [("pause", "computer in use"), ("resume",)]
 
 
-def test_run_ticks_until_stopped_from_another_thread() -> None:
+async def test_run_ticks_until_stopped_from_another_thread() -> None:
     clock = Clock()
     script = [Readings(on_battery=True)] * 3 + [Readings(on_battery=False)] * 1000
     runner, core = make_runner(PolicyConfig(), clock, script)
     seen: list[Decision] = []
     runner._on_decision = seen.append  # observe changes
 
-    async def scenario() -> None:
-        task = asyncio.ensure_future(runner.run())
-        for _ in range(500):  # bounded: ~5 s at most
-            if core.calls == [("pause", "on battery"), ("resume",)]:
-                break
-            await asyncio.sleep(0.01)
-        threading.Thread(target=runner.stop).start()
-        await asyncio.wait_for(task, 5)
-
-    asyncio.run(scenario())
+    task = asyncio.ensure_future(runner.run())
+    for _ in range(500):  # bounded: ~5 s at most
+        if core.calls == [("pause", "on battery"), ("resume",)]:
+            break
+        await asyncio.sleep(0.01)
+    threading.Thread(target=runner.stop).start()
+    await asyncio.wait_for(task, 5)
     assert core.calls == [("pause", "on battery"), ("resume",)]
     assert [d.reason_code for d in seen] == [ON_BATTERY, RUN]
 
@@ -282,7 +279,7 @@ def test_bad_policy_flags_exit_with_usage_error(
     assert info.value.code == cli.EXIT_USAGE
 
 
-def test_cleave_worker_runs_the_policy_next_to_the_core(tmp_path: Path) -> None:
+async def test_cleave_worker_runs_the_policy_next_to_the_core(tmp_path: Path) -> None:
     """A real process outside its schedule tells the coordinator why it is paused."""
     now = datetime.now()
     start, end = now + timedelta(hours=2), now + timedelta(hours=3)  # never contains now
@@ -291,31 +288,29 @@ def test_cleave_worker_runs_the_policy_next_to_the_core(tmp_path: Path) -> None:
     env = dict(os.environ, CLEAVE_CONFIG_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join([str(package_root), env.get("PYTHONPATH", "")])
 
-    async def scenario() -> tuple[int, str]:
-        async with FakeCoordinator() as coord:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "client_app", "--coordinator", coord.url,
-                "--threads", "1", "--no-gpu", "--schedule", schedule,
-                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
-            assert proc.stdout is not None
-            try:
-                link = await coord.next_link(timeout=25)
-                assert (await link.expect(Pause, timeout=10)).message == Pause("outside schedule")
-                proc.send_signal(signal.SIGTERM)
-                code = await within(proc.wait(), 15)
-                return code, (await within(proc.stdout.read())).decode(errors="replace")
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
+    async with FakeCoordinator() as coord:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "client_app", "--coordinator", coord.url,
+            "--threads", "1", "--no-gpu", "--schedule", schedule,
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            link = await coord.next_link(timeout=25)
+            assert (await link.expect(Pause, timeout=10)).message == Pause("outside schedule")
+            proc.send_signal(signal.SIGTERM)
+            code = await within(proc.wait(), 15)
+            output = (await within(proc.stdout.read())).decode(errors="replace")
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
-    code, output = asyncio.run(scenario())
     assert code == cli.EXIT_OK, output
     assert f"schedule {schedule}" in output and "Paused: outside schedule" in output
 
 
-def test_a_reading_that_raises_is_treated_as_unknown_and_the_runner_goes_on() -> None:
+async def test_a_reading_that_raises_is_treated_as_unknown_and_the_runner_goes_on() -> None:
     import asyncio
 
     from client_app.policy import PolicyConfig
@@ -333,13 +328,10 @@ def test_a_reading_that_raises_is_treated_as_unknown_and_the_runner_goes_on() ->
     def broken() -> Readings:
         raise OSError("sensor gone")
 
-    async def scenario() -> None:
-        runner = PolicyRunner(Core(), PolicyConfig(), sample=broken, interval_s=0.01)
-        task = asyncio.ensure_future(runner.run())
-        await asyncio.sleep(0.1)
-        assert not task.done()  # still ticking despite the broken sensor
-        runner.stop()
-        await asyncio.wait_for(task, 2)
-
-    asyncio.run(scenario())
+    runner = PolicyRunner(Core(), PolicyConfig(), sample=broken, interval_s=0.01)
+    task = asyncio.ensure_future(runner.run())
+    await asyncio.sleep(0.1)
+    assert not task.done()  # still ticking despite the broken sensor
+    runner.stop()
+    await asyncio.wait_for(task, 2)
     assert not any(c.startswith("pause") for c in calls), calls

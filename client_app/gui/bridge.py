@@ -22,6 +22,7 @@ from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from client_app.config import ConfigError, PinStore, WorkerSettings, load_identity
 from client_app.gui.status_text import MANUAL_PAUSE_REASON, NOT_JOINED
+from client_app.options import WorkerOptions
 from client_app.policy import Readings
 from client_app.policy_runner import DEFAULT_INTERVAL_S, PolicyRunner
 from client_app.status import WorkerStatus
@@ -85,13 +86,14 @@ class WorkerBridge(QObject):
         config_directory: Path,
         parent: QObject | None = None,
         *,
-        core_options: dict[str, Any] | None = None,
+        core_options: WorkerOptions | None = None,
         sample: Callable[[], Readings] | None = None,
         policy_interval_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
         super().__init__(parent)
         self._directory = config_directory
-        self._core_options = dict(core_options or {})  # tests: a fixed profile, fast backoff
+        # Tests: a fixed profile, fast backoff. The identity and name are the app's own.
+        self._core_options = core_options or WorkerOptions()
         self._sample = sample
         self._policy_interval_s = policy_interval_s
         self._lock = threading.Lock()
@@ -138,13 +140,9 @@ class WorkerBridge(QObject):
             identity = load_identity(self._directory)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-        core = WorkerCore(
-            settings,
-            pin_check=PinStore.in_dir(self._directory).check,
-            identity=identity,
-            client_name="cleave-app",
-            **self._core_options,
-        )
+        core_options = replace(self._core_options, identity=identity, client_name="cleave-app")
+        pin_check = PinStore.in_dir(self._directory).check
+        core = WorkerCore(settings, pin_check=pin_check, options=core_options)
         gate = PauseGate(core)
         gate.set_manual(self._manual_pause)
         options: dict[str, Any] = {"interval_s": self._policy_interval_s}
