@@ -649,6 +649,19 @@ def traced_step(
     return traced, flat, want
 
 
+def record_submissions(server: CoordinatorServer) -> list[str]:
+    """The ids of the tiles the offload hands to ``server`` from now on."""
+    submitted: list[str] = []
+    submit = server.submit
+
+    def recording_submit(jobs: list[Any]) -> None:
+        submitted.extend(job.tile_id for job in jobs)
+        submit(jobs)
+
+    server.submit = recording_submit  # type: ignore[method-assign]
+    return submitted
+
+
 async def run_offloaded(
     server: CoordinatorServer, planning: LivePlanning, traced: Any, flat: list[Any], label: str
 ) -> tuple[list[Any], Any]:
@@ -684,14 +697,7 @@ async def test_a_training_step_offloaded_through_the_server_matches_eager(tmp_pa
 
     async with coordinator(tmp_path) as coord, honest_workers(coord, tmp_path, "w1", "w2"):
         server = coord.server
-        submitted: list[str] = []
-        submit = server.submit
-
-        def recording_submit(jobs: list[Any]) -> None:
-            submitted.extend(job.tile_id for job in jobs)
-            submit(jobs)
-
-        server.submit = recording_submit  # type: ignore[method-assign]
+        submitted = record_submissions(server)
         got, stats = await run_offloaded(server, LivePlanning(cost_model=False), traced, flat, "s3")
         assert stats.gemms_offloaded == len(traced.gemm_nodes()) and stats.gemms_local == 0
         assert_outputs_match(got, want)
@@ -771,14 +777,7 @@ async def test_tiles_that_name_their_worker_go_through_the_server(tmp_path: Path
 async def test_the_offload_declines_what_it_cannot_tile(tmp_path: Path) -> None:
     async with coordinator(tmp_path) as coord:
         server = coord.server
-        submitted: list[str] = []
-        submit = server.submit
-
-        def recording_submit(jobs: list[Any]) -> None:
-            submitted.extend(job.tile_id for job in jobs)
-            submit(jobs)
-
-        server.submit = recording_submit  # type: ignore[method-assign]
+        submitted = record_submissions(server)
         offload = TileOffload(
             server, asyncio.get_running_loop(), server.key, lambda *_: PlanConfig()
         )
@@ -794,7 +793,7 @@ async def test_the_offload_declines_what_it_cannot_tile(tmp_path: Path) -> None:
         assert offload.start("complex", "mm", cplx, cplx, never) == 0
         # 1 kFLOP is far below PlanConfig().min_offload_flops: run it at the coordinator.
         assert offload.start("tiny", "mm", small, small, never) == 0
-        assert server.jobs == {} and server.counters.tiles_sent == 0
+        assert submitted == [] and server.jobs == {} and server.counters.tiles_sent == 0
 
 
 async def test_a_straggler_past_its_deadline_is_cancelled_and_its_late_result_ignored(
