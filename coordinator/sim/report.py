@@ -223,15 +223,19 @@ def pool_for_cli(n: int, seed: int, spec: PoolSpec, stragglers: int) -> list[Dev
 
 INTRO = """# Simulated pools
 
-Everything below is produced by `python -m coordinator.sim report` (seed 1, ~2 minutes on
-2 cores) and can be re-run; `python -m coordinator.sim run --help` simulates one pool and
+Everything below is produced by `python -m coordinator.sim report` (seed 1, ~10 minutes
+on 2 cores) and can be re-run; `python -m coordinator.sim run --help` simulates one pool and
 writes JSON (`--json FILE`).
 
 ## What is simulated, and what is simplified
 
-- A discrete-event loop with a simulated clock drives the **real** `coordinator.schedule.scheduler.
-  Scheduler` (submit, assign, complete, expire on heartbeat ticks, stranded/take_over,
-  speculate) and the real planners: `planner.plan_gemm` (the old default, still
+- A discrete-event loop with a simulated clock drives the **live coordinator's core**,
+  `coordinator.pool.core.CoordinatorCore`, as the server's pump does: joins, heartbeats,
+  results and the expiry tick go in, and its task frames, cancels, closes and stranded
+  tiles act on the simulated devices. Every decision is the server's own: the real
+  `Scheduler` (assign, complete, expire, stranded/take_over, speculate), the finish
+  predictions, the operand-cache mirror, what the core learns of each device from its
+  tiles and the pool view the planner reads. Stages are planned with the real planners: `planner.plan_gemm` (the old default, still
   `serve --planner grid`) and `live.LivePlanning` (the live default: the cost model
   of the devices as estimated so far; tiles placed by earliest finish, each naming its
   worker, where compute binds and links are measured, else as pull would hand them out;
@@ -246,7 +250,7 @@ writes JSON (`--json FILE`).
   to 1 GiB, downlink log-normal, uplink 2-10x slower. Each tile is download (device link
   and the coordinator's shared 10 Gbit/s egress, FIFO) -> compute -> upload, with a
   prefetch window of 2. Results are always correct; verification costs nothing.
-- The operand cache is the live server's (`coordinator/serve/server.py` `_frame_for`): each
+- The operand cache is the live server's (`coordinator/pool/workers.py` `Worker.task_frame`): each
   device keeps the operand blocks it was sent (A block `{gemm}/a/{b}.{m}.{k}`, B block
   `{gemm}/b/{b}.{k}.{n}`), up to its memory cap, least recently used first out; the
   coordinator mirrors each device's cache, sends only the blocks a device lacks, and
@@ -284,11 +288,13 @@ writes JSON (`--json FILE`).
   (`plan_gemm`, every GEMM sent) utilisation is ~1% or less, steps take 25-2500 s, and
   past ~16 devices the coordinator's shared 10 Gbit/s egress makes them slower again.
   The cost planner (the live default) sees this in its estimates and keeps what the
-  links cannot feed at the coordinator: 3.1-3.3 s per step on campus links up to 16
-  devices (the coordinator alone: 3.3 s), 3.3 s on home links from the second step (the
-  first step pays for assuming unmeasured links are fast: 4.1-5.4 s). It is not faster
-  than a 500 GFLOP/s coordinator for this small model, and at 64-256 campus devices it
-  is 5-20% slower (3.5-4.0 s: tiles pulled by slow devices). The operand cache makes the
+  links cannot feed at the coordinator: 3.3-3.6 s per step on campus links up to 16
+  devices from the second step (the coordinator alone: 3.3 s), 3.3 s on home links up to
+  64 devices from the second step. The first step pays for assuming unmeasured links are
+  fast (4.2-4.6 s on campus links, 4.3-8.3 s on home links): the core learns a device's
+  links only from tiles that waited behind no other, as the server does. It is not
+  faster than a 500 GFLOP/s coordinator for this small model, and at 64-256 campus
+  devices it is 30-40% slower (4.3-4.6 s: tiles pulled by slow devices). The operand cache makes the
   old planner's steps 3-6% faster up to 16 devices.
 - (c) A disconnect costs almost nothing (the tiles re-queue at once); a silent failure
   costs about the heartbeat timeout. Both are >= 100x below the restart baseline.
@@ -305,10 +311,10 @@ writes JSON (`--json FILE`).
   tiles name the worker the plan placed them on and wait for it (a worker that would
   return one clearly sooner steals it), instead of going to the first free slot, which
   gave 1.03-85x (slow devices taking tiles a fast one would have finished sooner). On
-  a 10 Gbit/s LAN: 1.2-6.6x for CPUs, 1.5-13x with GPUs (pull: up to 81x); on home
+  a 10 Gbit/s LAN: 1.2-6.2x for CPUs, 1.5-14x with GPUs (pull: up to 81x); on home
   links it is pull's plan, and the coordinator alone's ratio.
 - (e) With a pull scheduler and a window of 2, 10x stragglers in a bandwidth-bound pool
-  cost little; speculative copies shave a fraction of a second here (the cache another
+  cost little; speculative copies change the step by under 0.1 s here (the cache saves
   ~1.7 s). Their benefit shows in compute-bound pools (see
   tests/test_sim.py::test_speculation_rescues_stragglers).
 
