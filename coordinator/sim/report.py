@@ -235,12 +235,12 @@ writes JSON (`--json FILE`).
   tiles act on the simulated devices. Every decision is the server's own: the real
   `Scheduler` (assign, complete, expire, stranded/take_over, speculate), the finish
   predictions, the operand-cache mirror, what the core learns of each device from its
-  tiles and the pool view the planner reads. Stages are planned with the real planners: `planner.plan_gemm` (the old default, still
-  `serve --planner grid`) and `live.LivePlanning` (the live default: the cost model
-  of the devices as estimated so far; tiles placed by earliest finish, each naming its
-  worker, where compute binds and links are measured, else as pull would hand them out;
-  after the work earlier plans committed, the coordinator computing the share it would
-  finish first).
+  tiles and the pool view the planner reads. Stages are planned with the real planners:
+  `planner.plan_gemm` (the old default, still `serve --planner grid`) and
+  `live.LivePlanning` (the live default: the cost model of the devices as estimated so
+  far; tiles placed by earliest finish, each naming its worker, where compute binds and
+  links are measured, else as pull would hand them out; after the work earlier plans
+  committed, the coordinator computing the share it would finish first).
 - A training step is the GEMMs of a real model's shapes (`coordinator/sim/models.py`):
   every linear's forward mm and two backward mm's, the attention bmm's (2 forward, 4
   backward) and the LM head, grouped into stages with a barrier after each (stricter
