@@ -17,7 +17,6 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +26,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from common.auth import check_hello, make_welcome, new_nonce
-from common.errors import ErrorCode, ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
-from common.messages import Challenge, Error, Hello, encode_message, parse_message
-from common.signing import fingerprint, public_key_hex
+from common.signing import fingerprint
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, Close, CloseCode, Effects, Send
 from coordinator.pool.ledger import Ledger
@@ -39,12 +35,19 @@ from coordinator.pool.reputation import ReputationPolicy
 from coordinator.pool.workers import Counters, PoolView, Worker
 from coordinator.schedule.scheduler import Scheduler, SchedulerConfig
 from coordinator.serve import http_api
+from coordinator.serve.checks import CheckThread
+from coordinator.serve.handshake import (
+    WS_PATH,
+    Refused,
+    close_reason,
+    close_unread,
+    handshake,
+    peer,
+)
 from coordinator.tiles.tiled_gemm import SignedTile
-from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new_generator
 
 log = logging.getLogger("cleave.coordinator")
 
-WS_PATH = "/ws"
 # A connection the core closed gets this long to send its last words and close cleanly;
 # then it is cut (a peer that stopped reading would otherwise hold its writer forever).
 CLOSE_GRACE_S = 5.0
@@ -85,15 +88,6 @@ class _Connection:
     writer: asyncio.Task[None] | None = None
 
 
-class _Refused(Exception):
-    """Close this connection during its handshake, with a reason."""
-
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-
 class CoordinatorServer:
     def __init__(
         self,
@@ -117,11 +111,7 @@ class CoordinatorServer:
         )
         self.port = 0
         self._conns: dict[str, _Connection] = {}
-        # One verify thread, so one private generator needs no lock.
-        self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
-        self._check_vectors = new_generator()
-        # Row norms and b ρ of operand blocks, shared by the tiles a block is part of.
-        self._check_cache = CheckCache()
+        self._checks = CheckThread()
         self._server: Server | None = None
         self._handshaking = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -178,7 +168,7 @@ class CoordinatorServer:
             self._server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-        self._verify_pool.shutdown(wait=False, cancel_futures=True)
+        self._checks.shutdown()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -235,7 +225,7 @@ class CoordinatorServer:
             while True:
                 item = await conn.outbox.get()
                 if isinstance(item, Close):
-                    await conn.ws.close(item.code, _close_reason(item.reason))
+                    await conn.ws.close(item.code, close_reason(item.reason))
                     return
                 if conn.closing is not None and item.tile_id:
                     continue  # its tiles have moved on: send only its last words
@@ -247,26 +237,15 @@ class CoordinatorServer:
             conn.ws.transport.abort()
 
     async def _check_result(self, check: Check) -> None:
-        verdict = None
-        if check.c is not None:
-            loop = asyncio.get_running_loop()
-            verdict = await loop.run_in_executor(self._verify_pool, self._check, check.job, check.c)
+        verdict = None if check.c is None else await self._checks.verdict(check.job, check.c)
         self._apply(self.core.checked(check, verdict, self.clock()))
 
-    def _check(self, job: SignedTile, c: torch.Tensor) -> CheckResult:
-        """The result check, on the verify thread."""
-        blocks = job.check_blocks if all(job.blocks) else None
-        a, b = job.matrices()
-        return check_product(a, b, c, self._check_vectors, cache=self._check_cache, blocks=blocks)
-
     async def _deliver(self, job: SignedTile, c: torch.Tensor) -> None:
-        loop = asyncio.get_running_loop()
-        finished = await loop.run_in_executor(self._verify_pool, job.gemm.deliver, job.region, c)
+        finished = await self._checks.deliver(job, c)
         self._apply(self.core.delivered(job, finished, self.clock()))
 
     async def _compute_here(self, job: SignedTile) -> None:
-        loop = asyncio.get_running_loop()
-        finished = await loop.run_in_executor(self._verify_pool, _compute_and_deliver, job)
+        finished = await self._checks.compute_here(job)
         self._apply(self.core.delivered(job, finished, self.clock()))
 
     async def _expire_loop(self) -> None:
@@ -278,21 +257,26 @@ class CoordinatorServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         if self._handshaking >= self.config.max_handshakes:
-            await _close(ws, CloseCode.TRY_LATER, "too many connections are joining; retry later")
+            await close_unread(
+                ws, CloseCode.TRY_LATER, "too many connections are joining; retry later"
+            )
             return
         self._handshaking += 1
         try:
             worker_id, hello = await asyncio.wait_for(
-                self._handshake(ws), self.config.handshake_timeout_s
+                handshake(
+                    ws, key=self.key, core=self.core, config=self.config, job_name=self.job_name
+                ),
+                self.config.handshake_timeout_s,
             )
         except asyncio.TimeoutError:
             self.counters.refused_handshakes += 1
-            await _close(ws, CloseCode.POLICY, "no valid hello within the handshake timeout")
+            await close_unread(ws, CloseCode.POLICY, "no valid hello within the handshake timeout")
             return
-        except _Refused as refused:
+        except Refused as refused:
             self.counters.refused_handshakes += 1
-            log.info("refused a connection from %s: %s", _peer(ws), refused.reason)
-            await _close(ws, refused.code, refused.reason)
+            log.info("refused a connection from %s: %s", peer(ws), refused.reason)
+            await close_unread(ws, refused.code, refused.reason)
             return
         except ConnectionClosed:
             return
@@ -317,50 +301,6 @@ class CoordinatorServer:
                     await asyncio.wait_for(conn.writer, CLOSE_GRACE_S)
             conn.writer.cancel()
             del self._conns[worker_id]
-
-    async def _handshake(self, ws: ServerConnection) -> tuple[str, Hello]:
-        """Challenge out, signed Hello in, signed Welcome out (``common.auth``).
-
-        Registers nothing: the caller admits the worker once the Welcome is out.
-        """
-        if ws.request is not None and ws.request.path != WS_PATH:
-            raise _Refused(CloseCode.POLICY, f"workers connect to {WS_PATH}")
-        challenge = Challenge(
-            nonce=new_nonce(),
-            coordinator_key=public_key_hex(self.key),
-            token_required=bool(self.config.join_token),
-        )
-        await ws.send(encode_message(challenge))
-        data = await ws.recv()
-        if isinstance(data, str):
-            raise _Refused(CloseCode.POLICY, "text frames are not part of the protocol")
-        try:
-            received = parse_message(data, self.config.limits)
-            hello = received.message
-            if not isinstance(hello, Hello):
-                raise ProtocolError(
-                    f"expected a hello, got a {received.frame.type!r} message",
-                    code=ErrorCode.UNEXPECTED_MESSAGE,
-                )
-            check_hello(hello, received.frame.header, challenge, self.config.join_token)
-        except ProtocolError as exc:
-            await ws.send(encode_message(Error(exc.code, exc.message)))
-            raise _Refused(CloseCode.POLICY, f"bad hello: {exc.message}") from None
-        refusal = self.core.refusal(hello)
-        if refusal:
-            await ws.send(encode_message(Error(ErrorCode.BANNED, refusal)))
-            raise _Refused(CloseCode.POLICY, refusal)
-        worker_id = self.core.next_worker_id()
-        welcome = make_welcome(
-            self.key,
-            hello,
-            worker_id=worker_id,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
-            max_frame_bytes=self.config.max_message_bytes,
-            job=self.job_name,
-        )
-        await ws.send(encode_message(welcome))
-        return worker_id, hello
 
     # ---- HTTP ------------------------------------------------------------------------
 
@@ -389,42 +329,3 @@ class CoordinatorServer:
                 "authenticating": self._handshaking,
             },
         }
-
-
-def _compute_and_deliver(job: SignedTile) -> bool:
-    a, b = job.matrices()
-    product = torch.bmm(a, b) if job.gemm.op == "bmm" else torch.mm(a, b)
-    return job.gemm.deliver(job.region, product)
-
-
-def _peer(ws: ServerConnection) -> str:
-    try:
-        host, port = ws.remote_address[:2]
-    except (TypeError, ValueError):
-        return "an unknown peer"
-    return f"{host}:{port}"
-
-
-async def _close(ws: ServerConnection, code: int, reason: str) -> None:
-    """Close a connection nobody reads yet (a handshake), draining what the peer sends.
-
-    The peer's closing frame may sit behind a full receive buffer (a flood); without the
-    drain the close would wait out its whole timeout.
-    """
-
-    async def drain() -> None:
-        with contextlib.suppress(ConnectionClosed):
-            async for _ in ws:
-                pass
-
-    draining = asyncio.create_task(drain())
-    try:
-        await ws.close(code, _close_reason(reason))
-    finally:
-        draining.cancel()
-        await asyncio.gather(draining, return_exceptions=True)
-
-
-def _close_reason(text: str) -> str:
-    """A WebSocket close reason must fit 123 bytes of UTF-8; ours may quote the peer."""
-    return text.encode("utf-8")[:123].decode("utf-8", "ignore")
