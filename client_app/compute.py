@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from common.messages import TILE_OPS
+from common.ops import TILE_OPS, TileOp
 
 
 def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -96,7 +96,7 @@ class TileComputer:
         """``a @ b`` for op "mm" (2-D) or "bmm" (3-D), as a contiguous CPU tensor."""
         if op not in TILE_OPS:
             raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
-        ndim = 2 if op == "mm" else 3
+        ndim = 2 if op == TileOp.MM else 3
         # matmul would broadcast other ranks; a tile is exactly one GEMM or batched GEMM.
         if a.dim() != ndim or b.dim() != ndim:
             raise ValueError(f"{op} needs {ndim}-D operands, got {list(a.shape)}, {list(b.shape)}")
@@ -107,7 +107,7 @@ class TileComputer:
         elif a.element_size() == 2:
             a, b = self._aligned(0, a), self._aligned(1, b)
         # matmul/bmm allocate their output; the read-only operands are only read.
-        c = torch.matmul(a, b) if op == "mm" else torch.bmm(a, b)
+        c = torch.matmul(a, b) if op == TileOp.MM else torch.bmm(a, b)
         return c.cpu().contiguous()
 
     def synchronize(self) -> None:

@@ -20,6 +20,7 @@ from common import PROTOCOL_VERSION
 from common.errors import ErrorCode, LimitExceeded, ProtocolError, TensorCodecError
 from common.frames import Frame, allocate_frame, decode_frame, encode_frame, rewrite_header
 from common.limits import DEFAULT_LIMITS, WireLimits
+from common.ops import TILE_OPS, TileOp
 from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, sign_bundle, verify_bundle
 from common.tensors import (
     decode_tensors,
@@ -30,7 +31,6 @@ from common.tensors import (
 )
 from common.unfold import UNFOLD_FIELD, Unfold
 
-TILE_OPS = ("mm", "bmm")  # the op whitelist: a worker computes nothing else
 BLOCK_FIELD = "block"  # a task operand's block id, for the worker's operand cache
 REF_FIELD = "ref"  # true: the operand is not in the payload; the worker has that block
 WORKER_STATES = ("working", "idle", "paused")
@@ -256,7 +256,7 @@ class Task:
         if not isinstance(sig, str):
             raise ProtocolError('task: field "sig" must be a string')
         unfold = Unfold.from_header(h[UNFOLD_FIELD]) if UNFOLD_FIELD in h else None
-        if unfold is not None and op != "mm":
+        if unfold is not None and op != TileOp.MM:
             raise ProtocolError(
                 f'task: "{UNFOLD_FIELD}" needs op "mm", not {op!r}', code=ErrorCode.BAD_OP
             )
@@ -283,7 +283,7 @@ def check_operands(
         raise TensorCodecError(f"task needs exactly tensors 'a' and 'b', got {sorted(tensors)}")
     a, b = tensors["a"], tensors["b"]
     if unfold is not None:
-        if op != "mm":
+        if op != TileOp.MM:
             raise ProtocolError(
                 f"task: an unfolded operand needs op mm, not {op!r}", code=ErrorCode.BAD_OP
             )
@@ -295,14 +295,14 @@ def check_operands(
                 f"{other.dtype} {list(other.shape)}"
             )
         a, b = unfold.matrices(a, b)
-    ndim = 2 if op == "mm" else 3
+    ndim = 2 if op == TileOp.MM else 3
     if a.dim() != ndim or b.dim() != ndim:
         raise TensorCodecError(
             f"{op} needs {ndim}-D operands, got {list(a.shape)}, {list(b.shape)}"
         )
     if a.dtype != b.dtype:
         raise TensorCodecError(f"operand dtypes differ: {a.dtype} vs {b.dtype}")
-    if a.shape[-1] != b.shape[-2] or (op == "bmm" and a.shape[0] != b.shape[0]):
+    if a.shape[-1] != b.shape[-2] or (op == TileOp.BMM and a.shape[0] != b.shape[0]):
         raise TensorCodecError(f"{op} shapes do not match: {list(a.shape)} @ {list(b.shape)}")
     # Small operands can describe a huge product ([2^24, 1] @ [1, 2^24]); the output must
     # fit the same element limit as any tensor, or the result could never be sent back.

@@ -18,13 +18,15 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.ops import TILE_OPS, TileOp
+
 Grid = tuple[int, int, int, int]  # (gb, gm, gn, gk): parts per dim
-_OPS = ("mm", "bmm")
+_OPS = TILE_OPS
 
 
 @dataclass(frozen=True)
 class GemmShape:
-    op: str  # "mm" or "bmm"
+    op: str  # a TileOp
     batch: int  # 1 for mm
     m: int
     n: int
@@ -34,7 +36,7 @@ class GemmShape:
     def __post_init__(self) -> None:
         if self.op not in _OPS:
             raise ValueError(f"unknown GEMM op {self.op!r}; expected one of {_OPS}")
-        if self.op == "mm" and self.batch != 1:
+        if self.op == TileOp.MM and self.batch != 1:
             raise ValueError(f"mm has batch 1, got {self.batch}")
         if min(self.dims) < 0:
             raise ValueError(f"GEMM dims must be >= 0, got {self.dims}")

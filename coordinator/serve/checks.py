@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.ops import TileOp
 from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new_generator
 
@@ -45,5 +46,5 @@ class CheckThread:
 
 def _compute(job: SignedTile) -> bool:
     a, b = job.matrices()
-    product = torch.bmm(a, b) if job.gemm.op == "bmm" else torch.mm(a, b)
+    product = torch.bmm(a, b) if job.gemm.op == TileOp.BMM else torch.mm(a, b)
     return job.gemm.deliver(job.region, product)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.ops import TileOp
 from common.tensors import DTYPE_NAMES
 from common.unfold import Unfold
 from coordinator.plan.live import Commitments, LivePlanning
@@ -62,7 +63,7 @@ class TileOffload:
                 a_shape = unfold.matrix_shape(a_shape)
             else:
                 b_shape = unfold.matrix_shape(b_shape)
-        batch, m, k = (a_shape[0], a_shape[1], a_shape[2]) if op == "bmm" else (1, *a_shape)
+        batch, m, k = (a_shape[0], a_shape[1], a_shape[2]) if op == TileOp.BMM else (1, *a_shape)
         n = b_shape[-1]
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
         pool = self._server.pool  # an immutable snapshot: safe to read from this thread

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from common.ops import TileOp
 from coordinator.step.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
 from coordinator.step.flops import op_flops, op_name
 from coordinator.step.job import Job
@@ -77,9 +78,11 @@ class EagerOffloadMode(TorchDispatchMode):
         name = f"{self._label}:eager_{op}_{self._count}"
         self._count += 1
         if unfold is None:
-            sent = self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, results.put)
+            sent = self._offload.start(
+                name, TileOp.BMM if op == "bmm" else TileOp.MM, a, b, results.put
+            )
         else:
-            sent = self._offload.start(name, "mm", a, b, results.put, unfold)
+            sent = self._offload.start(name, TileOp.MM, a, b, results.put, unfold)
         if not sent:
             return None
         self.stats.gemms_offloaded += 1

@@ -19,6 +19,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from common.ops import TileOp
 from common.unfold import Unfold
 from coordinator.step.flops import FlopTally, op_name
 from coordinator.step.tracing import GEMM_OPS, TracedStep, gemm_operands
@@ -209,8 +210,8 @@ class DataflowExecutor:
 
         name = f"{label}:{node.name}" if label else node.name
         if unfold is None:  # keeps offloads that know no unfolded operands working
-            return self._offload.start(name, "bmm" if op == "bmm" else "mm", a, b, done)
-        return self._offload.start(name, "mm", a, b, done, unfold)
+            return self._offload.start(name, TileOp.BMM if op == "bmm" else TileOp.MM, a, b, done)
+        return self._offload.start(name, TileOp.MM, a, b, done, unfold)
 
 
 def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> torch.Tensor:

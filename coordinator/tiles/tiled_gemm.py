@@ -19,6 +19,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.messages import encode_task, parse_message
+from common.ops import TileOp
 from common.unfold import Unfold
 from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
 from coordinator.schedule.scheduler import TileTicket
@@ -133,7 +134,7 @@ class TiledGemm:
         self._b = b
         self._on_done = on_done
         shape = plan.shape
-        out_shape = (shape.batch, shape.m, shape.n) if self.op == "bmm" else (shape.m, shape.n)
+        out_shape = (shape.batch, shape.m, shape.n) if self.op == TileOp.BMM else (shape.m, shape.n)
         self.out = torch.empty(out_shape, dtype=a.dtype)
         _gb, _gm, _gn, gk = plan.grid
         self._remaining = len(plan.tiles)
@@ -152,7 +153,7 @@ class TiledGemm:
                 return a, self._b[r.k0 : r.k1, r.n0 : r.n1]
             b = self._b[r.k0 // ku : r.k1 // ku, r.n0 // nu : r.n1 // nu]
             return self._a[r.m0 : r.m1, r.k0 : r.k1], b
-        if self.op == "bmm":
+        if self.op == TileOp.BMM:
             a = self._a[r.b0 : r.b1, r.m0 : r.m1, r.k0 : r.k1]
             b = self._b[r.b0 : r.b1, r.k0 : r.k1, r.n0 : r.n1]
         else:
@@ -206,7 +207,9 @@ class TiledGemm:
                 a, b = self._operands(region)
                 if self.unfold is not None:
                     a, b = self.unfold.matrices(a, b)
-                finished |= self.deliver(region, torch.bmm(a, b) if self.op == "bmm" else a @ b)
+                finished |= self.deliver(
+                    region, torch.bmm(a, b) if self.op == TileOp.BMM else a @ b
+                )
         self._a = self._b = torch.empty(0)
         return finished
 
@@ -237,7 +240,7 @@ class TiledGemm:
         return finished
 
     def _write(self, r: TileRegion, c: torch.Tensor) -> None:
-        if self.op == "bmm":
+        if self.op == TileOp.BMM:
             self.out[r.b0 : r.b1, r.m0 : r.m1, r.n0 : r.n1].copy_(c)
         else:
             self.out[r.m0 : r.m1, r.n0 : r.n1].copy_(c)
