@@ -111,55 +111,27 @@ class DataflowExecutor:
     ) -> tuple[list[Any], StepStats]:
         """Run one step. ``label`` prefixes the names the offload sees ("s3:mm_12"), so
         every GEMM of a run has its own name."""
-        nodes = list(traced.graph.nodes)
+        flow = _Dataflow(list(traced.graph.nodes))
         node_flops = traced.flops()
-        order = {node: i for i, node in enumerate(nodes)}
-        deps = _dependencies(nodes)
-        waiting = {node: len(d) for node, d in deps.items()}
-        dependents: dict[Node, list[Node]] = {node: [] for node in nodes}
-        for node, d in deps.items():
-            for dep in d:
-                dependents[dep].append(node)
-        uses_left = {node: len(node.users) for node in nodes}
         graph_inputs = iter(flat_args)  # fed to the graph's input nodes, in order
-        env: dict[Node, Any] = {}
+        env = flow.env
         completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]] = (
             queue.SimpleQueue()
         )
-        ready: list[tuple[int, Node]] = [(order[n], n) for n in nodes if waiting[n] == 0]
-        heapq.heapify(ready)
         in_flight = 0
-        finished = 0
         stats = StepStats()
         result: list[Any] | None = None
-
-        def release(node: Node) -> None:
-            for inp in node.all_input_nodes:
-                uses_left[inp] -= 1
-                if uses_left[inp] == 0 and inp.op != FX_GRAPH_INPUT:
-                    env.pop(inp, None)
-
-        def complete(node: Node, value: Any) -> None:
-            nonlocal finished
-            env[node] = value
-            finished += 1
-            for user in dependents[node]:
-                waiting[user] -= 1
-                if waiting[user] == 0:
-                    heapq.heappush(ready, (order[user], user))
-
-        while finished < len(nodes):
+        while not flow.done():
             if cancel is not None and cancel.is_set():
                 raise StepCancelled("step cancelled")
-            while ready:
-                _, node = heapq.heappop(ready)
+            while (node := flow.next_ready()) is not None:
                 if node.op == FX_GRAPH_INPUT:
-                    complete(node, next(graph_inputs))
+                    flow.complete(node, next(graph_inputs))
                 elif node.op == "get_attr":
-                    complete(node, getattr(traced.graph_module, str(node.target)))
+                    flow.complete(node, getattr(traced.graph_module, str(node.target)))
                 elif node.op == "output":
                     result = list(map_arg(node.args[0], lambda n: env[n]))  # type: ignore[arg-type]
-                    complete(node, None)
+                    flow.complete(node, None)
                 elif node.target in GEMM_OPS and (
                     sent := self._start_gemm(node, env, completions, label)
                 ):
@@ -174,9 +146,9 @@ class DataflowExecutor:
                     stats.flops.keep(op_name(node.target), node_flops[node])
                     args = map_arg(node.args, lambda n: env[n])
                     kwargs = map_arg(node.kwargs, lambda n: env[n])
-                    complete(node, node.target(*args, **kwargs))  # type: ignore[operator]
-                    release(node)
-            if finished == len(nodes):
+                    flow.complete(node, node.target(*args, **kwargs))  # type: ignore[operator]
+                    flow.release(node)
+            if flow.done():
                 break
             if in_flight == 0:
                 raise RuntimeError("dataflow executor stalled: no node ready and no GEMM in flight")
@@ -187,8 +159,8 @@ class DataflowExecutor:
             in_flight -= 1
             if isinstance(value, BaseException):
                 raise value
-            complete(node, _finish_gemm(node, env, value))
-            release(node)
+            flow.complete(node, _finish_gemm(node, env, value))
+            flow.release(node)
         assert result is not None
         return result, stats
 
@@ -212,6 +184,47 @@ class DataflowExecutor:
         if unfold is None:  # keeps offloads that know no unfolded operands working
             return self._offload.start(name, TileOp.BMM if op == "bmm" else TileOp.MM, a, b, done)
         return self._offload.start(name, TileOp.MM, a, b, done, unfold)
+
+
+class _Dataflow:
+    """Which nodes of one step can run, and which values are still needed: a node is
+    ready when its inputs exist; ready nodes come out in graph order; a value goes as
+    soon as its last user has run (the graph's inputs stay for the whole step)."""
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self._count = len(nodes)
+        self._order = {node: i for i, node in enumerate(nodes)}
+        deps = _dependencies(nodes)
+        self._waiting = {node: len(d) for node, d in deps.items()}
+        self._dependents: dict[Node, list[Node]] = {node: [] for node in nodes}
+        for node, d in deps.items():
+            for dep in d:
+                self._dependents[dep].append(node)
+        self._uses_left = {node: len(node.users) for node in nodes}
+        self._ready = [(self._order[n], n) for n in nodes if self._waiting[n] == 0]
+        heapq.heapify(self._ready)
+        self._finished = 0
+        self.env: dict[Node, Any] = {}
+
+    def done(self) -> bool:
+        return self._finished == self._count
+
+    def next_ready(self) -> Node | None:
+        return heapq.heappop(self._ready)[1] if self._ready else None
+
+    def complete(self, node: Node, value: Any) -> None:
+        self.env[node] = value
+        self._finished += 1
+        for user in self._dependents[node]:
+            self._waiting[user] -= 1
+            if self._waiting[user] == 0:
+                heapq.heappush(self._ready, (self._order[user], user))
+
+    def release(self, node: Node) -> None:
+        for inp in node.all_input_nodes:
+            self._uses_left[inp] -= 1
+            if self._uses_left[inp] == 0 and inp.op != FX_GRAPH_INPUT:
+                self.env.pop(inp, None)
 
 
 def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> torch.Tensor:
