@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 from coordinator.plan.planner import Grid, PlanConfig
 from coordinator.sim.baselines import tensor_parallel_step_bytes
@@ -119,7 +120,21 @@ def section_bytes(out: list[str], svgs: dict[str, str]) -> None:
                     f"{r['down_bytes'] / cached - 1:+.1%}",
                 ]
             )
-    out += [
+    out += _bytes_text(model, batch, seq, rows, validation)
+    svgs["bytes_per_device.svg"] = line_chart(
+        f"Per-device bytes per step ({model})",
+        "devices N",
+        "GB per device per step",
+        pts,
+        log_x=True,
+        log_y=True,
+    )
+
+
+def _bytes_text(
+    model: str, batch: int, seq: int, rows: list[list[Any]], validation: list[list[Any]]
+) -> list[str]:
+    return [
         "## (a) Per-device bytes per step against N",
         "",
         f"`{CMD}` — {model}, batch {batch} x seq {seq}, fp32 on the wire. Cleave: the "
@@ -160,11 +175,3 @@ def section_bytes(out: list[str], svgs: dict[str, str]) -> None:
         "![bytes](sim/bytes_per_device.svg)",
         "",
     ]
-    svgs["bytes_per_device.svg"] = line_chart(
-        f"Per-device bytes per step ({model})",
-        "devices N",
-        "GB per device per step",
-        pts,
-        log_x=True,
-        log_y=True,
-    )
