@@ -533,6 +533,30 @@ def test_a_tile_sat_on_is_copied_to_an_idle_worker_and_the_first_result_cancels_
     assert late.checks == [] and h.core.counters.duplicates == 1
 
 
+def test_a_straggler_past_its_deadline_is_copied_cancelled_and_its_late_result_ignored(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path, scheduler=SchedulerConfig(tile_timeout_s=5.0))
+    slow, _ = h.admit("slow")
+    jobs = h.gemm()
+    h.core.submit(jobs[:1], h.now)
+    quick, _ = h.admit("quick")
+    h.now += 4.9
+    for worker_id in (slow, quick):  # both alive: the slow one is just slow
+        h.receive(worker_id, Heartbeat(1, "working", 0))
+    assert tasks(h.core.tick(h.now), quick) == []
+    h.now += 0.2
+    for worker_id in (slow, quick):
+        h.receive(worker_id, Heartbeat(2, "working", 0))
+    assert tasks(h.core.tick(h.now), quick) == [jobs[0].tile_id]  # past its deadline
+    done = h.complete(quick, jobs[0])
+    assert [m for m in messages(done, slow) if isinstance(m, Cancel)] == [Cancel(jobs[0].tile_id)]
+    late = h.result(slow, jobs[0])
+    assert late.checks == [] and late.sends == [] and h.core.counters.duplicates == 1
+    assert h.ledger.get(h.core.workers[slow].key).tiles == 0
+    assert h.core.scheduler.stats.reissued == 1
+
+
 def test_the_first_of_several_tiles_sent_together_measures_the_links(h: Harness) -> None:
     jobs = h.gemm()
     h.core.submit(jobs, h.now)
