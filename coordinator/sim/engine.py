@@ -69,7 +69,7 @@ class SimConfig:
     follow_plan: bool = True
     # Workers keep the operand blocks they were sent (budget: their memory cap, LRU) and
     # the coordinator sends only the blocks a worker does not hold, preferring a worker
-    # that holds one of a tile's blocks (coordinator/serve/server.py `_frame_for`).
+    # that holds one of a tile's blocks (coordinator/pool/workers.py `Worker.task_frame`).
     operand_cache: bool = True
     max_sim_s: float = 1e7  # give up (and say so) rather than loop forever
 
