@@ -11,10 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from common.auth import check_hello, make_welcome, new_nonce
-from common.errors import ErrorCode, ProtocolError
-from common.messages import Challenge, Error, Hello, encode_message, parse_message
-from common.signing import public_key_hex
+from common.messages import Hello
+from coordinator.pool.admission import Admission, Refusal
 from coordinator.pool.core import CoordinatorCore
 from coordinator.pool.effects import CloseCode
 
@@ -41,48 +39,29 @@ async def handshake(
     config: ServerConfig,
     job_name: str,
 ) -> tuple[str, Hello]:
-    """Challenge out, signed Hello in, signed Welcome out (``common.auth``).
+    """Challenge out, one frame in, the verdict out (``coordinator.pool.admission``).
 
     Registers nothing: the caller admits the worker once the Welcome is out.
     """
     if ws.request is not None and ws.request.path != WS_PATH:
         raise Refused(CloseCode.POLICY, f"workers connect to {WS_PATH}")
-    challenge = Challenge(
-        nonce=new_nonce(),
-        coordinator_key=public_key_hex(key),
-        token_required=bool(config.join_token),
-    )
-    await ws.send(encode_message(challenge))
-    data = await ws.recv()
-    if isinstance(data, str):
-        raise Refused(CloseCode.POLICY, "text frames are not part of the protocol")
-    try:
-        received = parse_message(data, config.limits)
-        hello = received.message
-        if not isinstance(hello, Hello):
-            raise ProtocolError(
-                f"expected a hello, got a {received.frame.type!r} message",
-                code=ErrorCode.UNEXPECTED_MESSAGE,
-            )
-        check_hello(hello, received.frame.header, challenge, config.join_token)
-    except ProtocolError as exc:
-        await ws.send(encode_message(Error(exc.code, exc.message)))
-        raise Refused(CloseCode.POLICY, f"bad hello: {exc.message}") from None
-    refusal = core.refusal(hello)
-    if refusal:
-        await ws.send(encode_message(Error(ErrorCode.BANNED, refusal)))
-        raise Refused(CloseCode.POLICY, refusal)
-    worker_id = core.next_worker_id()
-    welcome = make_welcome(
+    admission = Admission(
         key,
-        hello,
-        worker_id=worker_id,
+        core,
+        job_name,
         heartbeat_interval_s=config.heartbeat_interval_s,
         max_frame_bytes=config.max_message_bytes,
-        job=job_name,
+        join_token=config.join_token,
+        limits=config.limits,
     )
-    await ws.send(encode_message(welcome))
-    return worker_id, hello
+    await ws.send(admission.challenge_frame())
+    verdict = admission.answer(await ws.recv())
+    if isinstance(verdict, Refusal):
+        if verdict.reply is not None:
+            await ws.send(verdict.reply)
+        raise Refused(verdict.code, verdict.reason)
+    await ws.send(verdict.welcome)
+    return verdict.worker_id, verdict.hello
 
 
 def peer(ws: ServerConnection) -> str:
