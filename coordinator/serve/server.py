@@ -50,7 +50,8 @@ log = logging.getLogger("cleave.coordinator")
 
 # A connection the core closed gets this long to send its last words and close cleanly;
 # then it is cut (a peer that stopped reading would otherwise hold its writer forever).
-CLOSE_GRACE_S = 5.0
+# Longer than websockets' own close timeout, which governs a peer that is merely slow.
+CLOSE_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
