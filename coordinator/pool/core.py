@@ -5,9 +5,10 @@ does, when a worker is dropped, credited, cancelled or banned.
 a tile delivered, a tick, tiles submitted), each with the time it happens, and answers
 each with one ``Effects`` value: frames to send per worker, connections to close, results
 to check, verified tiles to deliver, tiles to compute here. It opens no socket, starts no
-thread and reads no clock; the live server (``coordinator.serve.server``) and the simulator
-(``coordinator.sim.engine``) both drive this one class, so what the simulator reports is
-what the server decides.
+thread and reads no clock of its own (the ledger it is given records credit and bans as
+they happen, so a crash loses none). The live server (``coordinator.serve.server``) and
+the simulator (``coordinator.sim.engine``) both drive this one class, so what the
+simulator reports is what the server decides.
 
 A worker's frames leave in the order the core emits them, through one write path per
 connection: a heartbeat's ack or a verdict never overtakes the tasks queued before it.
