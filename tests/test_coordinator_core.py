@@ -94,6 +94,11 @@ class Harness:
     def receive(self, worker_id: str, msg: Message, tensors: Any = None) -> Effects:
         return self.core.receive(worker_id, encode_message(msg, tensors), self.now)
 
+    def beat(self, *worker_ids: str) -> None:
+        """Each of these workers sends a heartbeat now: alive, whatever it holds."""
+        for worker_id in worker_ids:
+            self.receive(worker_id, Heartbeat(1, "working", 0))
+
     def result(self, worker_id: str, job: SignedTile, *, wrong: bool = False) -> Effects:
         a, b = job.matrices()
         c = a @ b
@@ -504,7 +509,7 @@ def test_a_worker_that_misses_its_heartbeats_is_dropped_at_the_tick_after_the_ti
     h.core.submit(jobs[:2], h.now)  # one each: the other worker is free after its own
     h.complete(w2, jobs[1])
     h.now += 4.9
-    h.receive(w2, Heartbeat(1, "working", 1))
+    h.beat(w2)
     assert h.core.tick(h.now).closes == []
     h.now += 0.2
     effects = h.core.tick(h.now)
@@ -522,8 +527,7 @@ def test_a_tile_sat_on_is_copied_to_an_idle_worker_and_the_first_result_cancels_
     w2, joined = h.admit("idle")
     assert joined.sends == []
     h.now += 8.0  # far past any estimate of the tile; both still heartbeat
-    for worker_id in (w1, w2):
-        h.receive(worker_id, Heartbeat(1, "working", 0))
+    h.beat(w1, w2)
     effects = h.core.tick(h.now)
     assert tasks(effects, w2) == [jobs[0].tile_id]
     assert h.core.counters.speculated == 1
@@ -542,12 +546,10 @@ def test_a_straggler_past_its_deadline_is_copied_cancelled_and_its_late_result_i
     h.core.submit(jobs[:1], h.now)
     quick, _ = h.admit("quick")
     h.now += 4.9
-    for worker_id in (slow, quick):  # both alive: the slow one is just slow
-        h.receive(worker_id, Heartbeat(1, "working", 0))
+    h.beat(slow, quick)  # both alive: the slow one is just slow
     assert tasks(h.core.tick(h.now), quick) == []
     h.now += 0.2
-    for worker_id in (slow, quick):
-        h.receive(worker_id, Heartbeat(2, "working", 0))
+    h.beat(slow, quick)
     assert tasks(h.core.tick(h.now), quick) == [jobs[0].tile_id]  # past its deadline
     done = h.complete(quick, jobs[0])
     assert [m for m in messages(done, slow) if isinstance(m, Cancel)] == [Cancel(jobs[0].tile_id)]
