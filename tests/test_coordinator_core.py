@@ -41,8 +41,8 @@ from coordinator.pool.effects import Check, CloseCode, Effects
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.workers import WorkerState
 from coordinator.schedule.scheduler import SchedulerConfig
+from coordinator.serve.checks import Checker
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
-from coordinator.tiles.verify import CheckCache, check_product, new_generator
 
 PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
 PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
@@ -55,8 +55,7 @@ class Harness:
         self.core = CoordinatorCore(key=self.key, ledger=self.ledger, config=CoreConfig(**config))
         self.now = 100.0
         self.delivered: list[str] = []
-        self._vectors = new_generator()
-        self._cache = CheckCache()
+        self._checker = Checker()
 
     def admit(
         self,
@@ -110,10 +109,7 @@ class Harness:
         """Run the checks the effects ask for, as the server's verify thread would."""
         out = Effects()
         for check in effects.checks:
-            verdict = None
-            if check.c is not None:
-                a, b = check.job.matrices()
-                verdict = check_product(a, b, check.c, self._vectors, cache=self._cache)
+            verdict = None if check.c is None else self._checker.verdict(check.job, check.c)
             done = self.core.checked(check, verdict, self.now)
             self.delivered += [d.job.tile_id for d in done.delivers]
             _merge(out, done)
@@ -463,12 +459,27 @@ def test_a_malformed_frame_is_answered_then_closed(h: Harness) -> None:
     assert (worker_id, code) == (w1, CloseCode.POLICY)
 
 
-def test_a_well_framed_unknown_message_gets_an_error_and_the_link_stays(h: Harness) -> None:
+@pytest.mark.parametrize(
+    ("header", "code"),
+    [
+        ({"type": "bogus", "v": PROTOCOL_VERSION}, ErrorCode.UNKNOWN_TYPE),
+        ({"type": "heartbeat", "v": PROTOCOL_VERSION + 41}, ErrorCode.VERSION),
+        (
+            {"type": "heartbeat", "v": PROTOCOL_VERSION, "seq": 1, "state": "x"},
+            ErrorCode.BAD_MESSAGE,
+        ),
+    ],
+)
+def test_a_well_framed_message_it_cannot_use_gets_an_error_and_the_link_stays(
+    h: Harness, header: dict[str, Any], code: str
+) -> None:
     w1, _ = h.admit("one")
-    frame = bytearray(encode_message(Heartbeat(1, "working", 0)))
-    frame = frame.replace(b'"heartbeat"', b'"heartbeaT"')
-    effects = h.core.receive(w1, bytes(frame), h.now)
-    assert len(messages(effects, w1)) == 1 and effects.closes == []
+    effects = h.core.receive(w1, encode_frame(header), h.now)
+    [error] = messages(effects, w1)
+    assert isinstance(error, Error) and error.code == code, error
+    assert effects.closes == [] and w1 in h.core.workers
+    # Still served: a heartbeat gets its Ack.
+    assert messages(h.receive(w1, Heartbeat(5, "idle", 0)), w1) == [Ack(5, 0, 0.0)]
 
 
 def test_a_message_flood_closes_the_connection_and_spaced_messages_do_not(

@@ -117,7 +117,7 @@ def test_the_offload_sends_the_rest_and_computes_its_share() -> None:
     try:
         server = FakeServer(POOL)
         offload = TileOffload(
-            server,  # type: ignore[arg-type]
+            server,
             loop,
             generate_private_key(),
             lambda *_: CONFIG,

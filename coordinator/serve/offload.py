@@ -1,7 +1,8 @@
-"""The bridge from the training thread to the server: offloaded GEMMs become tile jobs.
+"""The bridge from the training thread to the pool: offloaded GEMMs become signed tiles.
 
 Runs on the training thread (slicing, encoding and signing tiles costs real time and
-must not stall the event loop); hands finished jobs to the loop thread-safely.
+must not stall the event loop); hands finished tiles to the loop thread-safely, to a
+``TileSink``: the server, or a test's in-memory pool.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -19,20 +21,31 @@ from common.tensors import DTYPE_NAMES
 from common.unfold import Unfold
 from coordinator.plan.live import Commitments, LivePlanning
 from coordinator.plan.planner import GemmShape, PlanConfig
-from coordinator.serve.server import CoordinatorServer
+from coordinator.pool.workers import PoolView
 from coordinator.step.executor import GemmDone
-from coordinator.tiles.tiled_gemm import TiledGemm
+from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
 
 log = logging.getLogger("cleave.coordinator")
 DEFAULT_PLANNING = LivePlanning()
 
 
+class TileSink(Protocol):
+    """Where tiles go (``CoordinatorServer``); called on its event loop only."""
+
+    @property
+    def pool(self) -> PoolView: ...  # read from the training thread: a snapshot
+
+    def submit(self, jobs: list[SignedTile]) -> None: ...
+
+    def kept_here(self, gemm_id: str, tiles: int, finished: bool) -> None: ...
+
+
 class TileOffload:
-    """``GemmOffload`` that sends GEMMs to workers through a ``CoordinatorServer``."""
+    """``GemmOffload`` that sends GEMMs to workers through a ``TileSink``."""
 
     def __init__(
         self,
-        server: CoordinatorServer,
+        server: TileSink,
         loop: asyncio.AbstractEventLoop,
         key: Ed25519PrivateKey,
         plan_config: Callable[[int, int | None], PlanConfig],
