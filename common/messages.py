@@ -17,12 +17,20 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from common import PROTOCOL_VERSION
-from common.errors import ErrorCode, LimitExceeded, ProtocolError, TensorCodecError
+from common.errors import (
+    ErrorCode,
+    LimitExceeded,
+    ProtocolError,
+    SignatureError,
+    TensorCodecError,
+)
 from common.frames import Frame, allocate_frame, decode_frame, encode_frame, rewrite_header
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.ops import TILE_OPS, TileOp
 from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, sign_bundle, verify_bundle
 from common.tensors import (
+    CONTENT_ID_HEX_LEN,
+    content_id,
     decode_tensors,
     dtype_name,
     encode_tensors,
@@ -31,7 +39,7 @@ from common.tensors import (
 )
 from common.unfold import UNFOLD_FIELD, Unfold
 
-BLOCK_FIELD = "block"  # a task operand's block id, for the worker's operand cache
+BLOCK_FIELD = "block"  # a task operand's content id: signed, and its cache key
 REF_FIELD = "ref"  # true: the operand is not in the payload; the worker has that block
 WORKER_STATES = ("working", "idle", "paused")
 
@@ -518,7 +526,7 @@ def encode_task(
     b: torch.Tensor,
     key: Ed25519PrivateKey,
     *,
-    blocks: tuple[str, str] | None = None,
+    ids: tuple[str | None, str | None] = (None, None),
     refs: frozenset[str] = frozenset(),
     unfold: Unfold | None = None,
 ) -> bytearray:
@@ -526,37 +534,36 @@ def encode_task(
     standing for its patch matrix).
 
     The operands (any strides: tiles are usually slices of a larger matrix) are copied
-    once, straight into the frame, which is then hashed and signed in place.
+    once, straight into the frame. Each operand's descriptor carries its content id
+    (``common.tensors.content_id``), which the signature covers: ``ids`` gives the ids
+    already known (tiles sharing a block hash it once), the others are computed from
+    the bytes in the frame.
 
-    Operand cache: with ``blocks`` (the operands' block ids, one per operand), each
-    operand's descriptor names its block, so a worker with a cache keeps it; an operand
-    whose name is in ``refs`` is not sent at all, only referred to by its block id (the
-    worker must hold it from an earlier task). The signature covers the ids, so a block
-    can only ever stand for what the coordinator sent under that id.
+    Operand cache: an operand whose name is in ``refs`` is not sent at all, only
+    referred to by its id (the worker must hold it from an earlier task); its id must
+    be known.
     """
     if op not in TILE_OPS:
         raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
-    if refs and blocks is None:
-        raise ValueError("refs need block ids")
+    known = dict(zip(("a", "b"), ids, strict=True))
+    if any(known[name] is None for name in refs):
+        raise ValueError("refs need content ids")
     named = [("a", a), ("b", b)]
     operands = [(name, t) for name, t in named if name not in refs]
     inline, payload_len = layout_tensors(operands)
-    descriptors = list(inline)
-    if blocks is not None:
-        ids = dict(zip(("a", "b"), blocks, strict=True))
-        for desc in descriptors:
-            desc[BLOCK_FIELD] = ids[desc["name"]]
-        descriptors += [
-            {
-                "name": name,
-                "dtype": dtype_name(t.dtype),
-                "shape": list(t.shape),
-                BLOCK_FIELD: ids[name],
-                REF_FIELD: True,
-            }
-            for name, t in named
-            if name in refs
-        ]
+    for desc in inline:  # of fixed length: an id computed below fits the header as laid out
+        desc[BLOCK_FIELD] = known[desc["name"]] or "0" * CONTENT_ID_HEX_LEN
+    descriptors = inline + [
+        {
+            "name": name,
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            BLOCK_FIELD: known[name],
+            REF_FIELD: True,
+        }
+        for name, t in named
+        if name in refs
+    ]
     header: dict[str, Any] = {
         "type": Task.TYPE,
         "v": PROTOCOL_VERSION,
@@ -568,8 +575,10 @@ def encode_task(
         SIGNATURE_FIELD: "0" * SIGNATURE_HEX_LEN,
     }
     frame, payload = allocate_frame(header, payload_len)
-    write_tensors(payload, operands, inline)
-    header[SIGNATURE_FIELD] = sign_bundle(key, header, payload)
+    sent = write_tensors(payload, operands, inline)
+    for desc in inline:
+        desc[BLOCK_FIELD] = known[desc["name"]] or content_id(sent[desc["name"]])
+    header[SIGNATURE_FIELD] = sign_bundle(key, header)
     rewrite_header(frame, header)
     return frame
 
@@ -600,7 +609,7 @@ def verify_task_blocks(
     worker to cache): ``((a, b), {block_id: tensor})``."""
     if not isinstance(received.message, Task):
         raise ProtocolError(f"expected a task, got a {received.message.TYPE!r} message")
-    verify_bundle(key, received.frame.header, received.frame.payload)
+    verify_bundle(key, received.frame.header)
     descriptors = received.frame.header.get("tensors", [])
     if not isinstance(descriptors, list):
         raise TensorCodecError('"tensors" must be a list of descriptors')
@@ -608,9 +617,15 @@ def verify_task_blocks(
     tensors = decode_tensors(inline, received.frame.payload, limits)
     cacheable: dict[str, torch.Tensor] = {}
     for desc in inline:
-        block = desc.get(BLOCK_FIELD)
-        if block is not None:
-            cacheable[_block_id(block, limits)] = tensors[desc["name"]]
+        # The signature covers the header; this binds each operand's bytes to it.
+        block = _block_id(desc.get(BLOCK_FIELD), limits)
+        if content_id(tensors[desc["name"]]) != block:
+            raise SignatureError(
+                f"operand {desc['name']!r} does not match the content id its signature "
+                "covers (tampered in transit)"
+            )
+        cacheable[block] = tensors[desc["name"]]
+    _only_padding_between(inline, received.frame.payload)
     for desc in descriptors:
         if isinstance(desc, dict) and desc.get(REF_FIELD) is True:
             name, tensor = _resolve_ref(desc, blocks or {}, limits)
@@ -619,6 +634,22 @@ def verify_task_blocks(
             tensors[name] = tensor
     task = received.message
     return check_operands(task.op, tensors, limits, task.unfold), cacheable
+
+
+def _only_padding_between(inline: list[dict[str, Any]], payload: memoryview) -> None:
+    """Every payload byte outside the operands is zero alignment padding between them:
+    the content ids bind the operands, so this leaves no byte of a task unsigned."""
+    at = 0
+    for start, end in sorted((d["offset"], d["offset"] + d["nbytes"]) for d in inline):
+        if start > at and payload[at:start] != bytes(start - at):
+            raise SignatureError(
+                "task payload has unsigned bytes between its operands (tampered in transit)"
+            )
+        at = max(at, end)
+    if at != len(payload):
+        raise SignatureError(
+            "task payload has unsigned bytes after its operands (tampered in transit)"
+        )
 
 
 def _block_id(value: Any, limits: WireLimits) -> str:

@@ -1,19 +1,19 @@
 """Ed25519 keys and task-bundle signatures.
 
-A bundle is signed over ``DOMAIN | canonical header without "sig" | BLAKE3(payload)``.
-Signing a digest keeps the Ed25519 cost constant; BLAKE3 hashes several times faster
-than SHA-256 (bench/bench_wire.py), so verification stays a small part of a tile.
+A bundle is signed over ``DOMAIN | canonical header without "sig"``. The header binds
+the payload through each operand's content id (``common.tensors.content_id``: BLAKE3 of
+its dtype, shape and bytes), which the worker recomputes before it uses an operand. So
+the coordinator hashes each operand block once per GEMM, however many tiles share it,
+and a task that refers to a cached block is re-signed without hashing anything.
 The domain tag keeps a task signature from ever being valid as anything else.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import blake3
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -22,7 +22,7 @@ from common.atomic_file import atomic_write_bytes
 from common.errors import SignatureError
 from common.frames import canonical_json
 
-TASK_DOMAIN = b"cleave/task/v1\0"
+TASK_DOMAIN = b"cleave/task/v2\0"
 SIGNATURE_FIELD = "sig"
 SIGNATURE_HEX_LEN = 128
 
@@ -69,28 +69,20 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-PayloadParts = memoryview | bytes | bytearray | Sequence[memoryview | bytes | bytearray]
-
-
-def bundle_digest(header: dict[str, Any], payload: PayloadParts) -> bytes:
-    """What gets signed. ``payload`` may be given as the parts that will be concatenated."""
+def bundle_digest(header: dict[str, Any]) -> bytes:
+    """What gets signed: the header without its signature, under the task domain."""
     unsigned = {k: v for k, v in header.items() if k != SIGNATURE_FIELD}
-    hasher = blake3.blake3()
-    # a bytearray is one buffer, not a sequence of parts (iterating it yields ints)
-    for part in [payload] if isinstance(payload, (memoryview, bytes, bytearray)) else payload:
-        hasher.update(part)
-    return TASK_DOMAIN + canonical_json(unsigned) + hasher.digest()
+    return TASK_DOMAIN + canonical_json(unsigned)
 
 
-def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any], payload: PayloadParts) -> str:
-    """Signature (hex) for a task header+payload; the caller stores it under "sig"."""
-    return key.sign(bundle_digest(header, payload)).hex()
+def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any]) -> str:
+    """Signature (hex) for a task header; the caller stores it under "sig"."""
+    return key.sign(bundle_digest(header)).hex()
 
 
-def verify_bundle(
-    key: Ed25519PublicKey, header: dict[str, Any], payload: memoryview | bytes | bytearray
-) -> None:
-    """Raise SignatureError unless ``header["sig"]`` was made by ``key`` over this bundle."""
+def verify_bundle(key: Ed25519PublicKey, header: dict[str, Any]) -> None:
+    """Raise SignatureError unless ``header["sig"]`` was made by ``key`` over this header
+    (its operands are checked against their signed content ids afterwards)."""
     sig_hex = header.get(SIGNATURE_FIELD)
     if not isinstance(sig_hex, str) or len(sig_hex) != SIGNATURE_HEX_LEN:
         raise SignatureError("task bundle has no well-formed signature")
@@ -99,7 +91,7 @@ def verify_bundle(
     except ValueError:
         raise SignatureError("task bundle signature is not hex") from None
     try:
-        digest = bundle_digest(header, payload)
+        digest = bundle_digest(header)
     except (ValueError, RecursionError):
         # NaN/inf or nesting too deep to re-serialise: it cannot be what was signed.
         raise SignatureError(

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import blake3
 import torch
 
 from common.errors import LimitExceeded, TensorCodecError
@@ -66,12 +67,18 @@ def write_tensors(
     payload: memoryview,
     tensors: Sequence[tuple[str, torch.Tensor]],
     descriptors: Sequence[dict[str, Any]],
-) -> None:
-    """Copy tensors (any strides, any device) into a writable payload laid out for them."""
-    for (_, t), desc in zip(tensors, descriptors, strict=True):
-        if t.numel():
-            dst = torch.frombuffer(payload, dtype=t.dtype, count=t.numel(), offset=desc["offset"])
-            dst.view(t.shape).copy_(t.detach())
+) -> dict[str, torch.Tensor]:
+    """Copy tensors (any strides, any device) into a writable payload laid out for them;
+    returns the copies (views of the payload) by name."""
+    written: dict[str, torch.Tensor] = {}
+    for (name, t), desc in zip(tensors, descriptors, strict=True):
+        if not t.numel():
+            written[name] = torch.empty(t.shape, dtype=t.dtype)
+            continue
+        dst = torch.frombuffer(payload, dtype=t.dtype, count=t.numel(), offset=desc["offset"])
+        written[name] = dst.view(t.shape)
+        written[name].copy_(t.detach())
+    return written
 
 
 def encode_tensors(
@@ -191,3 +198,22 @@ def _view(
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // itemsize, offset=offset)
     return flat.reshape(shape)
+
+
+CONTENT_ID_HEX_LEN = 64
+
+
+def content_id(t: torch.Tensor) -> str:
+    """An operand's content id: BLAKE3 (256 bits) of its wire dtype, shape and bytes.
+
+    A task's signature covers the ids of its operands, so an operand is bound to what
+    the coordinator signed once the worker recomputes its id; the id also names the
+    block in the worker's operand cache. Keyed by content, not position, because one
+    tensor feeds several GEMMs of a step (an activation is the A operand of a layer's
+    forward GEMM and the B operand of its weight-gradient GEMM): such a block is sent,
+    and hashed, once.
+    """
+    hasher = blake3.blake3(f"{dtype_name(t.dtype)}|{','.join(map(str, t.shape))}|".encode())
+    if t.numel():
+        hasher.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return hasher.hexdigest()

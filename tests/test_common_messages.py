@@ -11,7 +11,7 @@ import torch
 
 from common import PROTOCOL_VERSION
 from common.errors import LimitExceeded, ProtocolError, SignatureError, TensorCodecError
-from common.frames import encode_frame
+from common.frames import decode_frame, encode_frame
 from common.limits import WireLimits
 from common.messages import (
     MESSAGE_TYPES,
@@ -39,6 +39,7 @@ from common.messages import (
     verify_task_blocks,
 )
 from common.signing import generate_private_key, public_key_hex
+from common.tensors import content_id
 
 KEY = generate_private_key()
 PUB = KEY.public_key()
@@ -351,7 +352,7 @@ def test_unknown_type(msg_type: str) -> None:
     assert len(err.message) < 200  # the echoed type is truncated
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, 10**100])
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, -1, 10**100])
 def test_wrong_version(version: int) -> None:
     data = encode_frame({"type": "hello", "v": version, **_fields(MESSAGES[0])})
     err = _expect(data, "version", "not supported")
@@ -575,19 +576,41 @@ def test_short_error_messages_are_kept_whole() -> None:
 
 def test_operands_by_reference_resolve_from_the_cache_and_are_checked() -> None:
     a, b = torch.randn(4, 3), torch.randn(3, 2)
-    whole = parse_message(encode_task("t", "mm", a, b, KEY, blocks=("A0", "B0")))
+    a_id, b_id = content_id(a), content_id(b)
+    whole = parse_message(encode_task("t", "mm", a, b, KEY))
     (got_a, got_b), arrived = verify_task_blocks(whole, PUB)
-    assert set(arrived) == {"A0", "B0"} and torch.equal(arrived["A0"], a)
-    by_ref = parse_message(
-        encode_task("t", "mm", a, b, KEY, blocks=("A0", "B0"), refs=frozenset("a"))
-    )
+    assert set(arrived) == {a_id, b_id} and torch.equal(arrived[a_id], a)
+    by_ref = parse_message(encode_task("t", "mm", a, b, KEY, ids=(a_id, b_id), refs=frozenset("a")))
     assert len(by_ref.frame.payload) < len(whole.frame.payload)
-    (ra, rb), arrived = verify_task_blocks(by_ref, PUB, blocks={"A0": a})
-    assert torch.equal(ra, a) and torch.equal(rb, b) and set(arrived) == {"B0"}
+    (ra, rb), arrived = verify_task_blocks(by_ref, PUB, blocks={a_id: a})
+    assert torch.equal(ra, a) and torch.equal(rb, b) and set(arrived) == {b_id}
     with pytest.raises(ProtocolError) as missing:
         verify_task(by_ref, PUB, blocks={})
     assert missing.value.code == "missing_block"
     with pytest.raises(TensorCodecError, match="does not match"):
-        verify_task(by_ref, PUB, blocks={"A0": torch.randn(4, 4)})
-    with pytest.raises(ValueError, match="refs need block ids"):
+        verify_task(by_ref, PUB, blocks={a_id: torch.randn(4, 4)})
+    with pytest.raises(ValueError, match="refs need content ids"):
         encode_task("t", "mm", a, b, KEY, refs=frozenset("a"))
+
+
+def test_an_operand_under_a_wrong_content_id_is_refused() -> None:
+    """A coordinator that signs a wrong id (or a tamperer that swaps operands between
+    tasks signed alike) cannot slip other bytes under it."""
+    a, b = torch.randn(4, 3), torch.randn(3, 2)
+    wrong = parse_message(encode_task("t", "mm", a, b, KEY, ids=(content_id(b), None)))
+    with pytest.raises(SignatureError, match="content id"):
+        verify_task(wrong, PUB)
+
+
+@pytest.mark.parametrize("where", ["padding", "trailing"])
+def test_bytes_outside_the_operands_are_refused(where: str) -> None:
+    a, b = torch.randn(3, 3), torch.randn(3, 2)  # a is 36 bytes: padding follows it
+    frame = decode_frame(encode_task("t", "mm", a, b, KEY))
+    payload = bytearray(frame.payload)
+    if where == "padding":
+        payload[40] = 1
+    else:
+        payload += b"\0"
+    tampered = parse_message(encode_frame(dict(frame.header), [bytes(payload)]))
+    with pytest.raises(SignatureError, match="unsigned bytes"):
+        verify_task(tampered, PUB)

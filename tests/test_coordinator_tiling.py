@@ -18,8 +18,9 @@ import torch
 from common.errors import SignatureError
 from common.messages import Task, parse_message, verify_task
 from common.signing import generate_private_key
+from common.tensors import content_id
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm, block_id
+from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
 
 KEY = generate_private_key()
 SMALL = dict(min_offload_flops=1, min_tile_flops=1)
@@ -274,7 +275,7 @@ def test_operand_blocks_are_keyed_by_content() -> None:
     assert a_ids[0] == a_ids[1] != a_ids[2] == a_ids[3]
     assert b_ids[0] == b_ids[2] != b_ids[1] == b_ids[3]
     # The id is of dtype, shape and bytes, not of where the block sits.
-    assert block_id(x[:32]) == block_id(x[:32].clone()) == a_ids[0]
-    assert block_id(x[:32]) != block_id(x[:32].reshape(16, 64))
-    assert block_id(x[:32]) != block_id(x[:32].double())
-    assert block_id(g[:, 24:]) == block_id(g[:, 24:].contiguous())  # strided views hash alike
+    assert content_id(x[:32]) == content_id(x[:32].clone()) == a_ids[0]
+    assert content_id(x[:32]) != content_id(x[:32].reshape(16, 64))
+    assert content_id(x[:32]) != content_id(x[:32].double())
+    assert content_id(g[:, 24:]) == content_id(g[:, 24:].contiguous())  # strided views hash alike

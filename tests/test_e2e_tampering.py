@@ -29,7 +29,7 @@ def tamper(frame: bytes, mode: str) -> bytes:
     if mode == "flip_payload_byte":
         payload[len(payload) // 2] ^= 0x01
     else:  # "foreign_key": a valid signature, by a key the worker never pinned
-        header["sig"] = sign_bundle(generate_private_key(), header, bytes(payload))
+        header["sig"] = sign_bundle(generate_private_key(), header)
     return encode_frame(header, [bytes(payload)])
 
 

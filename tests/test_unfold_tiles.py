@@ -20,6 +20,7 @@ from common.frames import decode_frame, encode_frame
 from common.limits import WireLimits
 from common.messages import Task, encode_task, parse_message, verify_task, verify_task_blocks
 from common.signing import generate_private_key
+from common.tensors import content_id
 from common.unfold import Unfold
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.tiles.tiled_gemm import TiledGemm
@@ -159,12 +160,11 @@ def test_a_patch_matrix_over_the_element_limit_is_refused() -> None:
 
 def test_a_cached_image_block_is_unfolded_when_referred_to() -> None:
     image, w = torch.randn(2, 3, 6, 6), torch.randn(27, 4)
-    first = parse_message(encode_task("t1", "mm", image, w, KEY, blocks=("img", "w"), unfold=SPEC))
+    ids = (content_id(image), content_id(w))
+    first = parse_message(encode_task("t1", "mm", image, w, KEY, unfold=SPEC))
     (a1, _), cached = verify_task_blocks(first, KEY.public_key())
-    assert set(cached) == {"img", "w"} and torch.equal(cached["img"], image)  # the raw block
-    again = encode_task(
-        "t2", "mm", image, w, KEY, blocks=("img", "w"), refs=frozenset({"a"}), unfold=SPEC
-    )
+    assert set(cached) == set(ids) and torch.equal(cached[ids[0]], image)  # the raw block
+    again = encode_task("t2", "mm", image, w, KEY, ids=ids, refs=frozenset({"a"}), unfold=SPEC)
     (a2, _), _ = verify_task_blocks(parse_message(again), KEY.public_key(), blocks=cached)
     assert torch.equal(a2, a1) and torch.equal(a1, patches(image, SPEC))
 

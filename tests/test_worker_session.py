@@ -35,6 +35,7 @@ from common.messages import (
     parse_message,
 )
 from common.signing import fingerprint, generate_private_key, public_key_hex
+from common.tensors import content_id
 
 URL = "ws://127.0.0.1:9/ws"
 PROFILE = DeviceProfile(
@@ -343,7 +344,7 @@ def test_badly_signed_task_is_refused_with_an_error_and_never_computed(
         actions = session.receive(frame, 1.0)
     error = only_error(actions.send)
     assert (error.code, error.tile_id) == ("bad_signature", "t-3")
-    assert "pinned coordinator key" in error.message
+    assert "tampered in transit" in error.message
     assert actions.compute == () and session.next_tile() is None and session.in_flight == 0
     assert session.stats.tiles_refused == 1
     assert "refused tile t-3: bad_signature:" in caplog.text
@@ -632,10 +633,12 @@ def block_task(
     tile_id: str,
     a: torch.Tensor,
     b: torch.Tensor,
-    blocks: tuple[str, str],
     refs: frozenset[str] = frozenset(),
+    ids: tuple[str | None, str | None] | None = None,
 ) -> bytes:
-    return bytes(encode_task(tile_id, "mm", a, b, key, blocks=blocks, refs=refs))
+    """A task with operands under their content ids (``ids``: others, for references)."""
+    known = ids or (content_id(a), content_id(b))
+    return bytes(encode_task(tile_id, "mm", a, b, key, ids=known, refs=refs))
 
 
 def test_operands_sent_under_a_block_id_are_kept_and_referred_to_later(
@@ -643,11 +646,11 @@ def test_operands_sent_under_a_block_id_are_kept_and_referred_to_later(
 ) -> None:
     session = cached_session(pins, key, cache_bytes=1 << 20)
     a, b0, b1 = torch.randn(8, 6), torch.randn(6, 4), torch.randn(6, 4)
-    first = block_task(key, "t-0", a, b0, ("g/a/0", "g/b/0"))
+    first = block_task(key, "t-0", a, b0)
     assert session.receive(first, 1.0).compute == ("t-0",)
     assert session.cached_blocks == 2
     # The next tile of the same row block: A by reference only (a smaller frame).
-    second = block_task(key, "t-1", a, b1, ("g/a/0", "g/b/1"), refs=frozenset({"a"}))
+    second = block_task(key, "t-1", a, b1, refs=frozenset({"a"}))
     assert len(second) < len(first)
     assert session.receive(second, 1.0).compute == ("t-1",)
     first_job = session.next_tile()
@@ -663,9 +666,10 @@ def test_a_reference_to_a_block_not_held_asks_for_the_tile_again(
 ) -> None:
     session = cached_session(pins, key, cache_bytes=1 << 20)
     a, b = torch.randn(8, 6), torch.randn(6, 4)
-    session.receive(block_task(key, "t-0", a, b, ("g/a/0", "g/b/0")), 1.0)
+    session.receive(block_task(key, "t-0", a, b), 1.0)
     assert session.cached_blocks == 2
-    ref = block_task(key, "t-1", a, b, ("g/a/9", "g/b/0"), refs=frozenset({"a"}))
+    never_sent = "f" * 64
+    ref = block_task(key, "t-1", a, b, refs=frozenset({"a"}), ids=(never_sent, None))
     actions = session.receive(ref, 1.0)
     error = only_error(actions.send)
     assert (error.code, error.tile_id) == ("missing_block", "t-1") and actions.compute == ()
@@ -679,12 +683,14 @@ def test_the_cache_keeps_to_its_budget_least_recently_used_first(
     block_bytes = 8 * 6 * 4  # one [8, 6] fp32 operand
     session = cached_session(pins, key, cache_bytes=3 * block_bytes)
     b = torch.randn(6, 8)
+    a = [torch.randn(8, 6) for _ in range(3)]
     for i in range(3):  # a0 b, a1 b, a2 b: b is touched every time, a0 is the oldest
-        session.receive(block_task(key, f"t-{i}", torch.randn(8, 6), b, (f"a{i}", "b")), 1.0)
+        session.receive(block_task(key, f"t-{i}", a[i], b), 1.0)
         session.next_tile()
         session._computing = None  # noqa: SLF001 - finish without computing
     held = list(session._blocks)  # noqa: SLF001
-    assert held == ["a1", "a2", "b"]  # a0 went first; b, used every time, stays
+    # a0 went first; b, used every time, stays
+    assert held == [content_id(a[1]), content_id(a[2]), content_id(b)]
     none = cached_session(pins, key, cache_bytes=0)
-    none.receive(block_task(key, "t-0", torch.randn(8, 6), b, ("x", "y")), 1.0)
+    none.receive(block_task(key, "t-0", torch.randn(8, 6), b), 1.0)
     assert none.cached_blocks == 0

@@ -14,11 +14,10 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
-import blake3
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from common.messages import encode_task, parse_message
+from common.messages import BLOCK_FIELD, encode_task, parse_message
 from common.ops import TileOp
 from common.unfold import Unfold
 from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
@@ -36,7 +35,7 @@ class SignedTile:
     a: torch.Tensor  # operands as sent: Freivalds checks the result against them
     b: torch.Tensor
     ticket: TileTicket
-    # Operand block ids, keyed by content (block_id): tiles that share a row block of A
+    # Operand content ids (common.tensors.content_id): tiles that share a row block of A
     # (or a column block of B) share its id, and so do equal blocks of other GEMMs, so a
     # worker with an operand cache is sent each block once while it keeps it.
     blocks: tuple[str, str] = ("", "")
@@ -56,15 +55,18 @@ class SignedTile:
         return self.a.nbytes, self.b.nbytes
 
     def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> bytes | bytearray:
-        """The task for a worker with an operand cache: the operands named in ``refs``
-        ("a", "b") by block id only, the others inline, each tagged with its block id."""
+        """The task for a worker with an operand cache: the shared bundle, or one in
+        which the operands named in ``refs`` ("a", "b") are referred to by content id
+        only (re-signed; nothing is hashed again)."""
+        if not refs:
+            return self.bundle
         return encode_task(
             self.tile_id,
             self.gemm.op,
             self.a,
             self.b,
             key,
-            blocks=self.blocks,
+            ids=self.blocks,
             refs=refs,
             unfold=self.unfold,
         )
@@ -81,18 +83,6 @@ class SignedTile:
         tag = "|unfold" + json.dumps(self.unfold.to_header(), sort_keys=True)
         a_id, b_id = self.blocks
         return (a_id + tag, b_id) if self.unfold.operand == "a" else (a_id, b_id + tag)
-
-
-def block_id(t: torch.Tensor) -> str:
-    """An operand block's cache key: BLAKE3 of its dtype, shape and bytes (128 bits).
-
-    Keyed by content, not by position, because one tensor feeds several GEMMs of a step:
-    an activation is the A operand of a layer's forward GEMM and, in the same row and
-    column blocks, the B operand of its weight-gradient GEMM: such a block is sent once.
-    """
-    hasher = blake3.blake3(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    hasher.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
-    return hasher.hexdigest(16)
 
 
 class TiledGemm:
@@ -167,22 +157,27 @@ class TiledGemm:
         itemsize = self._a.element_size()
         ids: dict[tuple[str, int, int, int], str] = {}  # each block hashed once per GEMM
 
-        def content_id(position: tuple[str, int, int, int], t: torch.Tensor) -> str:
-            if position not in ids:
-                ids[position] = block_id(t)
-            return ids[position]
-
         for region in self.plan.tiles:
             if region.index in self.local:
                 continue
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             bi, mi, ni, ki = region.index
-            bundle = encode_task(tile_id, self.op, *self._operands(region), key, unfold=self.unfold)
-            # The check needs the operands exactly as sent: views into the bundle, which
-            # are contiguous, so hashing them for the block ids copies nothing.
-            sent = parse_message(bundle).tensors()
+            at = ("a", bi, mi, ki), ("b", bi, ki, ni)
+            bundle = encode_task(
+                tile_id,
+                self.op,
+                *self._operands(region),
+                key,
+                ids=(ids.get(at[0]), ids.get(at[1])),
+                unfold=self.unfold,
+            )
+            # The check needs the operands exactly as sent: views into the bundle.
+            received = parse_message(bundle)
+            sent = received.tensors()
             a, b = sent["a"], sent["b"]
-            blocks = (content_id(("a", bi, mi, ki), a), content_id(("b", bi, ki, ni), b))
+            signed = {d["name"]: d[BLOCK_FIELD] for d in received.frame.header["tensors"]}
+            blocks = (signed["a"], signed["b"])
+            ids[at[0]], ids[at[1]] = blocks
             ticket = TileTicket(
                 tile_id=tile_id,
                 gemm_id=self.gemm_id,
