@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from common.errors import FrameError, LimitExceeded
 from common.limits import DEFAULT_LIMITS, WireLimits
 
@@ -66,20 +68,24 @@ def encode_frame(header: dict[str, Any], payload: Sequence[Buffer] = ()) -> byte
     return b"".join([_PREFIX.pack(len(body)), body, *payload])
 
 
-def allocate_frame(header: dict[str, Any], payload_len: int) -> tuple[bytearray, memoryview]:
-    """A frame with ``header`` written and a zeroed, writable payload of ``payload_len``.
+def allocate_frame(header: dict[str, Any], payload_len: int) -> tuple[memoryview, memoryview]:
+    """A frame with ``header`` written and a writable payload of ``payload_len`` bytes,
+    not initialised: the sender writes every byte of it.
 
     Lets a sender write tensors straight into the message (one copy, not two) and
-    fill in header fields of fixed length afterwards with ``rewrite_header``.
+    fill in header fields of fixed length afterwards with ``rewrite_header``. The
+    memory comes from torch's allocator, which neither zeroes it first nor faults it in
+    a page at a time (it asks for huge pages), where a bytearray would do both.
     """
     body = _padded_header(header)
-    frame = bytearray(_PREFIX.size + len(body) + payload_len)
+    memory = torch.empty(_PREFIX.size + len(body) + payload_len, dtype=torch.uint8).numpy()
+    frame = memoryview(memory)  # type: ignore[arg-type]  # an ndarray is a buffer
     _PREFIX.pack_into(frame, 0, len(body))
     frame[_PREFIX.size : _PREFIX.size + len(body)] = body
-    return frame, memoryview(frame)[_PREFIX.size + len(body) :]
+    return frame, frame[_PREFIX.size + len(body) :]
 
 
-def rewrite_header(frame: bytearray, header: dict[str, Any]) -> None:
+def rewrite_header(frame: memoryview, header: dict[str, Any]) -> None:
     """Replace the header of an allocated frame by one that encodes to the same length."""
     (old_len,) = _PREFIX.unpack_from(frame, 0)
     body = canonical_json(header)

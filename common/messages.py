@@ -529,7 +529,7 @@ def encode_task(
     ids: tuple[str | None, str | None] = (None, None),
     refs: frozenset[str] = frozenset(),
     unfold: Unfold | None = None,
-) -> bytearray:
+) -> memoryview:
     """A signed task bundle for ``a @ b`` (with ``unfold``: one of them an image block
     standing for its patch matrix).
 

@@ -68,16 +68,21 @@ def write_tensors(
     tensors: Sequence[tuple[str, torch.Tensor]],
     descriptors: Sequence[dict[str, Any]],
 ) -> dict[str, torch.Tensor]:
-    """Copy tensors (any strides, any device) into a writable payload laid out for them;
-    returns the copies (views of the payload) by name."""
+    """Copy tensors (any strides, any device) into a writable payload laid out for them
+    (``layout_tensors``), zero the alignment padding between them, and return the
+    copies (views of the payload) by name."""
     written: dict[str, torch.Tensor] = {}
+    at = 0
     for (name, t), desc in zip(tensors, descriptors, strict=True):
+        payload[at : desc["offset"]] = bytes(desc["offset"] - at)
+        at = desc["offset"] + desc["nbytes"]
         if not t.numel():
             written[name] = torch.empty(t.shape, dtype=t.dtype)
             continue
         dst = torch.frombuffer(payload, dtype=t.dtype, count=t.numel(), offset=desc["offset"])
         written[name] = dst.view(t.shape)
         written[name].copy_(t.detach())
+    payload[at:] = bytes(len(payload) - at)
     return written
 
 

@@ -203,15 +203,17 @@ def _task_frames() -> list[bytes]:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             a = torch.randn(a_shape, generator=g).to(dtype)
             b = torch.randn(b_shape, generator=g).to(dtype)
-            frames.append(encode_task(f"g0/{op}", op, a, b, KEY))
+            frames.append(bytes(encode_task(f"g0/{op}", op, a, b, KEY)))
     # Convolution tiles: an image block with its unfold spec, as operand a and as b.
     image = torch.randn(2, 3, 4, 5, generator=g)
     spec = Unfold("a", (3, 3), (1, 2), (1, 0), (1, 1))
     rows, cols = spec.matrix_shape(image.shape)
-    frames.append(encode_task("g0/ua", "mm", image, torch.randn(cols, 2), KEY, unfold=spec))
+    frames.append(bytes(encode_task("g0/ua", "mm", image, torch.randn(cols, 2), KEY, unfold=spec)))
     spec_b = Unfold("b", (2, 2), (1, 1), (0, 0), (2, 1))
     rows, _ = spec_b.matrix_shape(image.shape)
-    frames.append(encode_task("g0/ub", "mm", torch.randn(3, rows), image, KEY, unfold=spec_b))
+    frames.append(
+        bytes(encode_task("g0/ub", "mm", torch.randn(3, rows), image, KEY, unfold=spec_b))
+    )
     return frames
 
 

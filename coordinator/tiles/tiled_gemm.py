@@ -31,7 +31,7 @@ class SignedTile:
     tile_id: str
     gemm: TiledGemm
     region: TileRegion
-    bundle: bytearray  # signed task frame with both operands, sent as is (also re-issued)
+    bundle: memoryview  # signed task frame with both operands, sent as is (also re-issued)
     a: torch.Tensor  # operands as sent: Freivalds checks the result against them
     b: torch.Tensor
     ticket: TileTicket
@@ -54,7 +54,7 @@ class SignedTile:
     def block_bytes(self) -> tuple[int, int]:
         return self.a.nbytes, self.b.nbytes
 
-    def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> bytes | bytearray:
+    def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> memoryview:
         """The task for a worker with an operand cache: the shared bundle, or one in
         which the operands named in ``refs`` ("a", "b") are referred to by content id
         only (re-signed; nothing is hashed again)."""
