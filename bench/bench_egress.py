@@ -31,6 +31,7 @@ import multiprocessing as mp
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,27 +55,24 @@ WINDOW = 2  # the worker's default prefetch window
 
 
 class CpuMeter:
-    """CPU seconds of this process, and of chosen threads, between start and stop."""
+    """CPU seconds of this process, and of its event loop thread, between start and stop."""
 
     def __init__(self) -> None:
         self._proc = psutil.Process()
-        self._threads: set[int] = set()
-
-    def watch(self, native_id: int) -> None:
-        self._threads.add(native_id)
+        self._loop_thread = threading.get_native_id()
 
     def _read(self) -> tuple[float, float]:
         times = self._proc.cpu_times()
         threads = self._proc.threads()
-        watched = sum(t.user_time + t.system_time for t in threads if t.id in self._threads)
-        return times.user + times.system, watched
+        loop = sum(t.user_time + t.system_time for t in threads if t.id == self._loop_thread)
+        return times.user + times.system, loop
 
     def start(self) -> None:
         self._t0 = self._read()
 
     def stop(self) -> tuple[float, float]:
-        total, watched = self._read()
-        return total - self._t0[0], watched - self._t0[1]
+        total, loop = self._read()
+        return total - self._t0[0], loop - self._t0[1]
 
 
 # ---- bare websockets --------------------------------------------------------------------
@@ -143,7 +141,7 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
     workers.start()
     loop = asyncio.get_running_loop()
     meter = CpuMeter()
-    meter.watch(threading.get_native_id())  # the event loop
+    cut_cpu = 0.0  # the cutting thread's own CPU seconds (it ends before the meter reads)
     try:
         await asyncio.wait_for(server.wait_for_workers(WORKERS), 120)
         m = n = GRID * side
@@ -166,8 +164,8 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
             loop.call_soon_threadsafe(done.release)
 
         def cut() -> None:
-            nonlocal tiles
-            meter.watch(threading.get_native_id())
+            nonlocal tiles, cut_cpu
+            started = time.thread_time()
             for g in range(gemms):
                 a, b = operands[g % 2]
                 ahead.acquire()
@@ -175,6 +173,7 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
                 for job in gemm.iter_jobs(key):
                     tiles += 1
                     loop.call_soon_threadsafe(server.submit, [job])
+            cut_cpu = time.thread_time() - started
 
         sent_before = server.counters.bytes_down
         meter.start()
@@ -182,9 +181,9 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
         cutter.start()
         for _ in range(gemms):
             await asyncio.wait_for(done.acquire(), 600)
-        cpu_all, cpu_send = meter.stop()
+        cpu_all, cpu_loop = meter.stop()
         cutter.join()
-        return server.counters.bytes_down - sent_before, cpu_all, cpu_send, tiles
+        return server.counters.bytes_down - sent_before, cpu_all, cpu_loop + cut_cpu, tiles
     finally:
         workers.stop()
         await server.close()
