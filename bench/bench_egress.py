@@ -151,10 +151,10 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
         )
         assert plan is not None and plan.grid == (1, GRID, GRID, 1), plan
         gen = torch.Generator().manual_seed(0)
-        operands = [
-            (torch.randn(m, side, generator=gen), torch.randn(side, n, generator=gen))
-            for _ in range(2)  # two GEMMs' worth of data, alternating: no block recurs at once
-        ]
+        # New data for every GEMM, as a step's activations are: a block a worker still
+        # holds would go by reference and the bench would measure the operand cache.
+        base_a, base_b = torch.randn(m, side, generator=gen), torch.randn(side, n, generator=gen)
+        operands = [(base_a + g, base_b - g) for g in range(gemms)]
         done = asyncio.Semaphore(0)
         ahead = threading.Semaphore(2)  # GEMMs out at once, as a step's data flow allows
         tiles = 0
@@ -167,7 +167,7 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
             nonlocal tiles, cut_cpu
             started = time.thread_time()
             for g in range(gemms):
-                a, b = operands[g % 2]
+                a, b = operands[g]
                 ahead.acquire()
                 gemm = TiledGemm(f"g{g}", plan, a, b, finished)
                 for job in gemm.iter_jobs(key):
