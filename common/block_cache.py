@@ -29,6 +29,11 @@ class BlockCache(Mapping[str, V], Generic[V]):
     def __getitem__(self, block: str) -> V:
         return self._blocks[block]
 
+    def __contains__(self, block: object) -> bool:
+        # Mapping's own goes through __getitem__ and a KeyError per miss; the scheduler
+        # asks this for every candidate worker of every tile.
+        return block in self._blocks
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._blocks)
 

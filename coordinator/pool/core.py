@@ -419,7 +419,9 @@ class CoordinatorCore:
         """Whether the worker's operand cache already holds one of the tile's operands:
         then it should get the tile, and the coordinator sends one operand, not two."""
         worker = self.workers.get(worker_id)
-        return worker is not None and any(block in worker.blocks for block in ticket.blocks)
+        if worker is None or not worker.blocks:
+            return False
+        return any(block in worker.blocks for block in ticket.blocks)
 
     def _send(self, assignment: Assignment, effects: Effects) -> None:
         worker = self.workers.get(assignment.worker_id)
