@@ -100,15 +100,41 @@ def test_contributions_survive_reopening_the_same_file(tmp_path: Path) -> None:
         second.close()
 
 
-def test_a_credit_is_visible_to_another_connection_before_close(tmp_path: Path) -> None:
+def test_credits_are_committed_together_at_a_flush_and_visible_before_close(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "ledger.sqlite"
     led = Ledger(path)
     try:
         credit(led, "alice", 42)
-        with sqlite3.connect(path) as db:  # committed as it lands (autocommit)
-            assert db.execute("SELECT tiles, flops FROM contributions").fetchall() == [(1, 42)]
+        credit(led, "alice", 8)
+        reject(led, "mallory", now=2.0)
+        assert led.queued == 3 and led.get("alice").tiles == 2  # memory first
+        with sqlite3.connect(path) as db:
+            assert db.execute("SELECT * FROM contributions").fetchall() == []
+        led.flush()
+        assert led.queued == 0
+        with sqlite3.connect(path) as db:
+            rows = db.execute("SELECT worker, tiles, flops, rejected FROM contributions")
+            assert sorted(rows.fetchall()) == [("alice", 2, 50, 0), ("mallory", 0, 0, 1)]
     finally:
         led.close()
+
+
+def test_reads_and_close_commit_what_is_queued(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    led = Ledger(path)
+    credit(led, "alice", 42)
+    assert [c.tiles for c in led.all()] == [1] and led.queued == 0
+    reject(led, "mallory", now=2.0, ban="wrong results")
+    assert [c.worker for c in led.banned()] == ["mallory"] and led.queued == 0
+    credit(led, "bob", 7)
+    led.close()
+    again = Ledger(path)
+    try:
+        assert again.get("bob").tiles == 1
+    finally:
+        again.close()
 
 
 def test_wal_mode_is_on(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import random
+import sqlite3
 import time
 import urllib.error
 import urllib.request
@@ -314,6 +315,11 @@ async def test_two_workers_compute_every_tile_get_credit_and_show_in_status(tmp_
         assert counters.bytes_down_uncached == sum(len(j.bundle) for j in mm.jobs + bmm.jobs)
         assert counters.bytes_down < 0.9 * counters.bytes_down_uncached
 
+        # The pump commits the credit on its own (no read of the ledger asked for it).
+        await until(lambda: coord.ledger.queued == 0, "the ledger to be committed")
+        with sqlite3.connect(tmp_path / "state" / "ledger.sqlite") as db:
+            (on_disk,) = db.execute("SELECT SUM(tiles) FROM contributions").fetchone()
+        assert on_disk == tiles
         rows = {c.name: c for c in coord.ledger.all()}
         assert set(rows) == {"alice", "bob"}
         assert rows["alice"].tiles > 0 and rows["bob"].tiles > 0

@@ -83,13 +83,23 @@ class Contribution:
 
 
 class Ledger:
+    """Each worker's credit, in SQLite, with the rows also kept in memory.
+
+    ``credit`` and ``reject`` change the row in memory at once and queue their write;
+    ``flush`` commits what is queued in one transaction. The server flushes at the
+    start of the event loop's next turn after the writes, so the tiles verified in one
+    turn cost one commit rather than one each, and a crash loses at most the credit of
+    the turn in flight (tiles of the step in flight, which is recomputed).
+    """
+
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # One connection shared under a lock: writes come from the event loop, reads
         # also from the training thread's summaries.
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
-        self._rows: dict[str, Contribution] = {}  # worker key -> its row, as in the file
+        self._rows: dict[str, Contribution] = {}  # worker key -> its row, as in the memory
+        self._queued: list[tuple[str, tuple[object, ...]]] = []  # writes not yet committed
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -117,8 +127,9 @@ class Ledger:
         """One verified tile: credit it, with the worker's reputation after it."""
         with self._lock:
             before = self._row(worker)  # read first: the write below changes it
-            self._db.execute(
-                """INSERT INTO contributions
+            self._queued.append(
+                (
+                    """INSERT INTO contributions
                    (worker, name, tiles, flops, bytes_down, bytes_up, compute_s, reputation,
                     first_seen, last_seen)
                    VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?)
@@ -130,7 +141,8 @@ class Ledger:
                        compute_s = compute_s + excluded.compute_s,
                        reputation = excluded.reputation,
                        last_seen = excluded.last_seen""",
-                (worker, name, flops, bytes_down, bytes_up, compute_s, reputation, now, now),
+                    (worker, name, flops, bytes_down, bytes_up, compute_s, reputation, now, now),
+                )
             )
             self._rows[worker] = replace(
                 before,
@@ -149,8 +161,9 @@ class Ledger:
         """One result that failed its check: no credit, a lower reputation, maybe a ban."""
         with self._lock:
             before = self._row(worker)  # read first: the write below changes it
-            self._db.execute(
-                """INSERT INTO contributions
+            self._queued.append(
+                (
+                    """INSERT INTO contributions
                    (worker, name, rejected, reputation, banned_reason, banned_at,
                     first_seen, last_seen)
                    VALUES (?, ?, 1, ?, ?, ?, ?, ?)
@@ -162,15 +175,16 @@ class Ledger:
                            THEN excluded.banned_reason ELSE banned_reason END,
                        banned_at = COALESCE(banned_at, excluded.banned_at),
                        last_seen = excluded.last_seen""",
-                (
-                    worker,
-                    name,
-                    reputation,
-                    banned_reason,
-                    now if banned_reason else None,
-                    now,
-                    now,
-                ),
+                    (
+                        worker,
+                        name,
+                        reputation,
+                        banned_reason,
+                        now if banned_reason else None,
+                        now,
+                        now,
+                    ),
+                )
             )
             self._rows[worker] = replace(
                 before,
@@ -179,6 +193,29 @@ class Ledger:
                 reputation=reputation,
                 banned_reason=before.banned_reason or banned_reason,
             )
+
+    @property
+    def queued(self) -> int:
+        """Writes made but not yet committed."""
+        return len(self._queued)
+
+    def flush(self) -> None:
+        """Commit the queued writes, in the order they were made, in one transaction."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        self._db.execute("BEGIN")
+        try:
+            for sql, params in queued:
+                self._db.execute(sql, params)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def get(self, worker: str) -> Contribution:
         with self._lock:
@@ -199,6 +236,7 @@ class Ledger:
 
     def all(self) -> list[Contribution]:
         with self._lock:
+            self._flush()
             rows = self._db.execute(
                 f"SELECT {COLUMNS} FROM contributions ORDER BY flops DESC, worker"
             ).fetchall()
@@ -206,6 +244,7 @@ class Ledger:
 
     def banned(self) -> list[Contribution]:
         with self._lock:
+            self._flush()
             rows = self._db.execute(
                 f"SELECT {COLUMNS} FROM contributions WHERE banned_reason != '' "
                 "ORDER BY banned_at, worker"
@@ -214,4 +253,5 @@ class Ledger:
 
     def close(self) -> None:
         with self._lock:
+            self._flush()
             self._db.close()

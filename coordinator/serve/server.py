@@ -117,6 +117,7 @@ class CoordinatorServer:
         self._handshaking = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Event()
+        self._flush_due = False
 
     # The core's state, for the CLI, the offload and tests.
     @property
@@ -170,6 +171,7 @@ class CoordinatorServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         self._checks.shutdown()
+        self.ledger.flush()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -219,6 +221,15 @@ class CoordinatorServer:
             self._spawn(self._compute_here(job))
         if effects.workers_changed:
             self._workers_changed.set()
+        if self.ledger.queued and not self._flush_due:
+            # The credit of the tiles verified in this turn of the loop, in one commit
+            # at the start of the next.
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_ledger)
+
+    def _flush_ledger(self) -> None:
+        self._flush_due = False
+        self.ledger.flush()
 
     async def _writer(self, conn: _Connection) -> None:
         """The connection's one write path: its frames in order, then its close."""

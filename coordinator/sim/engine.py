@@ -238,6 +238,7 @@ class Simulation:
         for close in effects.closes:  # expired: what it held goes back to the queue
             self.lost_tiles.update(silent.get(close.worker_id, ()))
         self._apply(effects)
+        self.core.ledger.flush()  # as the server does after each turn of its loop
         self._push(self.now + self.config.heartbeat_interval_s, "tick", None)
 
     def _on_result(self, key: tuple[str, str, int]) -> None:
