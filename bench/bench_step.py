@@ -1,17 +1,27 @@
-"""Step time of a GEMM-heavy model: Cleave with local workers vs local eager torch.
+"""Step time and memory of GEMM-heavy models: Cleave with local workers vs eager torch.
 
-Both run on this machine's cores: eager torch with all of them, Cleave as a coordinator
-plus ``--local-workers`` worker processes splitting the cores. The coordinator runs as a
-real subprocess (``cleave-coordinator serve``) and reports per-step seconds through
-``--metrics-out``; the first steps (tracing, warm-up) are left out of both medians.
-Run: ``python bench/bench_step.py [--width 2048] [--steps 8] [--workers 2]``.
+Both run on this machine's cores, each as a process of its own: eager torch with all of
+them, Cleave as a coordinator plus ``--local-workers`` worker processes splitting the
+cores. The coordinator runs as a real subprocess (``cleave-coordinator serve``) and
+reports per-step seconds through ``--metrics-out``; the first steps (tracing, warm-up)
+are left out of both medians. Memory is each process's peak RSS: the eager process
+against the coordinator's (its workers are processes of their own).
+
+Models: ``mlp`` (a wide MLP: nine large GEMMs a step and little else) and ``gpt`` (a
+GPT-style model, 12 layers 768 wide, 12 heads, 128-token context, batch 8, on the
+character text of the built-in job: 85M parameters).
+Run: ``python bench/bench_step.py [--model mlp|gpt|both] [--steps 8] [--workers 2]``.
+Profile the coordinator with ``py-spy record --subprocesses -o step.svg -- python -m
+coordinator serve --job bench_step:make_job --steps 8 --local-workers 2 --port 0``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -23,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -56,6 +67,21 @@ def make_job() -> Job:
     )
 
 
+def make_gpt_job() -> Job:
+    """A GPT-style model of GPT-2 small's depth and width on the built-in job's text."""
+    from coordinator.jobs.tiny_gpt import GPTConfig
+    from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
+
+    cfg = GPTConfig(block_size=128, n_layer=12, n_head=12, n_embd=768, batch_size=8, lr=3e-4)
+    return make_tiny_gpt(cfg=cfg)
+
+
+MODELS: dict[str, tuple[str, Callable[[], Job]]] = {
+    "mlp": ("bench_step:make_job", make_job),
+    "gpt": ("bench_step:make_gpt_job", make_gpt_job),
+}
+
+
 def eager_seconds(steps: int, make: Callable[[], Job] = make_job) -> list[float]:
     """Seconds of each plain torch step of ``make()``'s job (the baseline)."""
     job = make()
@@ -70,6 +96,22 @@ def eager_seconds(steps: int, make: Callable[[], Job] = make_job) -> list[float]
     return times
 
 
+def eager_process(model: str, steps: int) -> tuple[list[float], int]:
+    """Eager steps of ``model`` in a process of its own: seconds per step, peak RSS."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--eager-only", model, "--steps", str(steps)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    return doc["seconds"], doc["peak_rss"]
+
+
+def _peak_rss_self() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def serve_job(
     job: str,
     steps: int,
@@ -81,11 +123,25 @@ def serve_job(
     """``cleave-coordinator serve`` of ``job`` with local workers, as a subprocess in a
     fresh directory (``prepare`` gets its state directory first): per-step seconds from
     ``--metrics-out``, and what it printed."""
+    seconds, stdout, _ = serve_job_measured(job, steps, workers, *extra, env=env, prepare=prepare)
+    return seconds, stdout
+
+
+def serve_job_measured(
+    job: str,
+    steps: int,
+    workers: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    prepare: Callable[[Path], None] = lambda state: None,
+) -> tuple[list[float], str, int]:
+    """``serve_job``, and the coordinator process's peak RSS (sampled)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics, state = Path(tmp) / "metrics.jsonl", Path(tmp) / "state"
         prepare(state)
         path = os.pathsep.join([str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")])
-        done = subprocess.run(
+        log = (Path(tmp) / "serve.log").open("w")
+        proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -106,43 +162,72 @@ def serve_job(
                 *extra,
             ],
             env={**os.environ, "PYTHONPATH": path, **(env or {})},
-            check=True,
-            capture_output=True,
-            text=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             cwd=tmp,
         )
+        peak = 0
+        watched = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                peak = max(peak, watched.memory_info().rss)
+            time.sleep(0.05)
+        log.close()
+        output = (Path(tmp) / "serve.log").read_text()
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, output)
         seconds = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
-    return seconds, done.stdout
-
-
-def cleave_seconds(steps: int, workers: int, planner: str) -> list[float]:
-    sizes = {"CLEAVE_BENCH_WIDTH": str(WIDTH), "CLEAVE_BENCH_BATCH": str(BATCH)}
-    seconds, _ = serve_job("bench_step:make_job", steps, workers, "--planner", planner, env=sizes)
-    return seconds
+    return seconds, output, peak
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=[*MODELS, "both"], default="mlp")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--eager-only", choices=list(MODELS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.eager_only:  # the baseline's own process (eager_process)
+        seconds = eager_seconds(args.steps, MODELS[args.eager_only][1])
+        print(json.dumps({"seconds": seconds, "peak_rss": _peak_rss_self()}))
+        return
     skip = 2
-    eager = statistics.median(eager_seconds(args.steps)[skip:])
-    gflop = 2 * BATCH * (2 * WIDTH * WIDTH + WIDTH * 16) * 3 / 1e9
+    sizes = {"CLEAVE_BENCH_WIDTH": str(WIDTH), "CLEAVE_BENCH_BATCH": str(BATCH)}
     print(
         f"{'model':>28} {'GFLOP/step':>11} {'planner':>8} {'eager s':>8} {'cleave s':>9} "
-        f"{'ratio':>6}"
+        f"{'ratio':>6} {'memory':>7}"
     )
-    for planner in ("cost", "grid"):
-        ours = statistics.median(cleave_seconds(args.steps, args.workers, planner)[skip:])
-        print(
-            f"{f'MLP {WIDTH}x{WIDTH}, batch {BATCH}':>28} {gflop:>11.1f} {planner:>8} "
-            f"{eager:>8.3f} {ours:>9.3f} {ours / eager:>6.2f}"
-        )
+    for model in MODELS if args.model == "both" else [args.model]:
+        spec, make = MODELS[model]
+        eager_times, eager_rss = eager_process(model, args.steps)
+        eager = statistics.median(eager_times[skip:])
+        gflop = step_gflop(make)
+        label = f"MLP {WIDTH}x{WIDTH}, batch {BATCH}" if model == "mlp" else "GPT 12x768, 8x128 tok"
+        for planner in ("cost", "grid"):
+            times, _, rss = serve_job_measured(
+                spec, args.steps, args.workers, "--planner", planner, env=sizes
+            )
+            ours = statistics.median(times[skip:])
+            print(
+                f"{label:>28} {gflop:>11.1f} {planner:>8} {eager:>8.3f} {ours:>9.3f} "
+                f"{ours / eager:>6.2f} {rss / eager_rss:>7.2f}"
+            )
     print(
         f"(cleave: coordinator + {args.workers} local workers on {os.cpu_count()} cores; "
-        f"medians of steps {skip}..{args.steps - 1})"
+        f"medians of steps {skip}..{args.steps - 1}; memory: the coordinator's peak RSS "
+        "over the eager process's)"
     )
+
+
+def step_gflop(make: Callable[[], Job]) -> float:
+    """GFLOP of one training step (torch's own FLOP counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    job = make()
+    x, y = job.next_batch()
+    with FlopCounterMode(display=False) as counter:
+        job.loss_fn(job.model(x), y).backward()
+    return counter.get_total_flops() / 1e9
 
 
 if __name__ == "__main__":
