@@ -69,6 +69,7 @@ from common.messages import (  # noqa: E402
 )
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm  # noqa: E402
+from coordinator.pool.core import CoreConfig  # noqa: E402
 from coordinator.pool.ledger import Ledger  # noqa: E402
 from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm  # noqa: E402
@@ -287,7 +288,7 @@ async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
             key=key,
             job_name="load-test",
             ledger=ledger,
-            config=ServerConfig(heartbeat_interval_s=cfg.heartbeat_s),
+            config=ServerConfig(core=CoreConfig(heartbeat_interval_s=cfg.heartbeat_s)),
         )
         port = await server.start("127.0.0.1", 0)
         stream = GemmStream(server, cfg)

@@ -27,6 +27,7 @@ from common.gemm_speed import matmul_gflops
 from common.signing import fingerprint, load_or_create_private_key
 from coordinator.plan.live import LivePlanning
 from coordinator.plan.planner import plan_config_for
+from coordinator.pool.core import CoreConfig
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import SchedulerConfig
 from coordinator.serve.local_workers import LocalWorkers
@@ -136,13 +137,17 @@ class ServeOptions:
     def server_config(self) -> ServerConfig:
         return ServerConfig(
             handshake_timeout_s=self.handshake_timeout,
-            # Several heartbeats per timeout, so one late beat never drops a worker.
-            heartbeat_interval_s=min(ServerConfig.heartbeat_interval_s, self.heartbeat_timeout / 4),
             join_token=self.join_token,
-            scheduler=SchedulerConfig(
-                heartbeat_timeout_s=self.heartbeat_timeout,
-                speculate_after=self.speculate_after,
-                leave_for_faster=self.leave_for_faster,
+            core=CoreConfig(
+                # Several heartbeats per timeout, so one late beat never drops a worker.
+                heartbeat_interval_s=min(
+                    CoreConfig.heartbeat_interval_s, self.heartbeat_timeout / 4
+                ),
+                scheduler=SchedulerConfig(
+                    heartbeat_timeout_s=self.heartbeat_timeout,
+                    speculate_after=self.speculate_after,
+                    leave_for_faster=self.leave_for_faster,
+                ),
             ),
         )
 

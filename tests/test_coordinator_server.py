@@ -49,6 +49,7 @@ from common.messages import (
 )
 from common.signing import fingerprint, generate_private_key, public_key_hex
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.pool.core import CoreConfig
 from coordinator.pool.ledger import Contribution, Ledger
 from coordinator.serve.server import CoordinatorServer, ServerConfig
 from coordinator.tiles.tiled_gemm import TiledGemm
@@ -59,7 +60,7 @@ T = TypeVar("T")
 PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
 PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=8)
 K_SPLIT_PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, tile_mem_cap_bytes=30_000)
-FAST = dict(heartbeat_interval_s=0.1, expire_every_s=0.05)
+FAST = dict(core=CoreConfig(heartbeat_interval_s=0.1), expire_every_s=0.05)
 
 
 async def within(aw: Awaitable[T], seconds: float = 15.0) -> T:

@@ -49,10 +49,10 @@ async def handshake(
         key,
         core,
         job_name,
-        heartbeat_interval_s=config.heartbeat_interval_s,
+        heartbeat_interval_s=config.core.heartbeat_interval_s,
         max_frame_bytes=config.max_message_bytes,
         join_token=config.join_token,
-        limits=config.limits,
+        limits=config.core.limits,
     )
     await ws.send(admission.challenge_frame())
     verdict = admission.answer(await ws.recv())

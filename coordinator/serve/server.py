@@ -26,14 +26,12 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from common.limits import DEFAULT_LIMITS, WireLimits
 from common.signing import fingerprint
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, Close, CloseCode, Effects, Send
 from coordinator.pool.ledger import Ledger
-from coordinator.pool.reputation import ReputationPolicy
 from coordinator.pool.workers import Counters, PoolView, Worker
-from coordinator.schedule.scheduler import Scheduler, SchedulerConfig
+from coordinator.schedule.scheduler import Scheduler
 from coordinator.serve import http_api
 from coordinator.serve.checks import CheckThread
 from coordinator.serve.handshake import (
@@ -56,29 +54,16 @@ CLOSE_GRACE_S = 30.0
 
 @dataclass(frozen=True)
 class ServerConfig:
-    heartbeat_interval_s: float = 2.0
+    """The pump's own settings; what the core decides by is ``core``."""
+
+    core: CoreConfig = field(default_factory=CoreConfig)
     handshake_timeout_s: float = 10.0
     join_token: str = ""  # non-empty: a private pool; workers must prove they know it
     # Connections still authenticating at once: beyond this, new ones are told to come
     # back later, so a flood of idle sockets cannot tie up the coordinator.
     max_handshakes: int = 256
-    max_messages_per_s: float = 200.0  # per worker (CoreConfig)
-    message_burst: int = 400
-    reputation: ReputationPolicy = field(default_factory=ReputationPolicy)
     expire_every_s: float = 0.5
     max_message_bytes: int = 256 << 20  # largest result frame accepted from a worker
-    limits: WireLimits = DEFAULT_LIMITS
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def core(self) -> CoreConfig:
-        return CoreConfig(
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            max_messages_per_s=self.max_messages_per_s,
-            message_burst=self.message_burst,
-            reputation=self.reputation,
-            limits=self.limits,
-            scheduler=self.scheduler,
-        )
 
 
 @dataclass(eq=False)
@@ -108,7 +93,7 @@ class CoordinatorServer:
         self.clock = clock
         self.status_extra = status_extra
         self.core = CoordinatorCore(
-            key=key, ledger=ledger, config=config.core(), wall_clock=wall_clock
+            key=key, ledger=ledger, config=config.core, wall_clock=wall_clock
         )
         self.port = 0
         self._conns: dict[str, _Connection] = {}
