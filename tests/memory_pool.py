@@ -22,7 +22,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client_app.session import WorkerSession
-from common.messages import DeviceProfile, Message, parse_message
+from common.messages import DeviceProfile, Message, Task, parse_message
 from common.ops import TileOp
 from common.signing import generate_private_key
 from coordinator.pool.admission import Admission, Refusal
@@ -85,7 +85,7 @@ class MemoryWorker:
 
     @property
     def tasks(self) -> list[str]:
-        return [m.tile_id for m in self.received if getattr(m, "TYPE", "") == "task"]
+        return [m.tile_id for m in self.received if isinstance(m, Task)]
 
     def heartbeat(self) -> None:
         """Send a heartbeat now, due or not."""
