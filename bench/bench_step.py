@@ -36,7 +36,10 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from coordinator.jobs.tiny_gpt import GPTConfig  # noqa: E402
+from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt  # noqa: E402
 from coordinator.step.job import Job  # noqa: E402
 
 WIDTH = int(os.environ.get("CLEAVE_BENCH_WIDTH", "2048"))
@@ -69,9 +72,6 @@ def make_job() -> Job:
 
 def make_gpt_job() -> Job:
     """A GPT-style model of GPT-2 small's depth and width on the built-in job's text."""
-    from coordinator.jobs.tiny_gpt import GPTConfig
-    from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
-
     cfg = GPTConfig(block_size=128, n_layer=12, n_head=12, n_embd=768, batch_size=8, lr=3e-4)
     return make_tiny_gpt(cfg=cfg)
 
@@ -221,8 +221,6 @@ def main() -> None:
 
 def step_gflop(make: Callable[[], Job]) -> float:
     """GFLOP of one training step (torch's own FLOP counter)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     job = make()
     x, y = job.next_batch()
     with FlopCounterMode(display=False) as counter:

@@ -9,18 +9,17 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from memory_pool import PROFILE
 
 from common import PROTOCOL_VERSION
 from common.auth import answer_challenge, check_welcome, new_nonce
 from common.frames import encode_frame
-from common.messages import DeviceProfile, Error, Heartbeat, Welcome, encode_message, parse_message
+from common.messages import Error, Heartbeat, Welcome, encode_message, parse_message
 from common.signing import generate_private_key, public_key_hex
 from coordinator.pool.admission import Admission, Admitted, Refusal
 from coordinator.pool.core import CoordinatorCore
 from coordinator.pool.effects import CloseCode
 from coordinator.pool.ledger import Ledger
-
-PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from memory_pool import PROFILE
 
 from common import PROTOCOL_VERSION
 from common.errors import ErrorCode
@@ -44,7 +45,6 @@ from coordinator.schedule.scheduler import SchedulerConfig
 from coordinator.serve.checks import Checker
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
 
-PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
 PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
 
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from memory_pool import PROFILE
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -57,7 +58,6 @@ from coordinator.tiles.tiled_gemm import TiledGemm
 pytestmark = pytest.mark.timeout(60)
 
 T = TypeVar("T")
-PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
 PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=8)
 K_SPLIT_PLAN = PlanConfig(min_offload_flops=1, min_tile_flops=1, tile_mem_cap_bytes=30_000)
 FAST = dict(core=CoreConfig(heartbeat_interval_s=0.1), expire_every_s=0.05)
