@@ -4,8 +4,9 @@ Both runs send the same frame sizes over one WebSocket connection on 127.0.0.1, 
 this process to a receiver subprocess:
 
 - bare:   pre-built bytes of the same size; the receiver drops them.
-- cleave: real signed task bundles (``encode_task``), sent with the coordinator's
-          connection settings; the receiver does what a worker does before computing:
+- cleave: real signed task bundles (``task_frame``), sent as the coordinator sends
+          them (the frame's parts as fragments of one message, with its connection
+          settings); the receiver does what a worker does before computing:
           ``parse_message`` + ``verify_task`` (BLAKE3 + Ed25519 + operand decode).
 
 Also reports bytes on the wire vs tensor bytes (framing overhead).
@@ -20,6 +21,7 @@ import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -27,8 +29,9 @@ import torch  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 
-from common.messages import encode_task, parse_message, verify_task  # noqa: E402
+from common.messages import parse_message, task_frame, verify_task  # noqa: E402
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
+from common.tensors import encode_block  # noqa: E402
 
 SIDES = (128, 256, 512, 1024)
 
@@ -55,7 +58,7 @@ def _receiver(port: int, mode: str, count: int, key_hex: str, out: mp.Queue) -> 
     asyncio.run(main())
 
 
-async def _send_all(frames: list[bytes], mode: str, key_hex: str) -> tuple[int, float]:
+async def _send_all(frames: list[Any], mode: str, key_hex: str) -> tuple[int, float]:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     done = asyncio.Event()
@@ -88,7 +91,8 @@ def run(quick: bool, repeat: int) -> None:
         total_mb = 128 if quick else 512
         tensor_bytes = 2 * side * side * 4
         count = max(8, int(total_mb * 2**20 // tensor_bytes))
-        bundles = [encode_task(f"t{i}", "mm", a, b, key) for i in range(min(count, 4))]
+        blocks = encode_block(a), encode_block(b)
+        bundles = [task_frame(f"t{i}", "mm", *blocks, key) for i in range(min(count, 4))]
         frames = [bundles[i % len(bundles)] for i in range(count)]
         raw = [bytes(len(frames[0]))] * count
         bare = ours = 0.0

@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from common.errors import FrameError, LimitExceeded
 from common.limits import DEFAULT_LIMITS, WireLimits
@@ -57,41 +55,39 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _padded_header(header: dict[str, Any]) -> bytes:
+def frame_head(header: dict[str, Any]) -> bytes:
+    """A frame's bytes before its payload: the length prefix and the padded header."""
     body = canonical_json(header)
-    return body + b" " * ((-(_PREFIX.size + len(body))) % PAYLOAD_ALIGN)
+    body += b" " * ((-(_PREFIX.size + len(body))) % PAYLOAD_ALIGN)
+    return _PREFIX.pack(len(body)) + body
 
 
 def encode_frame(header: dict[str, Any], payload: Sequence[Buffer] = ()) -> bytes:
     """Build one wire message. ``payload`` parts are concatenated as given."""
-    body = _padded_header(header)
-    return b"".join([_PREFIX.pack(len(body)), body, *payload])
+    return b"".join([frame_head(header), *payload])
 
 
-def allocate_frame(header: dict[str, Any], payload_len: int) -> tuple[memoryview, memoryview]:
-    """A frame with ``header`` written and a writable payload of ``payload_len`` bytes,
-    not initialised: the sender writes every byte of it.
-
-    Lets a sender write tensors straight into the message (one copy, not two) and
-    fill in header fields of fixed length afterwards with ``rewrite_header``. The
-    memory comes from torch's allocator, which neither zeroes it first nor faults it in
-    a page at a time (it asks for huge pages), where a bytearray would do both.
+class FrameParts:
+    """One wire message held as the consecutive buffers it is made of (its head, then
+    payload parts), so that operand blocks shared by many tasks are never copied into
+    each task's frame. The server sends the parts as fragments of one WebSocket
+    message; the receiver gets the joined bytes, exactly as if it had been one buffer.
     """
-    body = _padded_header(header)
-    memory = torch.empty(_PREFIX.size + len(body) + payload_len, dtype=torch.uint8).numpy()
-    frame = memoryview(memory)  # type: ignore[arg-type]  # an ndarray is a buffer
-    _PREFIX.pack_into(frame, 0, len(body))
-    frame[_PREFIX.size : _PREFIX.size + len(body)] = body
-    return frame, frame[_PREFIX.size + len(body) :]
 
+    __slots__ = ("parts", "_nbytes")
 
-def rewrite_header(frame: memoryview, header: dict[str, Any]) -> None:
-    """Replace the header of an allocated frame by one that encodes to the same length."""
-    (old_len,) = _PREFIX.unpack_from(frame, 0)
-    body = canonical_json(header)
-    if len(body) > old_len:
-        raise ValueError(f"new header is {len(body)} bytes; the frame has room for {old_len}")
-    frame[_PREFIX.size : _PREFIX.size + old_len] = body + b" " * (old_len - len(body))
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        self.parts = tuple(p for p in parts if memoryview(p).nbytes)  # no empty fragments
+        self._nbytes = sum(memoryview(p).nbytes for p in self.parts)
+
+    def __len__(self) -> int:
+        return self._nbytes
+
+    def __iter__(self) -> Iterator[Buffer]:
+        return iter(self.parts)
+
+    def join(self) -> bytes:
+        return b"".join(self.parts)
 
 
 def decode_frame(data: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Frame:

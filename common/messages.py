@@ -24,18 +24,17 @@ from common.errors import (
     SignatureError,
     TensorCodecError,
 )
-from common.frames import Frame, allocate_frame, decode_frame, encode_frame, rewrite_header
+from common.frames import Frame, FrameParts, decode_frame, encode_frame, frame_head
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.ops import TILE_OPS, TileOp
-from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, sign_bundle, verify_bundle
+from common.signing import SIGNATURE_FIELD, sign_bundle, verify_bundle
 from common.tensors import (
-    CONTENT_ID_HEX_LEN,
+    Block,
     content_id,
     decode_tensors,
     dtype_name,
+    encode_block,
     encode_tensors,
-    layout_tensors,
-    write_tensors,
 )
 from common.unfold import UNFOLD_FIELD, Unfold
 
@@ -519,6 +518,57 @@ def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None 
     return encode_frame(header, parts)
 
 
+def task_frame(
+    tile_id: str,
+    op: str,
+    a: Block,
+    b: Block,
+    key: Ed25519PrivateKey,
+    *,
+    refs: frozenset[str] = frozenset(),
+    unfold: Unfold | None = None,
+) -> FrameParts:
+    """A signed task bundle for ``a @ b`` (with ``unfold``: one of them an image block
+    standing for its patch matrix), made of the blocks themselves: nothing is copied
+    or hashed here, only the header is built and signed. The signature covers each
+    operand's content id (``Block.id``), which binds the operand's bytes.
+
+    Operand cache: an operand whose name is in ``refs`` is not sent at all, only
+    referred to by its id (the worker must hold it from an earlier task).
+    """
+    if op not in TILE_OPS:
+        raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
+    descriptors: list[dict[str, Any]] = []
+    parts: list[memoryview] = []
+    offset = end = 0
+    for name, block in (("a", a), ("b", b)):
+        t = block.tensor
+        desc = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        desc[BLOCK_FIELD] = block.id
+        if name in refs:
+            desc[REF_FIELD] = True
+        else:
+            # Laid out as the codec lays out tensors: each at the next aligned offset,
+            # the padding before it being the previous block's own zero padding.
+            desc["offset"], desc["nbytes"] = offset, block.nbytes
+            parts.append(block.padded)
+            end = offset + block.nbytes
+            offset += len(block.padded)
+        descriptors.append(desc)
+    if parts:  # the payload ends where its last operand does: no padding after it
+        parts[-1] = parts[-1][: len(parts[-1]) - (offset - end)]
+    header: dict[str, Any] = {
+        "type": Task.TYPE,
+        "v": PROTOCOL_VERSION,
+        "tile_id": tile_id,
+        "op": op,
+        "tensors": descriptors,
+        **({UNFOLD_FIELD: unfold.to_header()} if unfold is not None else {}),
+    }
+    header[SIGNATURE_FIELD] = sign_bundle(key, header)
+    return FrameParts([frame_head(header), *parts])
+
+
 def encode_task(
     tile_id: str,
     op: str,
@@ -529,58 +579,17 @@ def encode_task(
     ids: tuple[str | None, str | None] = (None, None),
     refs: frozenset[str] = frozenset(),
     unfold: Unfold | None = None,
-) -> memoryview:
-    """A signed task bundle for ``a @ b`` (with ``unfold``: one of them an image block
-    standing for its patch matrix).
-
-    The operands (any strides: tiles are usually slices of a larger matrix) are copied
-    once, straight into the frame. Each operand's descriptor carries its content id
-    (``common.tensors.content_id``), which the signature covers: ``ids`` gives the ids
-    already known (tiles sharing a block hash it once), the others are computed from
-    the bytes in the frame.
-
-    Operand cache: an operand whose name is in ``refs`` is not sent at all, only
-    referred to by its id (the worker must hold it from an earlier task); its id must
-    be known.
-    """
-    if op not in TILE_OPS:
-        raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
-    known = dict(zip(("a", "b"), ids, strict=True))
-    if any(known[name] is None for name in refs):
+) -> bytes:
+    """``task_frame`` for two tensors (any strides), as one buffer: ``ids`` gives the
+    content ids already known (the others are computed); an operand in ``refs`` needs
+    its id."""
+    if any(ids[("a", "b").index(name)] is None for name in refs):
         raise ValueError("refs need content ids")
-    named = [("a", a), ("b", b)]
-    operands = [(name, t) for name, t in named if name not in refs]
-    inline, payload_len = layout_tensors(operands)
-    for desc in inline:  # of fixed length: an id computed below fits the header as laid out
-        desc[BLOCK_FIELD] = known[desc["name"]] or "0" * CONTENT_ID_HEX_LEN
-    descriptors = inline + [
-        {
-            "name": name,
-            "dtype": dtype_name(t.dtype),
-            "shape": list(t.shape),
-            BLOCK_FIELD: known[name],
-            REF_FIELD: True,
-        }
-        for name, t in named
-        if name in refs
+    blocks = [
+        Block(t, memoryview(b""), block_id) if name in refs else encode_block(t, block_id)
+        for name, t, block_id in (("a", a, ids[0]), ("b", b, ids[1]))
     ]
-    header: dict[str, Any] = {
-        "type": Task.TYPE,
-        "v": PROTOCOL_VERSION,
-        "tile_id": tile_id,
-        "op": op,
-        "tensors": descriptors,
-        **({UNFOLD_FIELD: unfold.to_header()} if unfold is not None else {}),
-        # Zeros of the signature's exact length until it is made: the header keeps its size.
-        SIGNATURE_FIELD: "0" * SIGNATURE_HEX_LEN,
-    }
-    frame, payload = allocate_frame(header, payload_len)
-    sent = write_tensors(payload, operands, inline)
-    for desc in inline:
-        desc[BLOCK_FIELD] = known[desc["name"]] or content_id(sent[desc["name"]])
-    header[SIGNATURE_FIELD] = sign_bundle(key, header)
-    rewrite_header(frame, header)
-    return frame
+    return task_frame(tile_id, op, *blocks, key, refs=refs, unfold=unfold).join()
 
 
 def verify_task(

@@ -12,6 +12,7 @@ import math
 import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import blake3
@@ -39,51 +40,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise TensorCodecError(f"dtype {dtype} is not allowed on the wire") from None
-
-
-def layout_tensors(
-    tensors: Sequence[tuple[str, torch.Tensor]],
-) -> tuple[list[dict[str, Any]], int]:
-    """Descriptors for tensors laid out at aligned offsets, and the payload length."""
-    descriptors: list[dict[str, Any]] = []
-    offset = 0
-    for name, t in tensors:
-        offset += (-offset) % PAYLOAD_ALIGN
-        nbytes = t.numel() * t.element_size()
-        descriptors.append(
-            {
-                "name": name,
-                "dtype": dtype_name(t.dtype),
-                "shape": list(t.shape),
-                "offset": offset,
-                "nbytes": nbytes,
-            }
-        )
-        offset += nbytes
-    return descriptors, offset
-
-
-def write_tensors(
-    payload: memoryview,
-    tensors: Sequence[tuple[str, torch.Tensor]],
-    descriptors: Sequence[dict[str, Any]],
-) -> dict[str, torch.Tensor]:
-    """Copy tensors (any strides, any device) into a writable payload laid out for them
-    (``layout_tensors``), zero the alignment padding between them, and return the
-    copies (views of the payload) by name."""
-    written: dict[str, torch.Tensor] = {}
-    at = 0
-    for (name, t), desc in zip(tensors, descriptors, strict=True):
-        payload[at : desc["offset"]] = bytes(desc["offset"] - at)
-        at = desc["offset"] + desc["nbytes"]
-        if not t.numel():
-            written[name] = torch.empty(t.shape, dtype=t.dtype)
-            continue
-        dst = torch.frombuffer(payload, dtype=t.dtype, count=t.numel(), offset=desc["offset"])
-        written[name] = dst.view(t.shape)
-        written[name].copy_(t.detach())
-    payload[at:] = bytes(len(payload) - at)
-    return written
 
 
 def encode_tensors(
@@ -222,3 +178,34 @@ def content_id(t: torch.Tensor) -> str:
     if t.numel():
         hasher.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class Block:
+    """An operand laid out for the wire once, for every task that carries it: its bytes
+    contiguous in memory of their own, zero padded to ``PAYLOAD_ALIGN``, and its id."""
+
+    tensor: torch.Tensor  # a view of ``padded``: the operand exactly as the worker gets it
+    padded: memoryview  # the bytes and the zero padding after them
+    id: str  # content_id, or the id a caller asserts for it
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def encode_block(t: torch.Tensor, block_id: str | None = None) -> Block:
+    """Copy ``t`` (any strides, any device) once into a ``Block``; hash it unless its id
+    is given. The memory comes from torch's allocator, which neither zeroes it first
+    nor faults it in a page at a time, where a bytearray would do both."""
+    dtype_name(t.dtype)  # refuse before touching the data
+    nbytes = t.numel() * t.element_size()
+    memory = torch.empty(nbytes + (-nbytes) % PAYLOAD_ALIGN, dtype=torch.uint8)
+    memory[nbytes:] = 0
+    if nbytes:
+        tensor = memory[:nbytes].view(t.dtype).view(t.shape)
+        tensor.copy_(t.detach())
+    else:
+        tensor = torch.empty(t.shape, dtype=t.dtype)
+    padded = memoryview(memory.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+    return Block(tensor, padded, block_id or content_id(tensor))

@@ -22,18 +22,26 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client_app.session import WorkerSession
+from common.frames import FrameParts
 from common.messages import DeviceProfile, Message, Task, parse_message
 from common.ops import TileOp
 from common.signing import generate_private_key
 from coordinator.pool.admission import Admission, Refusal
 from coordinator.pool.core import CoordinatorCore, CoreConfig
-from coordinator.pool.effects import CloseCode, Effects
+from coordinator.pool.effects import CloseCode, Effects, Send
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.workers import PoolView
 from coordinator.serve.checks import Checker
 from coordinator.tiles.tiled_gemm import SignedTile
 
 PROFILE = DeviceProfile("cpu", "test cpu", 1, 1 << 33, 1 << 28, 10.0)
+
+
+def wire_bytes(send: Send) -> Any:
+    """A frame as the worker receives it: a task's parts joined, as WebSocket joins the
+    fragments the server sends them in."""
+    data = send.data
+    return data.join() if isinstance(data, FrameParts) else data
 
 
 class Answer(enum.Enum):
@@ -255,7 +263,7 @@ class MemoryPool:
             worker = self.workers.get(send.worker_id)
             # As the server's writer: a connection being closed gets its last words only.
             if worker is not None and not (send.tile_id and send.worker_id in closing):
-                worker._receive(send.data)
+                worker._receive(wire_bytes(send))
         for close in effects.closes:
             # A worker may have hung up on hearing its last words (a ban): it still
             # learns how the coordinator closed, as over a socket.

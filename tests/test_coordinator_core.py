@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from memory_pool import PROFILE
+from memory_pool import PROFILE, wire_bytes
 
 from common import PROTOCOL_VERSION
 from common.errors import ErrorCode
@@ -131,7 +131,7 @@ def _merge(into: Effects, more: Effects) -> None:
 
 
 def messages(effects: Effects, worker_id: str) -> list[Message]:
-    return [parse_message(s.data).message for s in effects.sends if s.worker_id == worker_id]
+    return [parse_message(wire_bytes(s)).message for s in effects.sends if s.worker_id == worker_id]
 
 
 def tasks(effects: Effects, worker_id: str) -> list[str]:
@@ -647,7 +647,7 @@ def test_a_worker_missing_a_cached_block_gets_the_tile_whole(h: Harness) -> None
     [frame] = [s for s in sent.sends if s.tile_id]
     effects = h.receive(w1, Error("missing_block", "evicted", frame.tile_id))
     [again] = effects.sends
-    task = parse_message(again.data)
+    task = parse_message(wire_bytes(again))
     assert isinstance(task.message, Task) and task.message.tile_id == frame.tile_id
     assert len(again.data) > len(frame.data)  # both operands inline this time
     assert len(h.core.workers[w1].blocks) == 2  # the mirror starts over with this task

@@ -159,7 +159,7 @@ def test_bundles_parse_verify_and_carry_their_regions_operands(case: tuple) -> N
     itemsize = a.element_size()
     for job, region in zip(jobs, gemm.plan.tiles, strict=True):
         assert job.region == region and job.gemm is gemm
-        received = parse_message(job.bundle)
+        received = parse_message(job.bundle.join())
         task = received.message
         assert isinstance(task, Task)
         assert (task.tile_id, task.op) == (job.tile_id, op)
@@ -184,7 +184,7 @@ def test_bundles_parse_verify_and_carry_their_regions_operands(case: tuple) -> N
 def test_a_bundle_does_not_verify_under_another_key() -> None:
     _, jobs, _, _ = tiled(CASES[0])
     with pytest.raises(SignatureError):
-        verify_task(parse_message(jobs[0].bundle), generate_private_key().public_key())
+        verify_task(parse_message(jobs[0].bundle.join()), generate_private_key().public_key())
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[6].tile_mem_cap_bytes < 1 << 20], ids=str)

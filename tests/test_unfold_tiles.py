@@ -199,7 +199,7 @@ def test_tiles_carry_image_blocks_and_assemble_the_product(operand: str, target:
         else:
             assert r.k0 % per_row == 0 and r.k1 % per_row == 0
             assert r.n0 % per_col == 0 and r.n1 % per_col == 0
-        got_a, got_b = verify_task(parse_message(job.bundle), KEY.public_key())
+        got_a, got_b = verify_task(parse_message(job.bundle.join()), KEY.public_key())
         assert torch.equal(got_a, job.matrices()[0]) and torch.equal(got_b, job.matrices()[1])
         assert job.ticket.down_bytes == 4 * (job.a.numel() + job.b.numel())
     random.Random(target).shuffle(jobs)

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from common.messages import BLOCK_FIELD, encode_task, parse_message
+from common.frames import FrameParts
+from common.messages import task_frame
 from common.ops import TileOp
+from common.tensors import Block, encode_block
 from common.unfold import Unfold
 from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
 from coordinator.schedule.scheduler import TileTicket
@@ -31,16 +33,29 @@ class SignedTile:
     tile_id: str
     gemm: TiledGemm
     region: TileRegion
-    bundle: memoryview  # signed task frame with both operands, sent as is (also re-issued)
-    a: torch.Tensor  # operands as sent: Freivalds checks the result against them
-    b: torch.Tensor
+    bundle: FrameParts  # signed task with both operands, sent as is (also re-issued)
+    # The operands as sent (Freivalds checks the result against them), each laid out
+    # once for all the tiles that share it: tiles that share a row block of A (or a
+    # column block of B) share its content id, and so do equal blocks of other GEMMs,
+    # so a worker with an operand cache is sent each block once while it keeps it.
+    a_block: Block
+    b_block: Block
     ticket: TileTicket
-    # Operand content ids (common.tensors.content_id): tiles that share a row block of A
-    # (or a column block of B) share its id, and so do equal blocks of other GEMMs, so a
-    # worker with an operand cache is sent each block once while it keeps it.
-    blocks: tuple[str, str] = ("", "")
     # Set when one operand is an image block standing for its patch matrix.
     unfold: Unfold | None = None
+
+    @property
+    def a(self) -> torch.Tensor:
+        return self.a_block.tensor
+
+    @property
+    def b(self) -> torch.Tensor:
+        return self.b_block.tensor
+
+    @property
+    def blocks(self) -> tuple[str, str]:
+        """The operands' content ids (common.tensors.content_id)."""
+        return self.a_block.id, self.b_block.id
 
     @property
     def flops(self) -> int:
@@ -52,21 +67,20 @@ class SignedTile:
         return self.a.element_size() == 2
 
     def block_bytes(self) -> tuple[int, int]:
-        return self.a.nbytes, self.b.nbytes
+        return self.a_block.nbytes, self.b_block.nbytes
 
-    def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> memoryview:
+    def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> FrameParts:
         """The task for a worker with an operand cache: the shared bundle, or one in
         which the operands named in ``refs`` ("a", "b") are referred to by content id
-        only (re-signed; nothing is hashed again)."""
+        only (re-signed; nothing is copied or hashed again)."""
         if not refs:
             return self.bundle
-        return encode_task(
+        return task_frame(
             self.tile_id,
             self.gemm.op,
-            self.a,
-            self.b,
+            self.a_block,
+            self.b_block,
             key,
-            ids=self.blocks,
             refs=refs,
             unfold=self.unfold,
         )
@@ -134,7 +148,7 @@ class TiledGemm:
         self._delivered: set[tuple[int, int, int, int]] = set()
 
     def _operands(self, r: TileRegion) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strided views of the tile's operands (``encode_task`` copies them once); an
+        """Strided views of the tile's operands (``encode_block`` copies them once); an
         unfolded operand's view is the block of images and channels its patches span."""
         if self.unfold is not None:
             _, mu, nu, ku = self._units
@@ -152,42 +166,36 @@ class TiledGemm:
         return a, b
 
     def iter_jobs(self, key: Ed25519PrivateKey) -> Iterator[SignedTile]:
-        """Encode and sign tiles one at a time, so the first can be on its way to a
-        worker while the rest are still being cut."""
+        """Sign tiles one at a time, so the first can be on its way to a worker while
+        the rest are still being cut. Each operand block is copied out of its matrix and
+        hashed once, by the first tile that needs it; the tiles sharing it send it from
+        the same memory."""
         itemsize = self._a.element_size()
-        ids: dict[tuple[str, int, int, int], str] = {}  # each block hashed once per GEMM
+        blocks: dict[tuple[str, int, int, int], Block] = {}
+
+        def block(at: tuple[str, int, int, int], view: torch.Tensor) -> Block:
+            if at not in blocks:
+                blocks[at] = encode_block(view)
+            return blocks[at]
 
         for region in self.plan.tiles:
             if region.index in self.local:
                 continue
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             bi, mi, ni, ki = region.index
-            at = ("a", bi, mi, ki), ("b", bi, ki, ni)
-            bundle = encode_task(
-                tile_id,
-                self.op,
-                *self._operands(region),
-                key,
-                ids=(ids.get(at[0]), ids.get(at[1])),
-                unfold=self.unfold,
-            )
-            # The check needs the operands exactly as sent: views into the bundle.
-            received = parse_message(bundle)
-            sent = received.tensors()
-            a, b = sent["a"], sent["b"]
-            signed = {d["name"]: d[BLOCK_FIELD] for d in received.frame.header["tensors"]}
-            blocks = (signed["a"], signed["b"])
-            ids[at[0]], ids[at[1]] = blocks
+            a_view, b_view = self._operands(region)
+            a, b = block(("a", bi, mi, ki), a_view), block(("b", bi, ki, ni), b_view)
+            bundle = task_frame(tile_id, self.op, a, b, key, unfold=self.unfold)
             ticket = TileTicket(
                 tile_id=tile_id,
                 gemm_id=self.gemm_id,
                 flops=region.flops,
-                down_bytes=itemsize * (a.numel() + b.numel()),
+                down_bytes=a.nbytes + b.nbytes,
                 up_bytes=region.up_bytes(itemsize),
-                blocks=blocks,
+                blocks=(a.id, b.id),
                 planned_for=self.owners.get(region.index),
             )
-            yield SignedTile(tile_id, self, region, bundle, a, b, ticket, blocks, self.unfold)
+            yield SignedTile(tile_id, self, region, bundle, a, b, ticket, self.unfold)
         if not self.local:
             # Every tile now holds its own operands; the full matrices can go.
             self._a = self._b = torch.empty(0)
