@@ -201,7 +201,7 @@ def _run_tiles(
     return tampered_refused, tuple(checks)
 
 
-def _tampered_is_refused(bundle: memoryview, key: Ed25519PublicKey) -> bool:
+def _tampered_is_refused(bundle: bytes, key: Ed25519PublicKey) -> bool:
     """Flip one operand bit: signature checking must refuse the bundle."""
     tampered = bytearray(bundle)
     tampered[-1] ^= 0x01  # the last byte is operand b's: inside the signed payload
@@ -214,7 +214,7 @@ def _tampered_is_refused(bundle: memoryview, key: Ed25519PublicKey) -> bool:
 
 def _compute_tile(
     computer: TileComputer,
-    bundle: memoryview,
+    bundle: bytes,
     key: Ed25519PublicKey,
     a: torch.Tensor,
     b: torch.Tensor,

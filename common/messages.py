@@ -543,8 +543,8 @@ def task_frame(
     offset = end = 0
     for name, block in (("a", a), ("b", b)):
         t = block.tensor
-        desc = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-        desc[BLOCK_FIELD] = block.id
+        desc: dict[str, Any] = {"name": name, "dtype": dtype_name(t.dtype)}
+        desc["shape"], desc[BLOCK_FIELD] = list(t.shape), block.id
         if name in refs:
             desc[REF_FIELD] = True
         else:
@@ -583,13 +583,15 @@ def encode_task(
     """``task_frame`` for two tensors (any strides), as one buffer: ``ids`` gives the
     content ids already known (the others are computed); an operand in ``refs`` needs
     its id."""
-    if any(ids[("a", "b").index(name)] is None for name in refs):
-        raise ValueError("refs need content ids")
-    blocks = [
-        Block(t, memoryview(b""), block_id) if name in refs else encode_block(t, block_id)
-        for name, t, block_id in (("a", a, ids[0]), ("b", b, ids[1]))
-    ]
-    return task_frame(tile_id, op, *blocks, key, refs=refs, unfold=unfold).join()
+    def block(name: str, t: torch.Tensor, block_id: str | None) -> Block:
+        if name not in refs:
+            return encode_block(t, block_id)
+        if block_id is None:
+            raise ValueError("refs need content ids")
+        return Block(t, memoryview(b""), block_id)  # not sent: its dtype, shape and id
+
+    a_block, b_block = block("a", a, ids[0]), block("b", b, ids[1])
+    return task_frame(tile_id, op, a_block, b_block, key, refs=refs, unfold=unfold).join()
 
 
 def verify_task(
