@@ -583,6 +583,7 @@ def encode_task(
     """``task_frame`` for two tensors (any strides), as one buffer: ``ids`` gives the
     content ids already known (the others are computed); an operand in ``refs`` needs
     its id."""
+
     def block(name: str, t: torch.Tensor, block_id: str | None) -> Block:
         if name not in refs:
             return encode_block(t, block_id)

@@ -273,14 +273,9 @@ class MemoryPool:
                 worker.session.connection_lost()
                 self._lost(worker)
         for check in effects.checks:
-            verdict = None if check.c is None else self._checker.verdict(check.job, check.c)
+            outcome = self._checker.run(check)
             self._queue.append(
-                lambda check=check, v=verdict: self.core.checked(check, v, self.clock())
-            )
-        for deliver in effects.delivers:
-            finished = self._checker.deliver(deliver.job, deliver.c)
-            self._queue.append(
-                lambda job=deliver.job, f=finished: self.core.delivered(job, f, self.clock())
+                lambda check=check, o=outcome: self.core.checked(check, o, self.clock())
             )
         for job in effects.compute_here:
             finished = self._checker.compute_here(job)

@@ -109,10 +109,10 @@ class Harness:
         """Run the checks the effects ask for, as the server's verify thread would."""
         out = Effects()
         for check in effects.checks:
-            verdict = None if check.c is None else self._checker.verdict(check.job, check.c)
-            done = self.core.checked(check, verdict, self.now)
-            self.delivered += [d.job.tile_id for d in done.delivers]
-            _merge(out, done)
+            outcome = self._checker.run(check)
+            if outcome.verdict is not None and outcome.verdict.ok:
+                self.delivered.append(check.tile_id)
+            _merge(out, self.core.checked(check, outcome, self.now))
         return out
 
     def complete(self, worker_id: str, job: SignedTile, *, wrong: bool = False) -> Effects:
@@ -125,7 +125,6 @@ def _merge(into: Effects, more: Effects) -> None:
     into.sends += more.sends
     into.closes += more.closes
     into.checks += more.checks
-    into.delivers += more.delivers
     into.compute_here += more.compute_here
     into.workers_changed |= more.workers_changed
 
@@ -269,14 +268,15 @@ def test_an_undecodable_result_is_answered_and_fails_its_check(h: Harness) -> No
         "tensors": [{"dtype": "float32", "name": "c", "nbytes": 16, "offset": 0, "shape": [3, 3]}],
     }
     bad = h.core.receive(w1, encode_frame(header, [bytes(16)]), h.now)
-    [error] = messages(bad, w1)
-    assert isinstance(error, Error) and error.tile_id == jobs[0].tile_id
-    assert [c.c for c in bad.checks] == [None]
+    assert messages(bad, w1) == [] and len(bad.checks) == 1  # decoded with the check
     h.complete(w2, jobs[1])  # w2 is free again when the failed tile is re-issued
     failed = h.check(bad)
-    assert isinstance(messages(failed, w1)[0], Error)
-    assert messages(failed, w1)[0].code == "failed_check"  # type: ignore[attr-defined]
+    error, verdict = messages(failed, w1)
+    assert isinstance(error, Error) and error.tile_id == jobs[0].tile_id
+    assert error.code == "bad_tensor" and "[3, 3]" in error.message
+    assert isinstance(verdict, Error) and verdict.code == "failed_check"
     assert jobs[0].tile_id in tasks(failed, w2)
+    assert h.delivered == [jobs[1].tile_id]
     assert h.core.counters.rejected == 1
 
 
@@ -329,13 +329,16 @@ def _ban_reason(h: Harness, key: Ed25519PrivateKey) -> str:
     return h.ledger.get(public_key_hex(key)).banned_reason
 
 
-def test_a_verdict_on_a_worker_that_left_meanwhile_is_ignored(h: Harness) -> None:
+def test_a_verdict_on_a_worker_that_left_meanwhile_earns_it_nothing(h: Harness) -> None:
     w1, _ = h.admit("one")
     jobs = h.gemm()
     h.core.submit(jobs, h.now)
     returned = h.result(w1, jobs[0])
     h.core.disconnected(w1, h.now)
-    assert h.check(returned).sends == [] and h.delivered == []
+    # The check placed the verified tile (a re-issued copy changes nothing), but the
+    # worker is gone: no credit, and nothing is sent on its account.
+    assert h.check(returned).sends == [] and h.delivered == [jobs[0].tile_id]
+    assert h.ledger.all() == []
     assert h.core.counters.duplicates == 1 and h.core.counters.tiles_verified == 0
 
 
@@ -619,6 +622,25 @@ def test_a_finished_gemm_cancels_what_workers_still_hold_of_it(h: Harness) -> No
         Cancel(job.tile_id) for job in jobs[:4]
     ]
     assert h.core.counters.kept_here == 2
+
+
+def test_the_check_that_completes_a_gemm_credits_its_tile_then_cancels_the_copies(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path, scheduler=SchedulerConfig(speculate_after=2.0))
+    w1, _ = h.admit("one", window=8)
+    jobs = h.gemm()
+    h.core.submit(jobs, h.now)
+    for job in jobs[1:]:
+        h.complete(w1, job)
+    w2, _ = h.admit("idle")
+    h.now += 8.0  # the last tile sits: an idle worker gets a copy
+    h.beat(w1, w2)
+    assert tasks(h.core.tick(h.now), w2) == [jobs[0].tile_id]
+    done = h.complete(w1, jobs[0])  # placed on the check's visit: the GEMM is whole
+    assert h.ledger.get(h.core.workers[w1].key).tiles == len(jobs)
+    assert [m for m in messages(done, w2) if isinstance(m, Cancel)] == [Cancel(jobs[0].tile_id)]
+    assert h.core.counters.tiles_verified == len(jobs) and h.core.counters.duplicates == 0
 
 
 # ---- the operand cache mirror ------------------------------------------------------------------

@@ -121,6 +121,51 @@ def test_credits_are_committed_together_at_a_flush_and_visible_before_close(
         led.close()
 
 
+class _SlowCommits:
+    """The ledger's connection, with each COMMIT held until the test lets it go."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.committing = threading.Event()
+        self.release = threading.Event()
+
+    def execute(self, sql: str, *params: object) -> sqlite3.Cursor:
+        if sql == "COMMIT":
+            self.committing.set()
+            assert self.release.wait(30), "the test never released the commit"
+        return self.db.execute(sql, *params)
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def test_credits_and_reads_do_not_wait_for_a_commit_in_progress(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    led = Ledger(path)
+    slow = _SlowCommits(led._db)
+    led._db = slow  # type: ignore[assignment]
+    credit(led, "alice", 42)
+    flusher = threading.Thread(target=led.flush)
+    flusher.start()
+    try:
+        assert slow.committing.wait(30)
+        assert led.queued == 1  # taken from the queue, not yet committed
+        # The event loop's calls, while the commit is held: each returns at once.
+        during = threading.Thread(target=lambda: (credit(led, "alice", 8), led.get("alice")))
+        during.start()
+        during.join(10)
+        assert not during.is_alive(), "a credit waited for the commit"
+        assert led.get("alice").tiles == 2 and led.queued == 2
+    finally:
+        slow.release.set()
+        flusher.join(30)
+    assert led.queued == 1  # the second credit waits for the next flush
+    led.flush()
+    led.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT tiles, flops FROM contributions").fetchall() == [(2, 50)]
+
+
 def test_reads_and_close_commit_what_is_queued(tmp_path: Path) -> None:
     path = tmp_path / "ledger.sqlite"
     led = Ledger(path)

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.block_cache import BlockCache
@@ -44,7 +43,7 @@ from coordinator.plan.estimates import (
     overdue_finish,
     queued_start,
 )
-from coordinator.pool.effects import Check, CloseCode, Deliver, Effects, Send
+from coordinator.pool.effects import Check, Checked, CloseCode, Effects, Send
 from coordinator.pool.handlers import HANDLERS, failed_check, on_result
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.reputation import (
@@ -60,7 +59,6 @@ from coordinator.schedule.scheduler import (
     TileTicket,
     Verdict,
 )
-from coordinator.tiles.verify import CheckResult
 
 log = logging.getLogger("cleave.coordinator")
 
@@ -232,14 +230,8 @@ class CoordinatorCore:
             return effects
         msg = received.message
         if isinstance(msg, Result):
-            c: torch.Tensor | None = None
-            try:
-                c = received.tensors(self.config.limits).get("c")
-            except ProtocolError as exc:
-                # Counted as a wrong result (it is one), and the sender is told why.
-                log.warning("worker %s sent an undecodable result: %s", worker.who, exc.message)
-                effects.send(worker_id, Error(exc.code, exc.message, msg.tile_id))
-            on_result(self, worker, msg, c, len(received.frame.payload), effects)
+            # Its tensor is decoded with the check, off the event loop.
+            on_result(self, worker, msg, received, len(received.frame.payload), effects)
             return effects
         handler = HANDLERS.get(type(msg))
         if handler is None:
@@ -267,8 +259,8 @@ class CoordinatorCore:
             HANDLERS[type(msg)](self, worker, msg, effects)
         return effects
 
-    def checked(self, check: Check, verdict: CheckResult | None, now: float) -> Effects:
-        """A result's check finished (``verdict`` None: it did not decode)."""
+    def checked(self, check: Check, outcome: Checked, now: float) -> Effects:
+        """A result's check finished; if it passed, the tile is already in its GEMM."""
         self.now = now
         effects = Effects()
         worker = self.workers.get(check.worker_id)
@@ -276,16 +268,30 @@ class CoordinatorCore:
             # It left (or was banned) while the check ran: its tiles are already
             # re-issued, and a verdict on it would count twice.
             self.counters.duplicates += 1
-            return effects
+        else:
+            self._judge(worker, check, outcome, effects)
+        if outcome.finished:  # after the credit: stragglers' copies of its tiles go
+            self._forget_gemm(check.job.ticket.gemm_id, effects)
+        return effects
+
+    def _judge(self, worker: Worker, check: Check, outcome: Checked, effects: Effects) -> None:
+        """Credit a verified tile (and send its worker more), or fail it."""
+        now = self.now
         worker.verifying.discard(check.tile_id)
+        verdict = outcome.verdict
+        if outcome.error is not None:
+            # Counted as a wrong result (it is one), and the sender is told why.
+            error = outcome.error
+            log.warning("worker %s sent an undecodable result: %s", worker.who, error.message)
+            effects.send(worker.worker_id, Error(error.code, error.message, check.tile_id))
         if verdict is None or not verdict.ok:
             failed_check(self, worker, check.tile_id, effects, verdict)
-            return effects
+            return
         job = check.job
         completion = self.scheduler.complete(worker.worker_id, check.tile_id, now)
         if completion.verdict is not Verdict.ACCEPTED:
             self.counters.duplicates += 1
-            return effects
+            return
         self.jobs.pop(check.tile_id, None)
         held_s = now - worker.sent_at.pop(check.tile_id, now)
         up = check.up_bytes
@@ -310,11 +316,9 @@ class CoordinatorCore:
         for other in completion.cancel:
             self.cancel(other, check.tile_id, effects)
         self.dispatch(effects)
-        effects.delivers.append(Deliver(job, check.c))
-        return effects
 
     def delivered(self, job: Any, finished: bool, now: float) -> Effects:
-        """A tile (verified, or computed here) is in its GEMM; ``finished``: the GEMM is."""
+        """A tile computed here is in its GEMM; ``finished``: the GEMM is."""
         self.now = now
         effects = Effects()
         if finished:

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-import torch
-
-from common.messages import Message, encode_message
+from common.errors import ProtocolError
+from common.messages import Message, Received, encode_message
+from coordinator.tiles.verify import CheckResult
 
 
 class CloseCode(IntEnum):
@@ -45,22 +45,24 @@ class Close:
 
 @dataclass(frozen=True)
 class Check:
-    """Check a returned tile (Freivalds, off the event loop), then call ``checked``."""
+    """Decode a returned tile, check it (Freivalds) and, if it passes, place it into its
+    GEMM, all off the event loop; then call ``checked`` with what came of it."""
 
     worker_id: str
     tile_id: str
     job: Any  # the Tile
-    c: torch.Tensor | None  # None: the result did not decode, so it fails
+    result: Received | None  # the result's frame, decoded by the checker (None: the simulator's)
     up_bytes: int
     compute_s: float
 
 
 @dataclass(frozen=True)
-class Deliver:
-    """Place a verified tile into its GEMM; then call ``delivered``."""
+class Checked:
+    """What came of a ``Check``."""
 
-    job: Any
-    c: Any  # the verified product (the simulator has none)
+    verdict: CheckResult | None  # None: the result did not decode, so it fails
+    finished: bool = False  # placing the tile completed its GEMM
+    error: ProtocolError | None = None  # why it did not decode
 
 
 @dataclass
@@ -68,7 +70,6 @@ class Effects:
     sends: list[Send] = field(default_factory=list)
     closes: list[Close] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
-    delivers: list[Deliver] = field(default_factory=list)
     # Tiles no connected worker may take: compute them here, then call ``delivered``.
     compute_here: list[Any] = field(default_factory=list)
     workers_changed: bool = False  # joins, leaves, pauses: wake whoever waits for workers

@@ -7,10 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from common.errors import ErrorCode
-from common.messages import Ack, Bye, Error, Heartbeat, Pause, Result, Resume
+from common.messages import Ack, Bye, Error, Heartbeat, Pause, Received, Result, Resume
 from coordinator.pool.effects import Check, CloseCode, Effects, Send
 from coordinator.pool.reputation import after_failed, ban_reason, is_banned
 from coordinator.pool.workers import Worker, WorkerState
@@ -26,7 +24,7 @@ def on_result(
     core: CoordinatorCore,
     worker: Worker,
     msg: Result,
-    c: torch.Tensor | None,
+    result: Received | None,
     up_bytes: int,
     effects: Effects,
 ) -> None:
@@ -50,7 +48,7 @@ def on_result(
     # them) are read while the check runs.
     worker.verifying.add(msg.tile_id)
     effects.checks.append(
-        Check(worker.worker_id, msg.tile_id, job, c, up_bytes, max(0.0, msg.compute_s))
+        Check(worker.worker_id, msg.tile_id, job, result, up_bytes, max(0.0, msg.compute_s))
     )
 
 

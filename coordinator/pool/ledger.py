@@ -3,7 +3,7 @@
 Rows are keyed by the worker's Ed25519 public key (hex), which the worker proves it holds
 at every connection (``common.auth``): credit, reputation and bans follow the key, never
 the name a worker claims (names are for people and may repeat). Every verified tile is
-committed as it lands, in WAL mode, so a crash loses nothing that was credited.
+committed within moments of landing (``Ledger``), in WAL mode.
 
 Rows that exist are also kept in memory, updated with every write: the coordinator reads
 a worker's standing on every heartbeat and check, and must not query SQLite on its event
@@ -86,21 +86,28 @@ class Ledger:
     """Each worker's credit, in SQLite, with the rows also kept in memory.
 
     ``credit`` and ``reject`` change the row in memory at once and queue their write;
-    ``flush`` commits what is queued in one transaction. The server flushes at the
-    start of the event loop's next turn after the writes, so the tiles verified in one
-    turn cost one commit rather than one each, and a crash loses at most the credit of
-    the turn in flight (tiles of the step in flight, which is recomputed).
+    ``flush`` commits what is queued in one transaction. The server has a thread of
+    its own flush after each turn of its event loop that made writes, so the tiles
+    verified in one turn cost one commit rather than one each, the loop never waits
+    for SQLite, and a crash loses at most the credit of the last turn or two (tiles
+    of the step in flight, which is recomputed).
+
+    Two locks: one for the rows and the queue, held only for moments, so a credit
+    never waits for a commit; one for the connection, held by each flush from taking
+    the queue to its commit, so batches land in the order they were made.
     """
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # One connection shared under a lock: writes come from the event loop, reads
-        # also from the training thread's summaries.
+        # One connection, used by the flushing thread, the event loop (a stranger's row)
+        # and the training thread's summaries.
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db_lock = threading.Lock()
         self._lock = threading.Lock()
         self._rows: dict[str, Contribution] = {}  # worker key -> its row, as in the memory
         self._queued: list[tuple[str, tuple[object, ...]]] = []  # writes not yet committed
-        with self._lock:
+        self._committing = 0  # writes taken from the queue by the commit under way
+        with self._db_lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
@@ -125,8 +132,9 @@ class Ledger:
         now: float,
     ) -> None:
         """One verified tile: credit it, with the worker's reputation after it."""
+        loaded = self._row(worker)
         with self._lock:
-            before = self._row(worker)  # read first: the write below changes it
+            before = self._rows.get(worker, loaded)  # read first: the write below changes it
             self._queued.append(
                 (
                     """INSERT INTO contributions
@@ -159,8 +167,9 @@ class Ledger:
         self, worker: str, *, name: str, reputation: float, banned_reason: str = "", now: float
     ) -> None:
         """One result that failed its check: no credit, a lower reputation, maybe a ban."""
+        loaded = self._row(worker)
         with self._lock:
-            before = self._row(worker)  # read first: the write below changes it
+            before = self._rows.get(worker, loaded)  # read first: the write below changes it
             self._queued.append(
                 (
                     """INSERT INTO contributions
@@ -196,62 +205,69 @@ class Ledger:
 
     @property
     def queued(self) -> int:
-        """Writes made but not yet committed."""
-        return len(self._queued)
+        """Writes made but not yet committed (queued, or in the commit under way)."""
+        return len(self._queued) + self._committing
 
     def flush(self) -> None:
         """Commit the queued writes, in the order they were made, in one transaction."""
-        with self._lock:
+        with self._db_lock:
             self._flush()
 
     def _flush(self) -> None:
-        if not self._queued:
+        """(The caller holds the connection's lock.)"""
+        with self._lock:
+            queued, self._queued = self._queued, []
+            self._committing = len(queued)
+        if not queued:
             return
-        queued, self._queued = self._queued, []
-        self._db.execute("BEGIN")
         try:
-            for sql, params in queued:
-                self._db.execute(sql, params)
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+            self._db.execute("BEGIN")
+            try:
+                for sql, params in queued:
+                    self._db.execute(sql, params)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        finally:
+            self._committing = 0
 
     def get(self, worker: str) -> Contribution:
-        with self._lock:
-            return self._row(worker)
+        return self._row(worker)
 
     def _row(self, worker: str) -> Contribution:
-        """The row from memory, or read once from the file (caller holds the lock)."""
-        cached = self._rows.get(worker)
+        """The row from memory, or read once from the file. A row with writes queued is
+        always in memory (the writes put it there), so the file has all of a row that
+        is not."""
+        with self._lock:
+            cached = self._rows.get(worker)
         if cached is not None:
             return cached
-        row = self._db.execute(
-            f"SELECT {COLUMNS} FROM contributions WHERE worker = ?", (worker,)
-        ).fetchone()
+        with self._db_lock:
+            row = self._db.execute(
+                f"SELECT {COLUMNS} FROM contributions WHERE worker = ?", (worker,)
+            ).fetchone()
         if row is None:
             return Contribution(worker)
-        self._rows[worker] = Contribution(*row)
-        return self._rows[worker]
+        with self._lock:
+            return self._rows.setdefault(worker, Contribution(*row))
+
+    def _select(self, where: str, order: str) -> list[Contribution]:
+        """Rows from the file, after committing what is queued."""
+        with self._db_lock:
+            self._flush()
+            rows = self._db.execute(
+                f"SELECT {COLUMNS} FROM contributions {where} ORDER BY {order}"
+            ).fetchall()
+        return [Contribution(*row) for row in rows]
 
     def all(self) -> list[Contribution]:
-        with self._lock:
-            self._flush()
-            rows = self._db.execute(
-                f"SELECT {COLUMNS} FROM contributions ORDER BY flops DESC, worker"
-            ).fetchall()
-        return [Contribution(*row) for row in rows]
+        return self._select("", "flops DESC, worker")
 
     def banned(self) -> list[Contribution]:
-        with self._lock:
-            self._flush()
-            rows = self._db.execute(
-                f"SELECT {COLUMNS} FROM contributions WHERE banned_reason != '' "
-                "ORDER BY banned_at, worker"
-            ).fetchall()
-        return [Contribution(*row) for row in rows]
+        return self._select("WHERE banned_reason != ''", "banned_at, worker")
 
     def close(self) -> None:
-        with self._lock:
+        with self._db_lock:
             self._flush()
             self._db.close()

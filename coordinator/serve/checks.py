@@ -1,9 +1,12 @@
-"""Checking returned tiles (Freivalds), placing verified tiles into their GEMMs, and
-computing here the tiles no worker may take: ``Checker`` does each one, and
+"""Decoding and checking returned tiles (Freivalds), placing verified tiles into their
+GEMMs, and computing here the tiles no worker may take: ``Checker`` does each one, and
 ``CheckThread`` runs it off the event loop.
 
-One thread, so the checker's private generator of check vectors needs no lock, and the
-operand blocks' row norms are cached across the tiles that share a block.
+A result goes to the thread once: decoded, checked and, if it passes, placed in one
+visit, so the event loop spends one hand-off per tile and none of its own time on the
+result's bytes. One thread, so the checker's private generator of check vectors needs
+no lock, and the operand blocks' row norms are cached across the tiles that share a
+block.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from common.errors import ProtocolError
+from common.limits import DEFAULT_LIMITS, WireLimits
 from common.ops import TileOp
+from coordinator.pool.effects import Check, Checked
 from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new_generator
 
@@ -23,21 +29,31 @@ T = TypeVar("T")
 
 
 class Checker:
-    """The work behind ``Check``, ``Deliver`` and compute-here effects; one thread at a time."""
+    """The work behind ``Check`` and compute-here effects; one thread at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
+        self._limits = limits
         self._vectors = new_generator()
         self._cache = CheckCache()
+
+    def run(self, check: Check) -> Checked:
+        """Decode the result, check it, and place it if it passes."""
+        if check.result is None:
+            return Checked(None)
+        try:
+            c = check.result.tensors(self._limits).get("c")
+        except ProtocolError as exc:
+            return Checked(None, error=exc)
+        if c is None:
+            return Checked(None)
+        job = check.job
+        verdict = self.verdict(job, c)
+        return Checked(verdict, finished=verdict.ok and job.gemm.deliver(job.region, c))
 
     def verdict(self, job: SignedTile, c: torch.Tensor) -> CheckResult:
         blocks = job.check_blocks if all(job.blocks) else None
         a, b = job.matrices()
         return check_product(a, b, c, self._vectors, cache=self._cache, blocks=blocks)
-
-    @staticmethod
-    def deliver(job: SignedTile, c: torch.Tensor) -> bool:
-        """Place a verified tile; True when that completed its GEMM."""
-        return job.gemm.deliver(job.region, c)
 
     @staticmethod
     def compute_here(job: SignedTile) -> bool:
@@ -48,15 +64,12 @@ class Checker:
 
 
 class CheckThread:
-    def __init__(self) -> None:
+    def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
-        self._checker = Checker()
+        self._checker = Checker(limits)
 
-    async def verdict(self, job: SignedTile, c: torch.Tensor) -> CheckResult:
-        return await self._run(self._checker.verdict, job, c)
-
-    async def deliver(self, job: SignedTile, c: torch.Tensor) -> bool:
-        return await self._run(self._checker.deliver, job, c)
+    async def run(self, check: Check) -> Checked:
+        return await self._run(self._checker.run, check)
 
     async def compute_here(self, job: SignedTile) -> bool:
         return await self._run(self._checker.compute_here, job)

@@ -12,15 +12,16 @@ the coordinator computes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import ssl
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -97,7 +98,8 @@ class CoordinatorServer:
         )
         self.port = 0
         self._conns: dict[str, _Connection] = {}
-        self._checks = CheckThread()
+        self._checks = CheckThread(config.core.limits)
+        self._ledger_writer = ThreadPoolExecutor(1, thread_name_prefix="cleave-ledger")
         self._server: Server | None = None
         self._handshaking = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -156,6 +158,7 @@ class CoordinatorServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         self._checks.shutdown()
+        self._ledger_writer.shutdown(wait=True)
         self.ledger.flush()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -200,21 +203,25 @@ class CoordinatorServer:
                 self._spawn(self._cut_after_grace(conn))
         for check in effects.checks:
             self._spawn(self._check_result(check))
-        for deliver in effects.delivers:
-            self._spawn(self._deliver(deliver.job, deliver.c))
         for job in effects.compute_here:
             self._spawn(self._compute_here(job))
         if effects.workers_changed:
             self._workers_changed.set()
         if self.ledger.queued and not self._flush_due:
             # The credit of the tiles verified in this turn of the loop, in one commit
-            # at the start of the next.
+            # on the ledger's thread once the turn is over.
             self._flush_due = True
             asyncio.get_running_loop().call_soon(self._flush_ledger)
 
     def _flush_ledger(self) -> None:
         self._flush_due = False
-        self.ledger.flush()
+        future = self._ledger_writer.submit(self.ledger.flush)
+        future.add_done_callback(self._ledger_flushed)
+
+    @staticmethod
+    def _ledger_flushed(future: concurrent.futures.Future[None]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.error("could not write the ledger", exc_info=future.exception())
 
     async def _writer(self, conn: _Connection) -> None:
         """The connection's one write path: its frames in order, then its close."""
@@ -234,12 +241,8 @@ class CoordinatorServer:
             conn.ws.transport.abort()
 
     async def _check_result(self, check: Check) -> None:
-        verdict = None if check.c is None else await self._checks.verdict(check.job, check.c)
-        self._apply(self.core.checked(check, verdict, self.clock()))
-
-    async def _deliver(self, job: SignedTile, c: torch.Tensor) -> None:
-        finished = await self._checks.deliver(job, c)
-        self._apply(self.core.delivered(job, finished, self.clock()))
+        outcome = await self._checks.run(check)
+        self._apply(self.core.checked(check, outcome, self.clock()))
 
     async def _compute_here(self, job: SignedTile) -> None:
         finished = await self._checks.compute_here(job)

@@ -31,7 +31,7 @@ from coordinator.plan.estimates import DeviceEstimate
 from coordinator.plan.live import Commitments, LiveChoice, LivePlanning
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_config_for, plan_gemm
 from coordinator.pool.core import CoordinatorCore, CoreConfig
-from coordinator.pool.effects import Effects
+from coordinator.pool.effects import Checked, Effects
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import Scheduler, SchedulerConfig, TileTicket
 from coordinator.sim.devices import DeviceState, Run, SimGemm, SimTile
@@ -264,6 +264,9 @@ class Simulation:
         if tile_id is None:
             step.waiting_local -= 1
         else:
+            tile = self._tiles.get(tile_id)
+            if self._place(tile_id):  # the GEMM is whole: stragglers' copies go
+                self._apply(self.core.delivered(tile, True, self.now))
             self._tile_done(tile_id)
         self._maybe_next_stage()
 
@@ -282,20 +285,23 @@ class Simulation:
                 self._cancel(state, send.message.tile_id)
         for close in effects.closes:  # missed heartbeats: the connection is gone
             self.devices[close.worker_id].registered = False
-        for check in effects.checks:  # every simulated result is correct
-            self._apply(self.core.checked(check, _CORRECT, self.now))
-        for deliver in effects.delivers:
-            self._tile_done(deliver.job.tile_id)
+        for check in effects.checks:  # every simulated result is correct, and placed
+            finished = self._place(check.tile_id)
+            self._apply(self.core.checked(check, Checked(_CORRECT, finished), self.now))
+            self._tile_done(check.tile_id)
         for job in effects.compute_here:
             self.taken_over += 1
             self._run_locally(job.flops, job.tile_id)
 
-    def _tile_done(self, tile_id: str) -> None:
+    def _place(self, tile_id: str) -> bool:
+        """A tile is in its GEMM: True when that made the GEMM whole."""
         tile = self._tiles.pop(tile_id, None)
-        if tile is not None:
-            tile.gemm.remaining -= 1
-            if tile.gemm.remaining == 0:  # the GEMM is whole: stragglers' copies go
-                self._apply(self.core.delivered(tile, True, self.now))
+        if tile is None:
+            return False
+        tile.gemm.remaining -= 1
+        return tile.gemm.remaining == 0
+
+    def _tile_done(self, tile_id: str) -> None:
         step = self._step
         if step is not None and tile_id in step.waiting_tiles:
             step.waiting_tiles.discard(tile_id)
