@@ -28,7 +28,7 @@ from common.ops import TileOp
 from common.signing import generate_private_key
 from coordinator.pool.admission import Admission, Refusal
 from coordinator.pool.core import CoordinatorCore, CoreConfig
-from coordinator.pool.effects import CloseCode, Effects, Send
+from coordinator.pool.effects import Check, Checked, CloseCode, Effects, Send
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.workers import PoolView
 from coordinator.serve.checks import Checker
@@ -257,6 +257,13 @@ class MemoryPool:
         finally:
             self._pumping = False
 
+    def _checked(self, check: Check, outcome: Checked) -> Effects:
+        """As the server: the core hears the outcome, then a finished GEMM is released."""
+        effects = self.core.checked(check, outcome, self.clock())
+        if outcome.finished:
+            check.job.gemm.release()
+        return effects
+
     def _carry_out(self, effects: Effects) -> None:
         closing = {close.worker_id for close in effects.closes}
         for send in effects.sends:
@@ -274,9 +281,7 @@ class MemoryPool:
                 self._lost(worker)
         for check in effects.checks:
             outcome = self._checker.run(check)
-            self._queue.append(
-                lambda check=check, o=outcome: self.core.checked(check, o, self.clock())
-            )
+            self._queue.append(lambda check=check, o=outcome: self._checked(check, o))
         for job in effects.compute_here:
             finished = self._checker.compute_here(job)
             self._queue.append(

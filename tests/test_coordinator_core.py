@@ -335,11 +335,17 @@ def test_a_verdict_on_a_worker_that_left_meanwhile_earns_it_nothing(h: Harness) 
     h.core.submit(jobs, h.now)
     returned = h.result(w1, jobs[0])
     h.core.disconnected(w1, h.now)
-    # The check placed the verified tile (a re-issued copy changes nothing), but the
-    # worker is gone: no credit, and nothing is sent on its account.
-    assert h.check(returned).sends == [] and h.delivered == [jobs[0].tile_id]
+    w2, joined = h.admit("two")
+    assert jobs[0].tile_id in tasks(joined, w2)  # re-issued
+    # The check placed the verified tile, but its worker is gone: no credit, and the
+    # re-issued copy is called back, so that nobody is credited for an unused tile.
+    done = h.check(returned)
+    assert h.delivered == [jobs[0].tile_id]
+    assert messages(done, w2) == [Cancel(jobs[0].tile_id)]
+    assert h.result(w2, jobs[0]).checks == []  # too late: nothing to check or credit
     assert h.ledger.all() == []
-    assert h.core.counters.duplicates == 1 and h.core.counters.tiles_verified == 0
+    # One for the verdict on the worker that left, one for the copy that came too late.
+    assert h.core.counters.duplicates == 2 and h.core.counters.tiles_verified == 0
 
 
 # ---- worker messages --------------------------------------------------------------------------

@@ -96,6 +96,23 @@ def test_two_workers_share_a_gemm_and_each_is_credited_for_its_tiles(pool: Memor
     assert pool.core.jobs == {} and pool.core.scheduler.pending() == 0
 
 
+def test_a_gemm_is_handed_back_only_once_its_last_tile_is_credited(pool: MemoryPool) -> None:
+    pool.join("dave")
+    credited_at_release: list[int] = []
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(64, 48, generator=g), torch.randn(48, 40, generator=g)
+    plan = plan_gemm(GemmShape("mm", 1, 64, 40, 48, 4), PLAN)
+    assert plan is not None
+    tiled = TiledGemm(
+        "g", plan, a, b, lambda out: credited_at_release.append(ledger_row(pool, "dave").tiles)
+    )
+    jobs = list(tiled.iter_jobs(pool.key))
+    pool.submit(jobs)
+    # The step that waits for this GEMM goes on only after the credit of every tile it
+    # used is made: a coordinator stopped then loses none of it.
+    assert credited_at_release == [len(jobs)]
+
+
 def test_a_worker_sees_its_credit_in_the_heartbeat_ack(pool: MemoryPool) -> None:
     carol = pool.join("carol")
     Gemm(pool, "g", (64, 32, 48)).check()

@@ -268,6 +268,7 @@ class CoordinatorCore:
             # It left (or was banned) while the check ran: its tiles are already
             # re-issued, and a verdict on it would count twice.
             self.counters.duplicates += 1
+            self._placed_anyway(check, outcome, effects)
         else:
             self._judge(worker, check, outcome, effects)
         if outcome.finished:  # after the credit: stragglers' copies of its tiles go
@@ -291,6 +292,7 @@ class CoordinatorCore:
         completion = self.scheduler.complete(worker.worker_id, check.tile_id, now)
         if completion.verdict is not Verdict.ACCEPTED:
             self.counters.duplicates += 1
+            self._placed_anyway(check, outcome, effects)
             return
         self.jobs.pop(check.tile_id, None)
         held_s = now - worker.sent_at.pop(check.tile_id, now)
@@ -316,6 +318,18 @@ class CoordinatorCore:
         for other in completion.cancel:
             self.cancel(other, check.tile_id, effects)
         self.dispatch(effects)
+
+    def _placed_anyway(self, check: Check, outcome: Checked, effects: Effects) -> None:
+        """A verified result the scheduler no longer takes from its worker (it left, or
+        handed the tile on) is in its GEMM all the same: unless another result already
+        closed the tile, the copies handed on are cancelled, so that nobody is credited
+        for a tile the step did not use."""
+        if outcome.verdict is None or not outcome.verdict.ok:
+            return
+        if self.jobs.pop(check.tile_id, None) is None:
+            return  # another result was accepted (and placed) first
+        for holder in self.scheduler.take_over(check.tile_id):
+            self.cancel(holder, check.tile_id, effects)
 
     def delivered(self, job: Any, finished: bool, now: float) -> Effects:
         """A tile computed here is in its GEMM; ``finished``: the GEMM is."""

@@ -206,7 +206,8 @@ class Ledger:
     @property
     def queued(self) -> int:
         """Writes made but not yet committed (queued, or in the commit under way)."""
-        return len(self._queued) + self._committing
+        with self._lock:
+            return len(self._queued) + self._committing
 
     def flush(self) -> None:
         """Commit the queued writes, in the order they were made, in one transaction."""

@@ -48,7 +48,10 @@ class Checker:
             return Checked(None)
         job = check.job
         verdict = self.verdict(job, c)
-        return Checked(verdict, finished=verdict.ok and job.gemm.deliver(job.region, c))
+        # The GEMM is released by the pump once the core has credited the tile: no
+        # training step goes on before the credit of the tiles it used is made.
+        finished = verdict.ok and job.gemm.deliver(job.region, c, release=False)
+        return Checked(verdict, finished=finished)
 
     def verdict(self, job: SignedTile, c: torch.Tensor) -> CheckResult:
         blocks = job.check_blocks if all(job.blocks) else None

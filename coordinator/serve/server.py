@@ -243,6 +243,8 @@ class CoordinatorServer:
     async def _check_result(self, check: Check) -> None:
         outcome = await self._checks.run(check)
         self._apply(self.core.checked(check, outcome, self.clock()))
+        if outcome.finished:
+            check.job.gemm.release()
 
     async def _compute_here(self, job: SignedTile) -> None:
         finished = await self._checks.compute_here(job)

@@ -216,8 +216,10 @@ class TiledGemm:
         self._a = self._b = torch.empty(0)
         return finished
 
-    def deliver(self, region: TileRegion, c: torch.Tensor) -> bool:
-        """Place a verified tile. Returns True when this completed the GEMM."""
+    def deliver(self, region: TileRegion, c: torch.Tensor, *, release: bool = True) -> bool:
+        """Place a verified tile. Returns True when this completed the GEMM, which is then
+        handed back to its waiter, unless ``release`` is False: then ``release()`` must
+        follow (the server credits the last tile first)."""
         with self._lock:
             if region.index in self._delivered:
                 return False
@@ -238,9 +240,13 @@ class TiledGemm:
                     del self._partials[(bi, mi, ni)]
             self._remaining -= 1
             finished = self._remaining == 0
-        if finished:
-            self._on_done(self.out)
+        if finished and release:
+            self.release()
         return finished
+
+    def release(self) -> None:
+        """Hand the whole GEMM to its waiter."""
+        self._on_done(self.out)
 
     def _write(self, r: TileRegion, c: torch.Tensor) -> None:
         if self.op == TileOp.BMM:
