@@ -1,4 +1,4 @@
-"""Protocol messages (v1): typed views of frame headers, validated on the way in.
+"""Protocol messages: typed views of frame headers, validated on the way in.
 
 Each message is a frozen dataclass with ``to_header()`` and ``from_header()``; tensors
 (task operands, result tiles) travel in the frame payload and are described by the

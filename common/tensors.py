@@ -196,8 +196,8 @@ class Block:
 
 def encode_block(t: torch.Tensor, block_id: str | None = None) -> Block:
     """Copy ``t`` (any strides, any device) once into a ``Block``; hash it unless its id
-    is given. The memory comes from torch's allocator, which neither zeroes it first
-    nor faults it in a page at a time, where a bytearray would do both."""
+    is given. The memory comes from torch's allocator, which does not zero it first
+    (a bytearray would: every byte would be written twice)."""
     dtype_name(t.dtype)  # refuse before touching the data
     nbytes = t.numel() * t.element_size()
     memory = torch.empty(nbytes + (-nbytes) % PAYLOAD_ALIGN, dtype=torch.uint8)

@@ -25,7 +25,7 @@ class Send:
     (``message``, encoded when it is written, so the simulator never encodes one)."""
 
     worker_id: str
-    frame: Any = None  # a task frame: bytes on the server, a sized stand-in in the simulator
+    frame: Any = None  # a task frame: FrameParts on the server, a sized stand-in in the simulator
     tile_id: str = ""  # set on task frames: a closing connection may skip them
     message: Message | None = None
 
