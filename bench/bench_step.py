@@ -28,7 +28,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -123,8 +125,34 @@ def serve_job(
     """``cleave-coordinator serve`` of ``job`` with local workers, as a subprocess in a
     fresh directory (``prepare`` gets its state directory first): per-step seconds from
     ``--metrics-out``, and what it printed."""
-    seconds, stdout, _ = serve_job_measured(job, steps, workers, *extra, env=env, prepare=prepare)
-    return seconds, stdout
+    served = serve_job_measured(job, steps, workers, *extra, env=env, prepare=prepare)
+    return served.seconds, served.output
+
+
+@dataclass
+class Served:
+    """What one ``serve`` run measured: its metrics-out lines, its printed output, the
+    coordinator's peak RSS, and at each step's end (sampled) the CPU seconds so far of
+    the coordinator process and of its local workers."""
+
+    records: list[dict[str, Any]]
+    output: str
+    peak_rss: int
+    coordinator_cpu: list[float]
+    workers_cpu: list[float]
+
+    @property
+    def seconds(self) -> list[float]:
+        return [r["seconds"] for r in self.records]
+
+
+def _cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def serve_job_measured(
@@ -134,8 +162,8 @@ def serve_job_measured(
     *extra: str,
     env: dict[str, str] | None = None,
     prepare: Callable[[Path], None] = lambda state: None,
-) -> tuple[list[float], str, int]:
-    """``serve_job``, and the coordinator process's peak RSS (sampled)."""
+) -> Served:
+    """``serve_job``, with what ``Served`` holds besides."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics, state = Path(tmp) / "metrics.jsonl", Path(tmp) / "state"
         prepare(state)
@@ -168,16 +196,25 @@ def serve_job_measured(
         )
         peak = 0
         watched = psutil.Process(proc.pid)
+        children: dict[int, psutil.Process] = {}
+        coordinator_cpu: list[float] = []
+        workers_cpu: list[float] = []
         while proc.poll() is None:
             with contextlib.suppress(psutil.Error):
                 peak = max(peak, watched.memory_info().rss)
-            time.sleep(0.05)
+                for child in watched.children(recursive=True):
+                    children.setdefault(child.pid, child)
+                lines = metrics.read_text().count("\n") if metrics.exists() else 0
+                while lines > len(coordinator_cpu):  # a step ended since the last look
+                    coordinator_cpu.append(_cpu_seconds([watched]))
+                    workers_cpu.append(_cpu_seconds(list(children.values())))
+            time.sleep(0.02)
         log.close()
         output = (Path(tmp) / "serve.log").read_text()
         if proc.returncode != 0:
             raise subprocess.CalledProcessError(proc.returncode, proc.args, output)
-        seconds = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
-    return seconds, output, peak
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return Served(records, output, peak, coordinator_cpu, workers_cpu)
 
 
 def main() -> None:
@@ -197,6 +234,7 @@ def main() -> None:
         f"{'model':>28} {'GFLOP/step':>11} {'planner':>8} {'eager s':>8} {'cleave s':>9} "
         f"{'ratio':>6} {'memory':>7}"
     )
+    breakdowns: dict[str, dict[str, float]] = {}
     for model in MODELS if args.model == "both" else [args.model]:
         spec, make = MODELS[model]
         eager_times, eager_rss = eager_process(model, args.steps)
@@ -204,19 +242,102 @@ def main() -> None:
         gflop = step_gflop(make)
         label = f"MLP {WIDTH}x{WIDTH}, batch {BATCH}" if model == "mlp" else "GPT 12x768, 8x128 tok"
         for planner in ("cost", "grid"):
-            times, _, rss = serve_job_measured(
+            served = serve_job_measured(
                 spec, args.steps, args.workers, "--planner", planner, env=sizes
             )
-            ours = statistics.median(times[skip:])
+            ours = statistics.median(served.seconds[skip:])
             print(
                 f"{label:>28} {gflop:>11.1f} {planner:>8} {eager:>8.3f} {ours:>9.3f} "
-                f"{ours / eager:>6.2f} {rss / eager_rss:>7.2f}"
+                f"{ours / eager:>6.2f} {served.peak_rss / eager_rss:>7.2f}"
             )
+            breakdowns[f"{model} {planner}"] = step_breakdown(served, skip)
+        breakdowns[f"{model} eager"] = {"wall": eager, "cores x wall": eager * CORES}
     print(
-        f"(cleave: coordinator + {args.workers} local workers on {os.cpu_count()} cores; "
+        f"(cleave: coordinator + {args.workers} local workers on {CORES} cores; "
         f"medians of steps {skip}..{args.steps - 1}; memory: the coordinator's peak RSS "
         "over the eager process's)"
     )
+    print_breakdown(breakdowns, skip, args.steps)
+
+
+CORES = os.cpu_count() or 1
+
+# The rows of the per-step breakdown, in order: (row, what it is made of).
+BREAKDOWN_ROWS = [
+    ("wall", "seconds a step took"),
+    ("cores x wall", "the machine's CPU time over the step"),
+    ("worker GEMMs", "the GEMM seconds workers reported for verified tiles"),
+    ("worker rest", "the rest of the workers' CPU: receive, decode, encode, send"),
+    ("cut", "coordinator: copy each operand block out of its matrix and hash it"),
+    ("sign", "coordinator: frame and sign each task"),
+    ("training rest", "coordinator: non-GEMM ops, optimizer, tracing, GEMM setup"),
+    ("kept tiles", "coordinator: the GEMM tiles the planner kept here"),
+    ("event loop", "coordinator: WebSocket send and receive, scheduling, credit"),
+    ("decode", "coordinator: result frames into tensors"),
+    ("check", "coordinator: Freivalds checks"),
+    ("assemble", "coordinator: verified tiles into their GEMMs' outputs"),
+    ("checks rest", "coordinator: the check thread's hand-offs, tiles computed there"),
+    ("ledger", "coordinator: ledger commits"),
+    ("other threads", "coordinator: everything else in its process"),
+    ("idle", "cores x wall minus all of the above: nobody had work"),
+]
+
+
+def step_breakdown(served: Served, skip: int) -> dict[str, float]:
+    """Mean core-seconds per step of each breakdown row over steps ``skip`` on (means,
+    so the rows add up to cores x wall)."""
+    rows: dict[str, float] = {name: 0.0 for name, _ in BREAKDOWN_ROWS}
+    steps = range(max(1, skip), len(served.records))
+    for i in steps:
+        rec, cpu = served.records[i], served.records[i]["cpu"]
+
+        def stage(name: str, cpu: dict[str, float] = cpu) -> float:
+            return cpu.get(name, 0.0)
+
+        worker_cpu = served.workers_cpu[i] - served.workers_cpu[i - 1]
+        process_cpu = served.coordinator_cpu[i] - served.coordinator_cpu[i - 1]
+        threads = sum(v for k, v in cpu.items() if k.startswith("thread:"))
+        got = {
+            "wall": rec["seconds"],
+            "cores x wall": rec["seconds"] * CORES,
+            "worker GEMMs": rec["worker_compute_s"],
+            "worker rest": worker_cpu - rec["worker_compute_s"],
+            "cut": stage("cut"),
+            "sign": stage("sign") + stage("sign_variant"),
+            "training rest": stage("thread:training")
+            - stage("cut")
+            - stage("sign")
+            - stage("kept_tiles"),
+            "kept tiles": stage("kept_tiles"),
+            "event loop": stage("thread:event_loop") - stage("sign_variant"),
+            "decode": stage("decode"),
+            "check": stage("check"),
+            "assemble": stage("assemble"),
+            "checks rest": stage("thread:checks")
+            - stage("decode")
+            - stage("check")
+            - stage("assemble"),
+            "ledger": stage("thread:ledger"),
+            "other threads": process_cpu - threads,
+        }
+        used = sum(v for k, v in got.items() if k not in ("wall", "cores x wall"))
+        got["idle"] = got["cores x wall"] - used
+        for name, value in got.items():
+            rows[name] += value / len(steps)
+    return rows
+
+
+def print_breakdown(breakdowns: dict[str, dict[str, float]], skip: int, steps: int) -> None:
+    columns = list(breakdowns)
+    print(f"\nWhere a step's time goes: core-seconds per step (means of steps {skip}..{steps - 1})")
+    print(f"{'':>14} " + " ".join(f"{c:>10}" for c in columns))
+    for name, meaning in BREAKDOWN_ROWS:
+        cells = [breakdowns[c].get(name) for c in columns]
+        print(
+            f"{name:>14} "
+            + " ".join(f"{v:>10.3f}" if v is not None else f"{'':>10}" for v in cells)
+            + f"  {meaning}"
+        )
 
 
 def step_gflop(make: Callable[[], Job]) -> float:

@@ -290,6 +290,7 @@ class CoordinatorRun:
                 server.counters.reissued,
                 server.pool.workers,
                 server.counters.flops_computed_here,
+                server.counters.compute_s,
             ),
             metrics_out=options.metrics_out,
             cancel=self.cancel,

@@ -207,6 +207,7 @@ def test_a_verified_result_is_credited_delivered_and_the_next_tile_sent(h: Harne
     assert row.compute_s == pytest.approx(0.01)  # what it claimed, under what it held
     assert row.bytes_down == len(jobs[0].bundle)
     assert h.core.counters.tiles_verified == 1
+    assert h.core.counters.compute_s == pytest.approx(0.01)
     assert h.core.workers[w1].verifying == set()
 
 
@@ -219,6 +220,7 @@ def test_claimed_compute_time_is_credited_no_higher_than_the_time_held(h: Harnes
     returned = h.receive(w1, Result(jobs[0].tile_id, compute_s=50.0), [("c", a @ b)])
     h.check(returned)
     assert h.ledger.get(h.core.workers[w1].key).compute_s == pytest.approx(0.002)
+    assert h.core.counters.compute_s == pytest.approx(0.002)  # the step's worker GEMM time
 
 
 def test_the_same_result_twice_while_it_is_checked_is_checked_once(h: Harness) -> None:

@@ -99,6 +99,8 @@ def test_three_steps_through_an_offload_match_local_training(tmp_path: Path) -> 
         assert row["tiles"] == GPT_GEMMS and row["reissued"] == 0 and row["workers"] == 2
         assert row["gemms_offloaded"] == GPT_GEMMS and row["gemms_local"] == 0
         assert row["seconds"] > 0
+        # The training thread's CPU for the step, by its role (coordinator.step.cpu_costs).
+        assert 0 < row["cpu"]["thread:training"] <= row["seconds"] * 2
 
 
 def test_without_an_offload_training_is_bit_identical_to_local(tmp_path: Path) -> None:

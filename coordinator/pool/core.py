@@ -301,6 +301,7 @@ class CoordinatorCore:
         self._estimates_moved = True
         worker.tiles_session += 1
         self.counters.tiles_verified += 1
+        self.counters.compute_s += min(check.compute_s, held_s)
         self.counters.bytes_up += up
         if job.half:
             self.counters.bytes_half += up

@@ -141,6 +141,7 @@ class Worker:
 class Counters:
     tiles_sent: int = 0
     tiles_verified: int = 0
+    compute_s: float = 0.0  # GEMM seconds the workers report for the tiles credited
     reissued: int = 0  # sends of a tile that had been sent before (lost, refused, failed)
     speculated: int = 0  # copies of tiles predicted late, sent to idle workers
     rejected: int = 0  # results that failed verification

@@ -22,6 +22,7 @@ from common.errors import ProtocolError
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.ops import TileOp
 from coordinator.pool.effects import Check, Checked
+from coordinator.step.cpu_costs import COSTS
 from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new_generator
 
@@ -41,16 +42,19 @@ class Checker:
         if check.result is None:
             return Checked(None)
         try:
-            c = check.result.tensors(self._limits).get("c")
+            with COSTS.timed("decode"):
+                c = check.result.tensors(self._limits).get("c")
         except ProtocolError as exc:
             return Checked(None, error=exc)
         if c is None:
             return Checked(None)
         job = check.job
-        verdict = self.verdict(job, c)
+        with COSTS.timed("check"):
+            verdict = self.verdict(job, c)
         # The GEMM is released by the pump once the core has credited the tile: no
         # training step goes on before the credit of the tiles it used is made.
-        finished = verdict.ok and job.gemm.deliver(job.region, c, release=False)
+        with COSTS.timed("assemble"):
+            finished = verdict.ok and job.gemm.deliver(job.region, c, release=False)
         return Checked(verdict, finished=finished)
 
     def verdict(self, job: SignedTile, c: torch.Tensor) -> CheckResult:
@@ -62,13 +66,19 @@ class Checker:
     def compute_here(job: SignedTile) -> bool:
         """Compute and place a tile here; True when that completed its GEMM."""
         a, b = job.matrices()
-        product = torch.bmm(a, b) if job.gemm.op == TileOp.BMM else torch.mm(a, b)
+        with COSTS.timed("stranded_tiles"):
+            product = torch.bmm(a, b) if job.gemm.op == TileOp.BMM else torch.mm(a, b)
         return job.gemm.deliver(job.region, product)
 
 
 class CheckThread:
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
+        self._pool = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="cleave-verify",
+            initializer=COSTS.this_thread_is,
+            initargs=("checks",),
+        )
         self._checker = Checker(limits)
 
     async def run(self, check: Check) -> Checked:

@@ -43,6 +43,7 @@ from coordinator.serve.handshake import (
     handshake,
     peer,
 )
+from coordinator.step.cpu_costs import COSTS
 from coordinator.tiles.tiled_gemm import SignedTile
 
 log = logging.getLogger("cleave.coordinator")
@@ -99,7 +100,12 @@ class CoordinatorServer:
         self.port = 0
         self._conns: dict[str, _Connection] = {}
         self._checks = CheckThread(config.core.limits)
-        self._ledger_writer = ThreadPoolExecutor(1, thread_name_prefix="cleave-ledger")
+        self._ledger_writer = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="cleave-ledger",
+            initializer=COSTS.this_thread_is,
+            initargs=("ledger",),
+        )
         self._server: Server | None = None
         self._handshaking = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -134,6 +140,7 @@ class CoordinatorServer:
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
         """Listen on ``host:port``; with ``ssl_context``, WebSocket and status are TLS only."""
+        COSTS.this_thread_is("event_loop")
         self._server = await serve(
             self._handle,
             host,

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from coordinator.step.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.step.cpu_costs import COSTS, since
 from coordinator.step.eager import run_eager_step
 from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
 from coordinator.step.flops import describe
@@ -43,6 +44,10 @@ class StepRecord:
     # that workers computed; None for a step without FLOPs to count.
     workers_flop_share: float | None = None
     captured: bool = True  # False: the step ran eagerly (it cannot be one graph)
+    # GEMM seconds the workers reported for this step's verified tiles.
+    worker_compute_s: float = 0.0
+    # The coordinator's CPU seconds in this step, by stage and by thread (cpu_costs).
+    cpu: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class PoolCounters:
     reissued: int
     workers: int
     flops_computed_here: int = 0  # offloaded tiles the server computed itself (stranded)
+    compute_s: float = 0.0  # GEMM seconds workers reported for their verified tiles
 
 
 class Trainer:
@@ -156,11 +162,13 @@ class Trainer:
         return records
 
     def train_step(self) -> StepRecord:
+        COSTS.this_thread_is("training")
         self._step_start = (self.batches_consumed, torch.get_rng_state())
         inputs, targets = self.job.next_batch()
         self.batches_consumed += 1
         started = time.perf_counter()
         before = self.pool_counters()
+        cpu_before = COSTS.snapshot()
         traced = self.tracer.get(inputs, targets)
         if traced is not None and not self.dag:
             self.dag = dag_summary(gemm_dag(traced))
@@ -205,6 +213,8 @@ class Trainer:
             gemms_local=stats.gemms_local,
             workers_flop_share=self.flops["workers_share"],
             captured=traced is not None,
+            worker_compute_s=round(after.compute_s - before.compute_s, 4),
+            cpu=since(COSTS.snapshot(), cpu_before),
         )
         self.step += 1
         self._step_start = None

@@ -24,6 +24,7 @@ from common.tensors import Block, encode_block
 from common.unfold import Unfold
 from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
 from coordinator.schedule.scheduler import TileTicket
+from coordinator.step.cpu_costs import COSTS
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,16 @@ class SignedTile:
         only (re-signed; nothing is copied or hashed again)."""
         if not refs:
             return self.bundle
-        return task_frame(
-            self.tile_id,
-            self.gemm.op,
-            self.a_block,
-            self.b_block,
-            key,
-            refs=refs,
-            unfold=self.unfold,
-        )
+        with COSTS.timed("sign_variant"):
+            return task_frame(
+                self.tile_id,
+                self.gemm.op,
+                self.a_block,
+                self.b_block,
+                key,
+                refs=refs,
+                unfold=self.unfold,
+            )
 
     def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The GEMM's operands, as the worker computes and the check reads them."""
@@ -175,7 +177,8 @@ class TiledGemm:
 
         def block(at: tuple[str, int, int, int], view: torch.Tensor) -> Block:
             if at not in blocks:
-                blocks[at] = encode_block(view)
+                with COSTS.timed("cut"):
+                    blocks[at] = encode_block(view)
             return blocks[at]
 
         for region in self.plan.tiles:
@@ -185,7 +188,8 @@ class TiledGemm:
             bi, mi, ni, ki = region.index
             a_view, b_view = self._operands(region)
             a, b = block(("a", bi, mi, ki), a_view), block(("b", bi, ki, ni), b_view)
-            bundle = task_frame(tile_id, self.op, a, b, key, unfold=self.unfold)
+            with COSTS.timed("sign"):
+                bundle = task_frame(tile_id, self.op, a, b, key, unfold=self.unfold)
             ticket = TileTicket(
                 tile_id=tile_id,
                 gemm_id=self.gemm_id,
@@ -210,9 +214,9 @@ class TiledGemm:
                 a, b = self._operands(region)
                 if self.unfold is not None:
                     a, b = self.unfold.matrices(a, b)
-                finished |= self.deliver(
-                    region, torch.bmm(a, b) if self.op == TileOp.BMM else a @ b
-                )
+                with COSTS.timed("kept_tiles"):
+                    c = torch.bmm(a, b) if self.op == TileOp.BMM else a @ b
+                finished |= self.deliver(region, c)
         self._a = self._b = torch.empty(0)
         return finished
 

@@ -1,0 +1,83 @@
+"""Where the coordinator's CPU goes: seconds of thread CPU time by the work they bought.
+
+The data path's stages run on different threads (cutting and signing on the training
+thread, the network on the event loop, decoding, checking and assembly on the check
+thread, commits on the ledger thread), so a step's cost breakdown is each stage's own
+CPU time, measured on the thread that did it, plus each thread's total: what a thread
+spent beyond its named stages is the rest of its work (the training thread's non-GEMM
+ops and optimizer, the event loop's framing, sending, receiving and scheduling).
+
+CPU time, not wall time: on shared cores a stage that waits for a core costs nothing,
+and the figures add up to what the coordinator took from the machine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+def thread_cpu_seconds(ident: int) -> float | None:
+    """CPU seconds a live thread has used so far (None where the platform cannot say or
+    the thread has ended)."""
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, ProcessLookupError):
+        return None
+
+
+class CpuCosts:
+    """Stage totals, added to from any thread; ``clock`` is the calling thread's CPU
+    clock (injected in tests)."""
+
+    def __init__(self, clock: Callable[[], float] = time.thread_time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stages: dict[str, float] = {}
+        self._threads: dict[int, str] = {}  # thread ident -> role
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.add(stage, self._clock() - start)
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self._stages[stage] = self._stages.get(stage, 0.0) + seconds
+
+    def this_thread_is(self, role: str) -> None:
+        """Report the calling thread's whole CPU time as ``thread:<role>``."""
+        with self._lock:
+            self._threads[threading.get_ident()] = f"thread:{role}"
+
+    def snapshot(self) -> dict[str, float]:
+        """Stage totals so far, and each registered thread's CPU total by role (threads
+        that have ended drop out)."""
+        live = {t.ident for t in threading.enumerate()}
+        with self._lock:
+            out = dict(self._stages)
+            for ident in [i for i in self._threads if i not in live]:
+                del self._threads[ident]
+            threads = list(self._threads.items())
+        for ident, role in threads:
+            seconds = thread_cpu_seconds(ident)
+            if seconds is not None:
+                out[role] = out.get(role, 0.0) + seconds
+        return out
+
+
+def since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """What was spent between two snapshots, rounded for a log line."""
+    return {k: round(v - before.get(k, 0.0), 4) for k, v in sorted(now.items())}
+
+
+# One per process: the stages are spread over objects that never meet (each GEMM's
+# tiles, the check thread, the server), and all of them are the coordinator's CPU.
+COSTS = CpuCosts()
