@@ -12,7 +12,14 @@ GPT-style model, 12 layers 768 wide, 12 heads, 128-token context, batch 8, on th
 character text of the built-in job: 85M parameters).
 Run: ``python bench/bench_step.py [--model mlp|gpt|both] [--steps 8] [--workers 2]``.
 Profile the coordinator with ``py-spy record --subprocesses -o step.svg -- python -m
-coordinator serve --job bench_step:make_job --steps 8 --local-workers 2 --port 0``.
+coordinator serve --job bench_step:make_job --steps 8 --local-workers 2 --port 0``
+(one worker alone: ``py-spy record --threads -p <its pid>``).
+
+After the ratios it prints where each step's core-seconds went: the coordinator's CPU by
+stage and by thread (from ``--metrics-out``, coordinator.step.cpu_costs), the workers'
+reported GEMM seconds, and, sampled here at each step's end, the CPU of the coordinator
+process and of its local workers. The rows add up to cores x wall; what nobody spent is
+idle.
 """
 
 from __future__ import annotations
