@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,11 +297,8 @@ def step_breakdown(served: Served, skip: int) -> dict[str, float]:
     rows: dict[str, float] = {name: 0.0 for name, _ in BREAKDOWN_ROWS}
     steps = range(max(1, skip), len(served.records))
     for i in steps:
-        rec, cpu = served.records[i], served.records[i]["cpu"]
-
-        def stage(name: str, cpu: dict[str, float] = cpu) -> float:
-            return cpu.get(name, 0.0)
-
+        rec = served.records[i]
+        cpu = defaultdict(float, rec["cpu"])  # a stage that did not run spent nothing
         worker_cpu = served.workers_cpu[i] - served.workers_cpu[i - 1]
         process_cpu = served.coordinator_cpu[i] - served.coordinator_cpu[i - 1]
         threads = sum(v for k, v in cpu.items() if k.startswith("thread:"))
@@ -309,22 +307,16 @@ def step_breakdown(served: Served, skip: int) -> dict[str, float]:
             "cores x wall": rec["seconds"] * CORES,
             "worker GEMMs": rec["worker_compute_s"],
             "worker rest": worker_cpu - rec["worker_compute_s"],
-            "cut": stage("cut"),
-            "sign": stage("sign") + stage("sign_variant"),
-            "training rest": stage("thread:training")
-            - stage("cut")
-            - stage("sign")
-            - stage("kept_tiles"),
-            "kept tiles": stage("kept_tiles"),
-            "event loop": stage("thread:event_loop") - stage("sign_variant"),
-            "decode": stage("decode"),
-            "check": stage("check"),
-            "assemble": stage("assemble"),
-            "checks rest": stage("thread:checks")
-            - stage("decode")
-            - stage("check")
-            - stage("assemble"),
-            "ledger": stage("thread:ledger"),
+            "cut": cpu["cut"],
+            "sign": cpu["sign"] + cpu["sign_variant"],
+            "training rest": cpu["thread:training"] - cpu["cut"] - cpu["sign"] - cpu["kept_tiles"],
+            "kept tiles": cpu["kept_tiles"],
+            "event loop": cpu["thread:event_loop"] - cpu["sign_variant"],
+            "decode": cpu["decode"],
+            "check": cpu["check"],
+            "assemble": cpu["assemble"],
+            "checks rest": cpu["thread:checks"] - cpu["decode"] - cpu["check"] - cpu["assemble"],
+            "ledger": cpu["thread:ledger"],
             "other threads": process_cpu - threads,
         }
         used = sum(v for k, v in got.items() if k not in ("wall", "cores x wall"))
