@@ -13,21 +13,32 @@ and the figures add up to what the coordinator took from the machine.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
-def thread_cpu_seconds(ident: int) -> float | None:
-    """CPU seconds a live thread has used so far (None where the platform cannot say or
-    the thread has ended)."""
-    if not hasattr(time, "pthread_getcpuclockid"):
+def thread_cpu_seconds(native_id: int) -> float | None:
+    """CPU seconds a thread (by its OS thread id) has used so far; None where the
+    platform cannot say or the thread has ended.
+
+    Linux names a thread's CPU clock by its thread id (the kernel's CPUCLOCK encoding,
+    as glibc builds it): unlike ``pthread_getcpuclockid``, which reads the thread's
+    pthread structure and may touch freed memory once the thread has ended, a stale id
+    only gets EINVAL.
+    """
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
-    except (OSError, ProcessLookupError):
+        return time.clock_gettime((~native_id << 3) | _PER_THREAD | _SCHED_CLOCK)
+    except OSError:
         return None
+
+
+_PER_THREAD = 4  # CPUCLOCK_PERTHREAD_MASK
+_SCHED_CLOCK = 2  # CPUCLOCK_SCHED: all the CPU time the thread was scheduled for
 
 
 class CpuCosts:
@@ -38,7 +49,7 @@ class CpuCosts:
         self._clock = clock
         self._lock = threading.Lock()
         self._stages: dict[str, float] = {}
-        self._threads: dict[int, str] = {}  # thread ident -> role
+        self._threads: dict[int, str] = {}  # OS thread id -> role
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -55,20 +66,20 @@ class CpuCosts:
     def this_thread_is(self, role: str) -> None:
         """Report the calling thread's whole CPU time as ``thread:<role>``."""
         with self._lock:
-            self._threads[threading.get_ident()] = f"thread:{role}"
+            self._threads[threading.get_native_id()] = f"thread:{role}"
 
     def snapshot(self) -> dict[str, float]:
         """Stage totals so far, and each registered thread's CPU total by role (threads
         that have ended drop out)."""
-        live = {t.ident for t in threading.enumerate()}
         with self._lock:
             out = dict(self._stages)
-            for ident in [i for i in self._threads if i not in live]:
-                del self._threads[ident]
             threads = list(self._threads.items())
-        for ident, role in threads:
-            seconds = thread_cpu_seconds(ident)
-            if seconds is not None:
+        for native_id, role in threads:
+            seconds = thread_cpu_seconds(native_id)
+            if seconds is None:
+                with self._lock:
+                    self._threads.pop(native_id, None)
+            else:
                 out[role] = out.get(role, 0.0) + seconds
         return out
 
