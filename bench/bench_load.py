@@ -71,6 +71,7 @@ from common.signing import generate_private_key, public_key_from_hex, public_key
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm  # noqa: E402
 from coordinator.pool.core import CoreConfig  # noqa: E402
 from coordinator.pool.ledger import Ledger  # noqa: E402
+from coordinator.serve.gc_policy import settle_after_start  # noqa: E402
 from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm  # noqa: E402
 
@@ -291,6 +292,7 @@ async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
             config=ServerConfig(core=CoreConfig(heartbeat_interval_s=cfg.heartbeat_s)),
         )
         port = await server.start("127.0.0.1", 0)
+        settle_after_start()  # as the coordinator's process does once it listens
         stream = GemmStream(server, cfg)
         lag = LoopLag()
         pipe.send({"port": port, "key": public_key_hex(key)})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import ssl
@@ -30,6 +29,7 @@ from coordinator.plan.planner import plan_config_for
 from coordinator.pool.core import CoreConfig
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import SchedulerConfig
+from coordinator.serve.gc_policy import settle_after_start
 from coordinator.serve.local_workers import LocalWorkers
 from coordinator.serve.offload import TileOffload
 from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
@@ -228,10 +228,7 @@ class CoordinatorRun:
         """Listen, and say where."""
         options = self.options
         port = await self.server.start(options.host, options.port, ssl_context=self.ssl_context)
-        # What is alive now (modules, the job, its model) lives for the whole run: keep
-        # it out of the full garbage collections, which otherwise pause the event loop
-        # with a thousand workers connected (bench/bench_load.py).
-        gc.freeze()
+        settle_after_start()
         connect_host = "127.0.0.1" if options.host in ANY_ADDRESS else options.host
         ws, http = ("wss", "https") if self.ssl_context is not None else ("ws", "http")
         self.url = f"{ws}://{connect_host}:{port}{WS_PATH}"

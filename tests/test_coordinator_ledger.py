@@ -43,6 +43,25 @@ def test_unknown_worker_has_an_empty_contribution(ledger: Ledger) -> None:
     assert ledger.all() == []
 
 
+def test_a_worker_without_a_row_reads_the_file_once(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Heartbeats read the worker's row on the event loop: a worker with no verified
+    # tile yet must not cost a SELECT (behind any commit) on every one of them.
+    monkeypatch.setattr("coordinator.pool.ledger.ABSENT_REMEMBERED", 2)
+    selects: list[str] = []
+    ledger._db.set_trace_callback(lambda sql: selects.append(sql) if "SELECT" in sql else None)
+    for _ in range(3):
+        assert ledger.get("newcomer") == Contribution("newcomer")
+    assert len(selects) == 1
+    credit(ledger, "newcomer", 7)  # a credit makes the row, remembered or not
+    assert ledger.get("newcomer").tiles == 1
+    for stranger in ("s1", "s2", "s3"):  # past the bound the remembered keys are dropped
+        ledger.get(stranger)
+    ledger.get("s1")
+    assert len(selects) == 5
+
+
 def test_credits_and_rejections_accumulate(ledger: Ledger) -> None:
     credit(ledger, "alice", 1_000_000_000, down=300, up=30, s=0.25)
     credit(ledger, "alice", 500_000_000, down=200, up=20, s=0.5)

@@ -44,6 +44,9 @@ COLUMNS = "worker, name, tiles, flops, bytes_down, bytes_up, compute_s, rejected
 COLUMNS += "banned_reason"
 
 
+ABSENT_REMEMBERED = 65_536  # keys without a row kept in memory: a few MiB at most
+
+
 @dataclass(frozen=True)
 class Contribution:
     worker: str  # the worker's public key, hex
@@ -105,6 +108,7 @@ class Ledger:
         self._db_lock = threading.Lock()
         self._lock = threading.Lock()
         self._rows: dict[str, Contribution] = {}  # worker key -> its row, as in the memory
+        self._absent: set[str] = set()  # keys the file has no row for (a read cache)
         self._queued: list[tuple[str, tuple[object, ...]]] = []  # writes not yet committed
         self._committing = 0  # writes taken from the queue by the commit under way
         with self._db_lock:
@@ -239,18 +243,27 @@ class Ledger:
     def _row(self, worker: str) -> Contribution:
         """The row from memory, or read once from the file. A row with writes queued is
         always in memory (the writes put it there), so the file has all of a row that
-        is not."""
+        is not. Workers the file has no row for are remembered too (up to a bound, as
+        strangers' keys are free to make): their heartbeats before their first verified
+        tile would otherwise each read the file on the event loop, waiting behind any
+        commit under way."""
         with self._lock:
             cached = self._rows.get(worker)
+            absent = worker in self._absent
         if cached is not None:
             return cached
+        if absent:
+            return Contribution(worker)
         with self._db_lock:
             row = self._db.execute(
                 f"SELECT {COLUMNS} FROM contributions WHERE worker = ?", (worker,)
             ).fetchone()
-        if row is None:
-            return Contribution(worker)
         with self._lock:
+            if row is None:
+                if len(self._absent) >= ABSENT_REMEMBERED:
+                    self._absent.clear()
+                self._absent.add(worker)
+                return self._rows.get(worker, Contribution(worker))  # or a credit since
             return self._rows.setdefault(worker, Contribution(*row))
 
     def _select(self, where: str, order: str) -> list[Contribution]:
