@@ -46,7 +46,8 @@ class Close:
 @dataclass(frozen=True)
 class Check:
     """Decode a returned tile, check it (Freivalds) and, if it passes, place it into its
-    GEMM, all off the event loop; then call ``checked`` with what came of it."""
+    GEMM (on the check thread; small tiles on the event loop), then call ``checked``
+    with what came of it."""
 
     worker_id: str
     tile_id: str

@@ -7,6 +7,13 @@ visit, so the event loop spends one hand-off per tile and none of its own time o
 result's bytes. One thread, so the checker's private generator of check vectors needs
 no lock, and the operand blocks' row norms are cached across the tiles that share a
 block.
+
+Small tiles are the exception: they are checked on the event loop itself. Their check
+is a few dozen tiny torch calls, and each one releases the GIL; while the event loop is
+busy (many workers), a thread that must take the GIL back after every call waits for
+the loop's switch interval each time, so a check that takes tens of microseconds alone
+waits milliseconds, and the results queue up behind the thread. On the loop the same
+check costs its own time and no hand-off (``bench/bench_load.py``).
 """
 
 from __future__ import annotations
@@ -28,32 +35,46 @@ from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new
 
 T = TypeVar("T")
 
+# Tiles of at most this many multiply-adds (128^3) are checked on the event loop: their
+# check takes about as long as handing it to the thread and back.
+ON_LOOP_MAX_MACS = 128**3
+
 
 class Checker:
     """The work behind ``Check`` and compute-here effects; one thread at a time."""
 
-    def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        limits: WireLimits = DEFAULT_LIMITS,
+        cache: CheckCache | None = None,
+        *,
+        stages: tuple[str, str, str] = ("decode", "check", "assemble"),
+    ) -> None:
+        """``stages``: the CPU-cost stages (``COSTS``) its decode, check and placing
+        count under."""
         self._limits = limits
         self._vectors = new_generator()
-        self._cache = CheckCache()
+        self._cache = CheckCache() if cache is None else cache
+        self._stages = stages
 
     def run(self, check: Check) -> Checked:
         """Decode the result, check it, and place it if it passes."""
         if check.result is None:
             return Checked(None)
+        decode, verify, assemble = self._stages
         try:
-            with COSTS.timed("decode"):
+            with COSTS.timed(decode):
                 c = check.result.tensors(self._limits).get("c")
         except ProtocolError as exc:
             return Checked(None, error=exc)
         if c is None:
             return Checked(None)
         job = check.job
-        with COSTS.timed("check"):
+        with COSTS.timed(verify):
             verdict = self.verdict(job, c)
         # The GEMM is released by the pump once the core has credited the tile: no
         # training step goes on before the credit of the tiles it used is made.
-        with COSTS.timed("assemble"):
+        with COSTS.timed(assemble):
             finished = verdict.ok and job.gemm.deliver(job.region, c, release=False)
         return Checked(verdict, finished=finished)
 
@@ -79,9 +100,14 @@ class CheckThread:
             initializer=COSTS.this_thread_is,
             initargs=("checks",),
         )
-        self._checker = Checker(limits)
+        cache = CheckCache()  # shared: a block's summaries serve both checkers
+        self._checker = Checker(limits, cache)
+        # Its own generator: each checker's is used by one thread only.
+        self._on_loop = Checker(limits, cache, stages=("check_on_loop",) * 3)
 
     async def run(self, check: Check) -> Checked:
+        if check.job.flops <= 2 * ON_LOOP_MAX_MACS:
+            return self._on_loop.run(check)  # small: cheaper here than a hand-off (above)
         return await self._run(self._checker.run, check)
 
     async def compute_here(self, job: SignedTile) -> bool:

@@ -1,0 +1,76 @@
+"""Where the server checks returned tiles: small ones on the event loop, the rest on
+the check thread, with the same verdicts either way."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from common.messages import Result, encode_message, parse_message
+from common.signing import generate_private_key
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.pool.effects import Check
+from coordinator.serve.checks import ON_LOOP_MAX_MACS, CheckThread
+from coordinator.step.cpu_costs import COSTS
+from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
+
+KEY = generate_private_key()
+
+
+def one_tile(side: int) -> SignedTile:
+    """A side^3 GEMM planned as one tile."""
+    gen = torch.Generator().manual_seed(side)
+    a, b = torch.randn(side, side, generator=gen), torch.randn(side, side, generator=gen)
+    plan = plan_gemm(
+        GemmShape("mm", 1, side, side, side, 4), PlanConfig(min_offload_flops=1, target_tiles=1)
+    )
+    assert plan is not None and len(plan.tiles) == 1
+    (job,) = TiledGemm(f"g{side}", plan, a, b, lambda out: None).iter_jobs(KEY)
+    return job
+
+
+def check_of(job: SignedTile, c: torch.Tensor) -> Check:
+    frame = encode_message(Result(job.tile_id, compute_s=0.01), [("c", c)])
+    return Check("w1", job.tile_id, job, parse_message(frame), len(frame), 0.01)
+
+
+def placed_on(job: SignedTile) -> list[int]:
+    """The threads that place the tile into its GEMM, as it happens."""
+    threads: list[int] = []
+    deliver = job.gemm.deliver
+
+    def recording(*args: Any, **kwargs: Any) -> bool:
+        threads.append(threading.get_ident())
+        return deliver(*args, **kwargs)
+
+    job.gemm.deliver = recording  # type: ignore[method-assign]
+    return threads
+
+
+@pytest.mark.parametrize("side", [64, 128, 160])
+def test_small_tiles_are_checked_on_the_loop_and_large_ones_on_the_thread(side: int) -> None:
+    good, bad = one_tile(side), one_tile(side)
+    threads = placed_on(good)
+    a, b = good.matrices()
+    c = a @ b
+    wrong = c.clone()
+    wrong[3, 5] += 1.0
+
+    async def main() -> tuple[Any, Any]:
+        checks = CheckThread()
+        try:
+            return await checks.run(check_of(good, c)), await checks.run(check_of(bad, wrong))
+        finally:
+            checks.shutdown()
+
+    before = COSTS.snapshot().get("check_on_loop", 0.0)
+    passed, failed = asyncio.run(main())
+    on_loop = side**3 <= ON_LOOP_MAX_MACS
+    assert passed.verdict.ok and passed.finished
+    assert not failed.verdict.ok and failed.verdict.reason == "mismatch"
+    assert (threads == [threading.get_ident()]) is on_loop  # asyncio.run's loop is ours
+    assert (COSTS.snapshot().get("check_on_loop", 0.0) > before) is on_loop
