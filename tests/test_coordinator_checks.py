@@ -14,6 +14,7 @@ from common.messages import Result, encode_message, parse_message
 from common.signing import generate_private_key
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.effects import Check
+from coordinator.serve import checks as checks_module
 from coordinator.serve.checks import ON_LOOP_MAX_MACS, CheckThread
 from coordinator.step.cpu_costs import COSTS
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
@@ -74,3 +75,56 @@ def test_small_tiles_are_checked_on_the_loop_and_large_ones_on_the_thread(side: 
     assert not failed.verdict.ok and failed.verdict.reason == "mismatch"
     assert (threads == [threading.get_ident()]) is on_loop  # asyncio.run's loop is ours
     assert (COSTS.snapshot().get("check_on_loop", 0.0) > before) is on_loop
+
+
+def test_small_results_of_one_turn_are_checked_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = checks_module.check_products
+
+    def counting(tiles: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(tiles))
+        return real(tiles, *args, **kwargs)
+
+    monkeypatch.setattr(checks_module, "check_products", counting)
+    monkeypatch.setattr(checks_module, "ON_LOOP_MAX_STACK", 4)
+    jobs = [one_tile(32 + i) for i in range(6)]  # one shape each: check_product alone
+    jobs += [one_tile(64) for _ in range(5)]  # one stack
+    results = []
+    for i, job in enumerate(jobs):
+        a, b = job.matrices()
+        c = a @ b
+        if i % 3 == 0:
+            c[0, 0] += 1.0
+        results.append(check_of(job, c))
+
+    async def main() -> list[Any]:
+        checks = CheckThread()
+        try:
+            return await asyncio.gather(*(checks.run(result) for result in results))
+        finally:
+            checks.shutdown()
+
+    outcomes = asyncio.run(main())
+    assert [o.verdict.ok for o in outcomes] == [i % 3 != 0 for i in range(len(jobs))]
+    assert calls == [4, 4, 3]  # one turn's results, a stack's worth at a time
+
+
+def test_a_failing_stack_fails_each_waiter_instead_of_leaving_it_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(checks_module, "check_products", broken)
+    job = one_tile(64)
+    a, b = job.matrices()
+
+    async def main() -> list[Any]:
+        checks = CheckThread()
+        try:
+            runs = (checks.run(check_of(job, a @ b)) for _ in range(2))
+            return await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 10)
+        finally:
+            checks.shutdown()
+
+    assert [type(e) for e in asyncio.run(main())] == [RuntimeError, RuntimeError]

@@ -23,7 +23,7 @@ from bench.tile_cases import (
     scale_cheat,
 )
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
-from coordinator.tiles.verify import check_product
+from coordinator.tiles.verify import CheckPlan, check_product, check_products, summarize_right
 
 SHAPES: tuple[Shape, ...] = (
     (None, 16, 16, 16),
@@ -137,3 +137,50 @@ def test_real_training_tiles_pass_honestly_and_fail_every_cheat() -> None:
             if not torch.equal(bad, c) and check_product(a, b, bad, checks).ok:
                 wrong.append((name, cheat_name))
     assert not wrong
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_checked_together_get_the_verdicts_each_gets_alone(dtype: torch.dtype) -> None:
+    # check_products stacks tiles of one shape: every tile of every distribution, honest
+    # or cheating, must get the verdict check_product gives it alone with the same check
+    # vectors (a stack draws them as one tile alone would); malformed and non-finite
+    # tiles are checked alone.
+    data, cheat_rng = torch.Generator().manual_seed(10), torch.Generator().manual_seed(11)
+    everything = []
+    for shape in SHAPES[:4]:
+        tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        previous = None
+        for distribution in DISTRIBUTIONS:
+            a, b = operands(distribution, shape, dtype, data)
+            c = product(a, b)
+            tiles.append((a, b, c))
+            for cheat in list(CHEATS.values())[len(tiles) % 3 :: 3]:
+                tiles.append((a, b, cheat(a, b, c, c if previous is None else previous, cheat_rng)))
+            previous = c
+        a, b, c = tiles[0]
+        tiles.append((a, b, c[..., :-1]))  # a malformed result
+        tiles.append((a, b, torch.full_like(c, float("inf"))))  # a non-finite one
+        together = check_products(tiles, torch.Generator().manual_seed(12))
+        alone = [check_product(*tile, torch.Generator().manual_seed(12)) for tile in tiles]
+        for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+            assert (got.ok, got.reason, got.statistics) == (want.ok, want.reason, want.statistics)
+            # Honest margins are rounding noise, which the stacked products' kernels
+            # change; a cheat's margin is its error, which they do not.
+            if want.ok:
+                assert got.margin < 0.75, (shape, i)
+            else:
+                assert got.margin == pytest.approx(want.margin, rel=1e-2), (shape, i)
+        assert any(v.ok for v in together) and any(not v.ok for v in together)
+        everything += list(zip(tiles, alone, strict=True))
+    # All shapes at once, each stack with vectors of its own: the same verdicts, but
+    # for cheats at the detection floor, which other vectors may let through.
+    mixed = check_products([tile for tile, _ in everything], torch.Generator().manual_seed(13))
+    clear = [i for i, (_, want) in enumerate(everything) if not 0.75 < want.margin < 1.5]
+    assert len(clear) > 0.9 * len(everything)
+    assert [mixed[i].ok for i in clear] == [everything[i][1].ok for i in clear]
+    # Some stacks hold uneven and even tiles at once: each keeps its own variance bound.
+    shape = SHAPES[0]
+    stack = [operands(d, shape, dtype, data)[1] for d in ("gaussian", "row scales", "outliers")]
+    plan = CheckPlan.for_shape(1, shape[1], shape[2], shape[3])
+    right = summarize_right(torch.stack(stack).float(), plan, data, tiles=len(stack))
+    assert right.uneven_tiles is not None

@@ -8,18 +8,20 @@ result's bytes. One thread, so the checker's private generator of check vectors 
 no lock, and the operand blocks' row norms are cached across the tiles that share a
 block.
 
-Small tiles are the exception: they are checked on the event loop itself. Their check
-is a few dozen tiny torch calls, and each one releases the GIL; while the event loop is
-busy (many workers), a thread that must take the GIL back after every call waits for
-the loop's switch interval each time, so a check that takes tens of microseconds alone
-waits milliseconds, and the results queue up behind the thread. On the loop the same
-check costs its own time and no hand-off (``bench/bench_load.py``).
+Small tiles are the exception: they are checked on the event loop itself, together.
+A check is a few dozen torch calls whatever the tile's size, and each one releases the
+GIL; while the event loop is busy (many workers), a thread that must take the GIL back
+after every call waits for the loop's switch interval each time, so a small tile's
+check that takes tens of microseconds alone waits milliseconds, and the results queue
+up behind the thread. On the loop there is no hand-off, and the small results that
+arrived in one turn of the loop are checked in one ``check_products`` call at the next,
+a few calls for all of them (``bench/bench_load.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -31,13 +33,14 @@ from common.ops import TileOp
 from coordinator.pool.effects import Check, Checked
 from coordinator.step.cpu_costs import COSTS
 from coordinator.tiles.tiled_gemm import SignedTile
-from coordinator.tiles.verify import CheckCache, CheckResult, check_product, new_generator
+from coordinator.tiles.verify import CheckCache, check_products, new_generator
 
 T = TypeVar("T")
 
 # Tiles of at most this many multiply-adds (128^3) are checked on the event loop: their
 # check takes about as long as handing it to the thread and back.
 ON_LOOP_MAX_MACS = 128**3
+ON_LOOP_MAX_STACK = 256  # small results checked in one turn of the loop; the rest next turn
 
 
 class Checker:
@@ -59,29 +62,38 @@ class Checker:
 
     def run(self, check: Check) -> Checked:
         """Decode the result, check it, and place it if it passes."""
-        if check.result is None:
-            return Checked(None)
+        return self.run_many([check])[0]
+
+    def run_many(self, checks: Sequence[Check]) -> list[Checked]:
+        """``run`` of each result, their checks in one ``check_products`` call."""
         decode, verify, assemble = self._stages
-        try:
-            with COSTS.timed(decode):
-                c = check.result.tensors(self._limits).get("c")
-        except ProtocolError as exc:
-            return Checked(None, error=exc)
-        if c is None:
-            return Checked(None)
-        job = check.job
+        outcomes: list[Checked] = [Checked(None)] * len(checks)
+        decoded: list[tuple[int, SignedTile, torch.Tensor]] = []
+        with COSTS.timed(decode):
+            for i, check in enumerate(checks):
+                if check.result is None:
+                    continue
+                try:
+                    c = check.result.tensors(self._limits).get("c")
+                except ProtocolError as exc:
+                    outcomes[i] = Checked(None, error=exc)
+                    continue
+                if c is not None:
+                    decoded.append((i, check.job, c))
         with COSTS.timed(verify):
-            verdict = self.verdict(job, c)
+            verdicts = check_products(
+                [(*job.matrices(), c) for _, job, c in decoded],
+                self._vectors,
+                cache=self._cache,
+                blocks=[job.check_blocks if all(job.blocks) else None for _, job, _ in decoded],
+            )
         # The GEMM is released by the pump once the core has credited the tile: no
         # training step goes on before the credit of the tiles it used is made.
         with COSTS.timed(assemble):
-            finished = verdict.ok and job.gemm.deliver(job.region, c, release=False)
-        return Checked(verdict, finished=finished)
-
-    def verdict(self, job: SignedTile, c: torch.Tensor) -> CheckResult:
-        blocks = job.check_blocks if all(job.blocks) else None
-        a, b = job.matrices()
-        return check_product(a, b, c, self._vectors, cache=self._cache, blocks=blocks)
+            for (i, job, c), verdict in zip(decoded, verdicts, strict=True):
+                finished = verdict.ok and job.gemm.deliver(job.region, c, release=False)
+                outcomes[i] = Checked(verdict, finished=finished)
+        return outcomes
 
     @staticmethod
     def compute_here(job: SignedTile) -> bool:
@@ -104,11 +116,36 @@ class CheckThread:
         self._checker = Checker(limits, cache)
         # Its own generator: each checker's is used by one thread only.
         self._on_loop = Checker(limits, cache, stages=("check_on_loop",) * 3)
+        self._waiting: list[tuple[Check, asyncio.Future[Checked]]] = []
 
     async def run(self, check: Check) -> Checked:
         if check.job.flops <= 2 * ON_LOOP_MAX_MACS:
-            return self._on_loop.run(check)  # small: cheaper here than a hand-off (above)
+            return await self._on_loop_soon(check)  # small: cheaper here (above)
         return await self._run(self._checker.run, check)
+
+    def _on_loop_soon(self, check: Check) -> asyncio.Future[Checked]:
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[Checked] = loop.create_future()
+        self._waiting.append((check, outcome))
+        if len(self._waiting) == 1:
+            loop.call_soon(self._check_waiting)
+        return outcome
+
+    def _check_waiting(self) -> None:
+        """The small results waiting, checked together (at most a stack's worth)."""
+        now, self._waiting = self._waiting[:ON_LOOP_MAX_STACK], self._waiting[ON_LOOP_MAX_STACK:]
+        if self._waiting:
+            asyncio.get_running_loop().call_soon(self._check_waiting)
+        try:
+            outcomes = self._on_loop.run_many([check for check, _ in now])
+        except Exception as exc:  # noqa: BLE001 - each waiter gets it, none hangs
+            for _, waiter in now:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            return
+        for (_, waiter), outcome in zip(now, outcomes, strict=True):
+            if not waiter.done():
+                waiter.set_result(outcome)
 
     async def compute_here(self, job: SignedTile) -> bool:
         return await self._run(self._checker.compute_here, job)

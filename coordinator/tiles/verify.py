@@ -31,7 +31,7 @@ import math
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
@@ -158,6 +158,8 @@ class RightSummary:
     projected: torch.Tensor  # b ρ, [batch, k, chunks * V]
     largest_row_sq: torch.Tensor  # max_l ||b[l, chunk]||², [batch, chunks] float64
     uneven_row_sq: torch.Tensor | None  # ||b[l, chunk]||², [batch, k, chunks] float64
+    # In a stack of tiles (check_products) where only some are uneven: which, [tiles].
+    uneven_tiles: torch.Tensor | None = None
 
 
 UNEVEN = 4.0  # largest over mean squared row norm of b beyond which terms are summed exactly
@@ -168,7 +170,11 @@ def summarize_left(a3: torch.Tensor) -> LeftSummary:
     return LeftSummary(torch.linalg.vector_norm(a3, dim=-1).to(torch.float64).square_())
 
 
-def summarize_right(b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator) -> RightSummary:
+def summarize_right(
+    b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator, tiles: int = 1
+) -> RightSummary:
+    """``tiles``: how many tiles ``b3`` stacks (each ``batch / tiles`` of its batches),
+    each uneven or not on its own."""
     batch, k, _ = b3.shape
     rho = check_vectors(plan.width, plan.vectors, b3.dtype, generator)
     b4 = b3.reshape(batch, k, plan.chunks, plan.width)
@@ -176,9 +182,12 @@ def summarize_right(b3: torch.Tensor, plan: CheckPlan, generator: torch.Generato
     norms = torch.linalg.vector_norm(b4, dim=-1)  # [batch, k, chunks]
     largest = norms.amax(dim=1)
     # The mean square over l is the norm of the norms over sqrt(k).
-    uneven = bool((largest > math.sqrt(UNEVEN / k) * torch.linalg.vector_norm(norms, dim=1)).any())
-    row_sq = norms.to(torch.float64).square_() if uneven else None
-    return RightSummary(rho, projected, largest.to(torch.float64).square_(), row_sq)
+    spread = largest > math.sqrt(UNEVEN / k) * torch.linalg.vector_norm(norms, dim=1)
+    uneven = spread.view(tiles, -1).any(dim=1)  # [tiles]
+    count = int(uneven.sum())
+    row_sq = norms.to(torch.float64).square_() if count else None
+    mixed = uneven if 0 < count < tiles else None
+    return RightSummary(rho, projected, largest.to(torch.float64).square_(), row_sq, mixed)
 
 
 _Summary = TypeVar("_Summary", LeftSummary, RightSummary)
@@ -295,19 +304,109 @@ def _check(
         left, right = cache.left(blocks[0], a3), cache.right(blocks[1], b3, plan, generator)
     else:
         left, right = summarize_left(a3), summarize_right(b3, plan, generator)
+    variance, excess = _statistics(a3, c3, left, right, plan, a.dtype)
+    if not math.isfinite(float(variance.max())):
+        return None  # a norm left the range of the work dtype
+    return _verdict(float(excess.max()), plan)  # NaN or inf where c, a or b is not finite
+
+
+def _statistics(
+    a3: torch.Tensor,
+    c3: torch.Tensor,
+    left: LeftSummary,
+    right: RightSummary,
+    plan: CheckPlan,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each statistic's honest variance and its squared excess over it (in units of the
+    variance), ``[batch, m, chunks, 1]`` and ``[batch, m, chunks, V]``."""
+    batch, m, _ = c3.shape
     c4 = c3.reshape(batch, m, plan.chunks, plan.width)
     claimed = (c4 @ right.vectors).to(torch.float64)  # [batch, m, chunks, V]
     reference = _reference(a3, right.projected, plan).view(claimed.shape)
-    variance = _honest_variance(a3, c4, left, right, plan, a.dtype)
-    if not math.isfinite(float(variance.max())):
-        return None  # a norm left the range of the work dtype
-    excess = claimed.sub_(reference).square_().div_(variance)
-    worst = float(excess.max())  # NaN or inf where c, a or b is not finite
+    variance = _honest_variance(a3, c4, left, right, plan, dtype)
+    return variance, claimed.sub_(reference).square_().div_(variance)
+
+
+def _verdict(worst: float, plan: CheckPlan) -> CheckResult | None:
+    """The verdict on a tile's largest squared excess; None where it is not finite."""
     if not math.isfinite(worst):
         return None
     limit = threshold(plan.statistics)
     ok = worst <= limit * limit
     return CheckResult(ok, math.sqrt(worst) / limit, plan.statistics, "" if ok else "mismatch")
+
+
+def check_products(
+    tiles: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    generator: torch.Generator,
+    *,
+    cache: CheckCache | None = None,
+    blocks: Sequence[tuple[Hashable, Hashable] | None] | None = None,
+) -> list[CheckResult]:
+    """``check_product`` of many ``(a, b, c)`` tiles, with the same verdicts in a few
+    torch calls for all of them instead of a few dozen for each.
+
+    Tiles of one shape and dtype are stacked along their batch and checked together.
+    Each keeps its own plan (that of its shape alone), statistics, unevenness and
+    threshold, so its verdict is the one a check of it alone would give with the same
+    check vectors; the tiles of a stack share those vectors, which is as sound as fresh
+    ones for each: workers never see them. A tile alone in its shape, one that is
+    malformed or empty, and one whose statistics are not finite are checked on their
+    own (``cache`` and ``blocks`` as for ``check_product``).
+    """
+    verdicts: list[CheckResult | None] = [None] * len(tiles)
+    stacks: dict[tuple[torch.Size, torch.Size, torch.dtype], list[int]] = {}
+    for i, (a, b, c) in enumerate(tiles):
+        if _stackable(a, b, c):
+            stacks.setdefault((a.shape, b.shape, a.dtype), []).append(i)
+    for members in stacks.values():
+        if len(members) > 1:
+            stacked = _check_stack([tiles[i] for i in members], generator)
+            for i, verdict in zip(members, stacked, strict=True):
+                verdicts[i] = verdict
+    return [
+        verdict
+        or check_product(
+            *tiles[i], generator, cache=cache, blocks=blocks[i] if blocks is not None else None
+        )
+        for i, verdict in enumerate(verdicts)
+    ]
+
+
+def _stackable(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """A well-formed tile with work to check (anything else has its answer in
+    ``check_product``)."""
+    return (
+        a.dim() in (2, 3)
+        and a.dim() == b.dim()
+        and c.shape == a.shape[:-1] + b.shape[-1:]
+        and a.dtype == b.dtype == c.dtype
+        and a.dtype in UNIT_ROUNDOFF
+        and c.numel() > 0
+        and a.shape[-1] > 0
+    )
+
+
+def _check_stack(
+    tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], generator: torch.Generator
+) -> list[CheckResult | None]:
+    """Tiles of one shape and dtype, checked together; None for a tile to check alone."""
+    a0, _, c0 = tiles[0]
+    count = len(tiles)
+    joined = torch.stack if a0.dim() == 2 else torch.cat  # along a (new) batch dimension
+    a3, b3, c3 = (joined([tile[i] for tile in tiles]) for i in range(3))
+    work = accumulation_dtype(a0.dtype)
+    if work != a0.dtype:
+        a3, b3, c3 = a3.to(work), b3.to(work), c3.to(work)
+    tile_batch = 1 if a0.dim() == 2 else a0.shape[0]
+    plan = CheckPlan.for_shape(tile_batch, c0.shape[-2], a0.shape[-1], c0.shape[-1])
+    left = summarize_left(a3)
+    right = summarize_right(b3, plan, generator, tiles=count)
+    variance, excess = _statistics(a3, c3, left, right, plan, a0.dtype)
+    finite = variance.view(count, -1).amax(dim=1).isfinite().tolist()
+    worst = excess.view(count, -1).amax(dim=1).tolist()
+    return [_verdict(w, plan) if ok else None for w, ok in zip(worst, finite, strict=True)]
 
 
 def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
@@ -321,6 +420,20 @@ def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> to
     a_blocks = a3.reshape(batch, m, plan.k_blocks, block).transpose(1, 2)
     partials = a_blocks @ projected.reshape(batch, plan.k_blocks, block, -1)
     return partials.to(torch.float64).sum(dim=1)
+
+
+def _terms(a3: torch.Tensor, left: LeftSummary, right: RightSummary) -> torch.Tensor:
+    """``Σ_l (a_il b_lj)²`` over each row chunk, ``[batch, m, chunks]``: the bound from
+    the largest row of ``b``, or the exact sum where ``b`` is uneven (per tile)."""
+    if right.uneven_row_sq is None:
+        return left.row_sq.unsqueeze(-1) * right.largest_row_sq.unsqueeze(1)
+    exact = a3.to(torch.float64).square() @ right.uneven_row_sq
+    if right.uneven_tiles is None:
+        return exact
+    bound = left.row_sq.unsqueeze(-1) * right.largest_row_sq.unsqueeze(1)
+    per_tile = a3.shape[0] // right.uneven_tiles.numel()
+    uneven = right.uneven_tiles.repeat_interleave(per_tile).view(-1, 1, 1)
+    return torch.where(uneven, exact, bound)
 
 
 def _honest_variance(
@@ -347,10 +460,7 @@ def _honest_variance(
     u2 = UNIT_ROUNDOFF[a3.dtype] ** 2 / 3.0
     rho_sq = RHO_SQ
     c_sq = torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()  # [batch, m, chunks]
-    if right.uneven_row_sq is not None:
-        terms = a3.to(torch.float64).square() @ right.uneven_row_sq  # [batch, m, chunks]
-    else:
-        terms = left.row_sq.unsqueeze(-1) * right.largest_row_sq.unsqueeze(1)
+    terms = _terms(a3, left, right)
     rounding = EntryRounding.of(dtype)
     width, block = plan.width, k // plan.k_blocks
     share = block / k  # a block's share of K
