@@ -708,6 +708,7 @@ def _measurements(
     coord_gc, load_gc = full_gc([final["loop"]]), full_gc(load_loop)
     steady_s = t_b - t_a
     a, b, end = steady_a["counters"], steady_b["counters"], final["counters"]
+    verified_per_s = (b["tiles_verified"] - a["tiles_verified"]) / steady_s
     stream = final["stream"]
     errors = Counter(code for s in stats for code in s["errors"])
     return {
@@ -750,7 +751,8 @@ def _measurements(
         "machine_cores": psutil.cpu_count(),
         "steady_s": steady_s,
         "tiles_sent_per_s": (b["tiles_sent"] - a["tiles_sent"]) / steady_s,
-        "tiles_verified_per_s": (b["tiles_verified"] - a["tiles_verified"]) / steady_s,
+        "tiles_verified_per_s": verified_per_s,
+        "cpu_us_per_tile": 1e4 * cpu_percent / verified_per_s if verified_per_s else 0.0,
         "workers_with_tiles": sum(1 for s in stats if s["tiles"]),
         "tiles_computed_by_workers": sum(s["tiles"] for s in stats),
         "tiles_submitted": stream["tiles_submitted"],
@@ -820,6 +822,12 @@ def format_table(m: dict[str, Any]) -> str:
         ),
         ("tiles dispatched / s", f"{m['tiles_sent_per_s']:.0f}"),
         ("tiles verified / s", f"{m['tiles_verified_per_s']:.0f}"),
+        (
+            "coordinator CPU per verified tile",
+            f"{m['cpu_us_per_tile']:.0f} us (one core: {1e6 / m['cpu_us_per_tile']:.0f} tiles/s)"
+            if m["cpu_us_per_tile"]
+            else "-",
+        ),
         ("workers that computed tiles", f"{m['workers_with_tiles']} / {cfg['workers']}"),
         ("tiles submitted / verified", f"{m['tiles_submitted']} / {m['tiles_verified']}"),
         ("tiles re-issued", f"{m['tiles_reissued']}"),

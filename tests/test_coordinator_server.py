@@ -34,7 +34,7 @@ from client_app.options import WorkerOptions
 from client_app.worker import RunResult, WorkerCore
 from common import PROTOCOL_VERSION
 from common.auth import answer_challenge, new_nonce
-from common.frames import encode_frame
+from common.frames import FrameParts, encode_frame
 from common.messages import (
     Ack,
     Challenge,
@@ -52,7 +52,7 @@ from common.signing import fingerprint, generate_private_key, public_key_hex
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.core import CoreConfig
 from coordinator.pool.ledger import Contribution, Ledger
-from coordinator.serve.server import CoordinatorServer, ServerConfig
+from coordinator.serve.server import JOIN_BELOW_BYTES, CoordinatorServer, ServerConfig, outgoing
 from coordinator.tiles.tiled_gemm import TiledGemm
 
 pytestmark = pytest.mark.timeout(60)
@@ -498,3 +498,14 @@ async def test_too_many_simultaneous_handshakes_are_told_to_come_back(tmp_path: 
         await until(lambda: coord.server._handshaking == 0, "the slots to free up")
         late = await Raw.join(coord, "late")
         await late.close()
+
+
+def test_small_task_frames_go_out_joined_and_large_ones_as_their_parts() -> None:
+    # A fragment costs a pass through websockets' send path: a small task is cheaper
+    # copied into one frame; a large one keeps its shared blocks uncopied.
+    head, block = b"head", bytes(range(256)) * 64
+    small = FrameParts([head, block, block])
+    assert outgoing(small) == small.join()
+    large = FrameParts([head, *([memoryview(block)] * (JOIN_BELOW_BYTES // len(block) + 1))])
+    assert outgoing(large) is large
+    assert outgoing(b"control") == b"control"

@@ -27,6 +27,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from common.frames import FrameParts
 from common.signing import fingerprint
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, Close, CloseCode, Effects, Send
@@ -52,6 +53,18 @@ log = logging.getLogger("cleave.coordinator")
 # then it is cut (a peer that stopped reading would otherwise hold its writer forever).
 # Longer than websockets' own close timeout, which governs a peer that is merely slow.
 CLOSE_GRACE_S = 30.0
+# A task frame below this size is joined and sent as one WebSocket frame: each fragment
+# costs a pass through websockets' send path (tens of microseconds of Python), more than
+# copying this many bytes; larger ones go out as fragments, their blocks uncopied.
+JOIN_BELOW_BYTES = 128 << 10
+
+
+def outgoing(data: bytes | FrameParts) -> bytes | FrameParts:
+    """What to hand websockets for one frame: a small task joined (one WebSocket frame,
+    see ``JOIN_BELOW_BYTES``), a large one as its parts (fragments of one message)."""
+    if isinstance(data, FrameParts) and len(data) < JOIN_BELOW_BYTES:
+        return data.join()
+    return data
 
 
 @dataclass(frozen=True)
@@ -240,7 +253,7 @@ class CoordinatorServer:
                     return
                 if conn.closing is not None and item.tile_id:
                     continue  # its tiles have moved on: send only its last words
-                await conn.ws.send(item.data)
+                await conn.ws.send(outgoing(item.data))
 
     async def _cut_after_grace(self, conn: _Connection) -> None:
         await asyncio.sleep(CLOSE_GRACE_S)
