@@ -5,8 +5,8 @@ Worker path per tile, exactly as ``cleave-worker`` runs it: ``WorkerSession.rece
 (the matmul under the thread cap), ``WorkerSession.tile_finished`` (result encode).
 
 - sequential: one thread does everything, one tile after another.
-- pipelined: as the real worker does, the next tile is received and verified on the
-  I/O thread while the compute thread multiplies the current one.
+- pipelined: as the real worker does, the next tile is received and verified, and the
+  last one's result encoded, on the I/O thread while the compute thread multiplies.
 
 The ratio is tiles/s of the worker path over tiles/s of bare ``torch.matmul(a, b)``
 with the same thread count. Run: ``python bench/bench_tile.py [--quick]``.
@@ -109,12 +109,25 @@ def bench_shape(
         # stands in for that, and the GEMM itself runs outside it, as in the worker.
         session_lock = threading.Lock()
         verified: queue.Queue = queue.Queue(maxsize=2)
+        finished: queue.Queue = queue.Queue(maxsize=1)
 
         def io_thread() -> None:
-            for i in range(c):
+            # The worker's event loop: it receives and verifies the next tiles and
+            # encodes each finished tile's result, while the compute thread multiplies.
+            received = encoded = 0
+            while encoded < c:
+                can_receive = received < c and not verified.full()
+                try:
+                    result, out = finished.get(block=not can_receive)
+                except queue.Empty:
+                    with session_lock:
+                        actions = session.receive(frames[received % len(frames)], 0.0)
+                    verified.put(actions)
+                    received += 1
+                    continue
                 with session_lock:
-                    actions = session.receive(frames[i % len(frames)], 0.0)
-                verified.put(actions)
+                    session.result_frame(result, out)
+                encoded += 1
 
         feeder = threading.Thread(target=io_thread)
         feeder.start()
@@ -127,7 +140,8 @@ def bench_shape(
                 continue
             out = computer.compute(job.op, job.a, job.b)
             with session_lock:
-                session.tile_finished(job, out, 0.0)
+                result = session.tile_done(job, 0.0)
+            finished.put((result, out))
             done += 1
         feeder.join()
 

@@ -390,12 +390,20 @@ class WorkerSession:
 
     def tile_finished(self, job: TileJob, c: torch.Tensor, compute_s: float) -> bytes | None:
         """The Result to send for ``job``; None if it was cancelled or its connection is gone."""
+        result = self.tile_done(job, compute_s)
+        return None if result is None else self.result_frame(result, c)
+
+    def tile_done(self, job: TileJob, compute_s: float) -> Result | None:
+        """``tile_finished`` in two parts: this one books ``job`` as computed (the next
+        tile may start at once) and says what to send, ``result_frame`` encodes it."""
         if not self._finish(job):
             return None
         self.stats.tiles_done += 1
         self.stats.compute_s += compute_s
         self.stats.flop_done += job.flop
-        result = Result(tile_id=job.tile_id, compute_s=round(compute_s, 6))
+        return Result(tile_id=job.tile_id, compute_s=round(compute_s, 6))
+
+    def result_frame(self, result: Result, c: torch.Tensor) -> bytes:
         return self._out(encode_message(result, [("c", c)]))
 
     def tile_failed(self, job: TileJob, exc: BaseException) -> bytes | None:

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+import torch
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
@@ -42,8 +43,11 @@ from client_app.session import Actions, PinCheck, TileJob, WorkerSession
 from client_app.status import StatusObserver, WorkerStatus
 from client_app.status_board import Activity, StatusBoard
 from client_app.summary import TileSummary
-from common.messages import DeviceProfile
+from common.messages import DeviceProfile, Result
 from common.signing import generate_private_key
+
+# A finished tile's result and product (encoded by the send loop), or a frame ready to go.
+Outgoing = tuple[Result, torch.Tensor] | bytes
 
 log = logging.getLogger(__name__)
 
@@ -354,10 +358,13 @@ class WorkerCore:
         session.connect(self._clock())  # the coordinator speaks first: its challenge
         self._publish(line=f"Joining {self.url}")
         work = asyncio.Event()
+        # One finished tile may wait here while the next one computes.
+        outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=1)
         tasks = {
             asyncio.ensure_future(self._receive_loop(ws, session, work)),
             asyncio.ensure_future(self._heartbeat_loop(ws, session)),
-            asyncio.ensure_future(self._compute_loop(ws, session, work)),
+            asyncio.ensure_future(self._compute_loop(session, work, outbox)),
+            asyncio.ensure_future(self._send_loop(ws, session, outbox)),
             asyncio.ensure_future(self._stop_event.wait()),
         }
         try:
@@ -433,7 +440,7 @@ class WorkerCore:
             await asyncio.sleep(max(0.0, session.next_heartbeat_at - self._clock()))
 
     async def _compute_loop(
-        self, ws: ClientConnection, session: WorkerSession, work: asyncio.Event
+        self, session: WorkerSession, work: asyncio.Event, outbox: asyncio.Queue[Outgoing]
     ) -> None:
         while True:
             job = session.next_tile()
@@ -447,19 +454,30 @@ class WorkerCore:
                 continue
             self._publish()
             start = self._clock()
-            frame, cost = await self._compute_tile(session, job)
+            outgoing, cost = await self._compute_tile(session, job)
             end = self._clock()
-            if frame is not None:
-                await self._pacer.before_sending(len(frame))
-                await send_frames(ws, frame)
-            self._summary.after_tile(session.stats, self._clock())
+            if outgoing is not None:
+                await outbox.put(outgoing)  # the next tile starts while this one goes
             self._publish()
             await self._pacer.rest_after_tile(start, end, cost)
 
+    async def _send_loop(
+        self, ws: ClientConnection, session: WorkerSession, outbox: asyncio.Queue[Outgoing]
+    ) -> None:
+        """Encode and send each finished tile's frame, while the compute thread is
+        already multiplying the next tile."""
+        while True:
+            outgoing = await outbox.get()
+            frame = outgoing if isinstance(outgoing, bytes) else session.result_frame(*outgoing)
+            await self._pacer.before_sending(len(frame))
+            await send_frames(ws, frame)
+            self._summary.after_tile(session.stats, self._clock())
+            self._publish()
+
     async def _compute_tile(
         self, session: WorkerSession, job: TileJob
-    ) -> tuple[bytes | None, float]:
-        """The frame to send for ``job`` (None if not wanted any more) and its cost."""
+    ) -> tuple[Outgoing | None, float]:
+        """What to send for ``job`` (None if not wanted any more) and its cost."""
         loop = asyncio.get_running_loop()
         assert self._executor is not None
         try:
@@ -469,18 +487,19 @@ class WorkerCore:
         except (RuntimeError, ValueError, MemoryError) as exc:
             # A tile that failed is not charged: its cost is unknown.
             return session.tile_failed(job, exc), 0.0
-        frame = session.tile_finished(job, charged.c, charged.seconds)
-        if frame is not None:
-            log.debug(
-                "tile %s: %s %s @ %s %s in %.1f ms",
-                job.tile_id,
-                job.op,
-                list(job.a.shape),
-                list(job.b.shape),
-                job.a.dtype,
-                charged.seconds * 1e3,
-            )
-        return frame, charged.cost
+        result = session.tile_done(job, charged.seconds)
+        if result is None:
+            return None, charged.cost
+        log.debug(
+            "tile %s: %s %s @ %s %s in %.1f ms",
+            job.tile_id,
+            job.op,
+            list(job.a.shape),
+            list(job.b.shape),
+            job.a.dtype,
+            charged.seconds * 1e3,
+        )
+        return (result, charged.c), charged.cost
 
     # ---- status ---------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from client_app import worker as worker_module
 from client_app.config import PinStore, WorkerSettings
 from client_app.options import WorkerOptions
 from client_app.status import WorkerStatus
@@ -310,6 +311,38 @@ async def test_cancelled_tile_is_not_answered(tmp_path: Path) -> None:
         assert await stop(core, run) is RunResult.STOPPED
         await link.expect(Bye)
         assert link.inbox.empty()
+
+
+async def test_the_next_tile_computes_while_a_result_is_still_being_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sending (and encoding) a result must not keep the compute thread idle.
+    release = asyncio.Event()
+    real_send = worker_module.send_frames
+
+    async def held_results(ws: Any, *frames: bytes) -> None:
+        if any(isinstance(parse_message(f).message, Result) for f in frames):
+            await release.wait()
+        await real_send(ws, *frames)
+
+    monkeypatch.setattr(worker_module, "send_frames", held_results)
+    async with FakeCoordinator() as coord:
+        core = make_core(coord.url, tmp_path)
+        run = asyncio.create_task(core.run())
+        link = await coord.next_link()
+        tiles = {f"t{i}": operands(10 + i) for i in range(2)}
+        for tile_id, (a, b) in tiles.items():
+            await link.send(coord.task(tile_id, a, b))
+        for _ in range(500):  # bounded: 5 s
+            if core.session is not None and core.session.stats.tiles_done == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert core.session is not None and core.session.stats.tiles_done == 2
+        assert coord.results == 0  # the first result is still held, the second computed
+        release.set()
+        for tile_id, (a, b) in tiles.items():
+            check_result(await link.expect(Result), tile_id, a, b)
+        assert await stop(core, run) is RunResult.STOPPED
 
 
 async def test_oversized_frames_either_way_end_the_connection_not_the_worker(
