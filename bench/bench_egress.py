@@ -44,6 +44,7 @@ from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 from common.signing import generate_private_key  # noqa: E402
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm  # noqa: E402
 from coordinator.pool.ledger import Ledger  # noqa: E402
+from coordinator.serve.gc_policy import settle_after_start  # noqa: E402
 from coordinator.serve.local_workers import LocalWorkers  # noqa: E402
 from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
 from coordinator.tiles.tiled_gemm import TiledGemm  # noqa: E402
@@ -137,6 +138,7 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
     ledger = Ledger(state / "ledger.sqlite")
     server = CoordinatorServer(key=key, job_name="egress", ledger=ledger, config=ServerConfig())
     port = await server.start("127.0.0.1", 0)
+    settle_after_start()  # as the coordinator's process does once it listens
     workers = LocalWorkers(WORKERS, f"ws://127.0.0.1:{port}/ws", state, threads=1)
     workers.start()
     loop = asyncio.get_running_loop()
