@@ -143,6 +143,13 @@ def decode_tensors(
     return out
 
 
+# Received frames are immutable bytes; the tensors decoded from them are read-only by
+# contract, and copying every operand would cost a noticeable share of a tile's time.
+# Said once for the process: warnings.catch_warnings around each decode cost more than
+# the decode, and it swaps the process-wide filters under other threads decoding too.
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+
+
 def _view(
     payload: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
 ) -> torch.Tensor:
@@ -153,11 +160,7 @@ def _view(
         # Misaligned for the dtype: copy rather than reinterpret unaligned memory.
         chunk = bytearray(payload[offset : offset + nbytes])
         return torch.frombuffer(chunk, dtype=dtype).reshape(shape)
-    with warnings.catch_warnings():
-        # Received frames are immutable bytes; the tensors are read-only by contract,
-        # and copying every operand would cost a noticeable share of a tile's time.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // itemsize, offset=offset)
+    flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // itemsize, offset=offset)
     return flat.reshape(shape)
 
 
