@@ -2,7 +2,8 @@
 
 Worker path per tile, exactly as ``cleave-worker`` runs it: ``WorkerSession.receive``
 (frame decode, BLAKE3 + Ed25519 signature check, operand decode), ``TileComputer.compute``
-(the matmul under the thread cap), ``WorkerSession.tile_finished`` (result encode).
+(the matmul under the thread cap), ``WorkerSession.tile_done`` and ``result_frame``
+(result encode).
 
 - sequential: one thread does everything, one tile after another.
 - pipelined: as the real worker does, the next tile is received and verified, and the
