@@ -88,9 +88,15 @@ def test_a_resumed_trainer_continues_like_an_uninterrupted_run(tmp_path: Path) -
     path = tmp_path / "checkpoint.pt"
     first = Trainer(_mlp_job(), None, checkpoint_path=path, checkpoint_every=2)
     assert not first.resume()
-    first.train_step()
-    first.train_step()  # checkpoint at step 2
-    first.train_step()  # lost: no checkpoint at step 3
+    steps = [first.train_step() for _ in range(3)]  # checkpoint at step 2; step 3's lost
+    # The checkpoint's time and CPU are reported with the step that wrote it, not in
+    # the step's own seconds.
+    assert [r.checkpoint_s > 0 for r in steps] == [False, True, False]
+    assert [r.cpu is not None and r.cpu.get("checkpoint", 0.0) > 0 for r in steps] == [
+        False,
+        True,
+        False,
+    ]
     torch.manual_seed(123)  # a new process starts with some other RNG state
     second = Trainer(_mlp_job(), None, checkpoint_path=path, checkpoint_every=2)
     assert second.resume()

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,12 @@ class StepRecord:
     captured: bool = True  # False: the step ran eagerly (it cannot be one graph)
     # GEMM seconds the workers reported for this step's verified tiles.
     worker_compute_s: float = 0.0
-    # The coordinator's CPU seconds in this step, by stage and by thread (cpu_costs).
+    # The coordinator's CPU seconds in this step, by stage and by thread (cpu_costs),
+    # its checkpoint included.
     cpu: dict[str, float] | None = None
+    # Seconds spent writing the checkpoint after the step (0 when none was due): not in
+    # ``seconds``, which is the training alone.
+    checkpoint_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -214,14 +218,20 @@ class Trainer:
             workers_flop_share=self.flops["workers_share"],
             captured=traced is not None,
             worker_compute_s=round(after.compute_s - before.compute_s, 4),
-            cpu=since(COSTS.snapshot(), cpu_before),
         )
         self.step += 1
         self._step_start = None
         self.losses.append(record.loss)
+        checkpoint_s = 0.0
+        if self.step % self.checkpoint_every == 0:
+            written = time.perf_counter()
+            with COSTS.timed("checkpoint"):
+                self.save_checkpoint()
+            checkpoint_s = time.perf_counter() - written
+        record = replace(
+            record, cpu=since(COSTS.snapshot(), cpu_before), checkpoint_s=round(checkpoint_s, 4)
+        )
         if self.metrics_out is not None:
             with self.metrics_out.open("a") as fh:
                 fh.write(json.dumps(asdict(record)) + "\n")
-        if self.step % self.checkpoint_every == 0:
-            self.save_checkpoint()
         return record
