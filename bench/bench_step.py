@@ -254,7 +254,7 @@ def main() -> None:
                 spec, args.steps, args.workers, "--planner", planner, env=sizes
             )
             ours = statistics.median(served.seconds[skip:])
-            ckpt = statistics.median(r.get("checkpoint_s", 0.0) for r in served.records[skip:])
+            ckpt = statistics.median(r["checkpoint_s"] for r in served.records[skip:])
             print(
                 f"{label:>28} {gflop:>11.1f} {planner:>8} {eager:>8.3f} {ours:>9.3f} "
                 f"{ours / eager:>6.2f} {served.peak_rss / eager_rss:>7.2f} "
@@ -310,7 +310,7 @@ def step_breakdown(served: Served, skip: int) -> dict[str, float]:
         got = {
             "wall": rec["seconds"],
             # The checkpoint after the step is in the CPU sampled at its end.
-            "cores x wall": (rec["seconds"] + rec.get("checkpoint_s", 0.0)) * CORES,
+            "cores x wall": (rec["seconds"] + rec["checkpoint_s"]) * CORES,
             "worker GEMMs": rec["worker_compute_s"],
             "worker rest": worker_cpu - rec["worker_compute_s"],
             "cut": cpu["cut"],

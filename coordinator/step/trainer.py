@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,10 +206,21 @@ class Trainer:
         self.flops = stats.flops.summary()
         if first_flops:
             log.info("FLOPs: %s", describe(self.flops))
+        seconds = time.perf_counter() - started
+        step, loss_value = self.step, float(loss)
+        self.step += 1
+        self._step_start = None
+        self.losses.append(loss_value)
+        checkpoint_s = 0.0
+        if self.step % self.checkpoint_every == 0:
+            written = time.perf_counter()
+            with COSTS.timed("checkpoint"):
+                self.save_checkpoint()
+            checkpoint_s = time.perf_counter() - written
         record = StepRecord(
-            step=self.step,
-            loss=float(loss),
-            seconds=round(time.perf_counter() - started, 4),
+            step=step,
+            loss=loss_value,
+            seconds=round(seconds, 4),
             tiles=after.tiles_verified - before.tiles_verified,
             reissued=after.reissued - before.reissued,
             workers=after.workers,
@@ -218,18 +229,8 @@ class Trainer:
             workers_flop_share=self.flops["workers_share"],
             captured=traced is not None,
             worker_compute_s=round(after.compute_s - before.compute_s, 4),
-        )
-        self.step += 1
-        self._step_start = None
-        self.losses.append(record.loss)
-        checkpoint_s = 0.0
-        if self.step % self.checkpoint_every == 0:
-            written = time.perf_counter()
-            with COSTS.timed("checkpoint"):
-                self.save_checkpoint()
-            checkpoint_s = time.perf_counter() - written
-        record = replace(
-            record, cpu=since(COSTS.snapshot(), cpu_before), checkpoint_s=round(checkpoint_s, 4)
+            cpu=since(COSTS.snapshot(), cpu_before),
+            checkpoint_s=round(checkpoint_s, 4),
         )
         if self.metrics_out is not None:
             with self.metrics_out.open("a") as fh:

@@ -259,16 +259,9 @@ def check_product(
     With a ``cache`` and the operands' content ids (``blocks``), what depends only on
     ``a`` or only on ``b`` is taken from (or left in) the cache.
     """
-    if c.shape != a.shape[:-1] + b.shape[-1:] or a.dim() not in (2, 3) or a.dim() != b.dim():
-        return CheckResult(False, math.inf, reason="shape")
-    if c.dtype != a.dtype or b.dtype != a.dtype or a.dtype not in UNIT_ROUNDOFF:
-        return CheckResult(False, math.inf, reason="dtype")
-    if c.numel() == 0:
-        return CheckResult(True, 0.0)
-    k = a.shape[-1]
-    if k == 0:
-        ok = bool((c == 0).all())  # an empty sum is exactly zero
-        return CheckResult(ok, 0.0 if ok else math.inf, reason="" if ok else "mismatch")
+    verdict = _without_arithmetic(a, b, c)
+    if verdict is not None:
+        return verdict
     work = accumulation_dtype(a.dtype)
     verdict = _check(a, b, c, work, generator, cache, blocks)
     if verdict is not None:
@@ -282,6 +275,20 @@ def check_product(
     if work != torch.float64:
         verdict = _check(a, b, c, torch.float64, generator, None, None)
     return verdict or CheckResult(False, math.inf, reason="non-finite")
+
+
+def _without_arithmetic(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> CheckResult | None:
+    """The verdict on a tile that is malformed or has no sum to check; None for the rest."""
+    if c.shape != a.shape[:-1] + b.shape[-1:] or a.dim() not in (2, 3) or a.dim() != b.dim():
+        return CheckResult(False, math.inf, reason="shape")
+    if c.dtype != a.dtype or b.dtype != a.dtype or a.dtype not in UNIT_ROUNDOFF:
+        return CheckResult(False, math.inf, reason="dtype")
+    if c.numel() == 0:
+        return CheckResult(True, 0.0)
+    if a.shape[-1] == 0:
+        ok = bool((c == 0).all())  # an empty sum is exactly zero
+        return CheckResult(ok, 0.0 if ok else math.inf, reason="" if ok else "mismatch")
+    return None
 
 
 def _check(
@@ -358,7 +365,7 @@ def check_products(
     verdicts: list[CheckResult | None] = [None] * len(tiles)
     stacks: dict[tuple[torch.Size, torch.Size, torch.dtype], list[int]] = {}
     for i, (a, b, c) in enumerate(tiles):
-        if _stackable(a, b, c):
+        if _without_arithmetic(a, b, c) is None:
             stacks.setdefault((a.shape, b.shape, a.dtype), []).append(i)
     for members in stacks.values():
         if len(members) > 1:
@@ -372,20 +379,6 @@ def check_products(
         )
         for i, verdict in enumerate(verdicts)
     ]
-
-
-def _stackable(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
-    """A well-formed tile with work to check (anything else has its answer in
-    ``check_product``)."""
-    return (
-        a.dim() in (2, 3)
-        and a.dim() == b.dim()
-        and c.shape == a.shape[:-1] + b.shape[-1:]
-        and a.dtype == b.dtype == c.dtype
-        and a.dtype in UNIT_ROUNDOFF
-        and c.numel() > 0
-        and a.shape[-1] > 0
-    )
 
 
 def _check_stack(
