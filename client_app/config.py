@@ -158,6 +158,10 @@ class WorkerSettings:
     memory_mb: int = 0  # tile memory cap; 0: min(1 GiB, 25% of RAM)
     window: int = 2  # tiles in flight: one computing while the next one arrives
     cpu_percent: int = 100  # duty cycle: share of time spent computing (1..100)
+    # While the owner uses the computer (client_app.policy's idle detector says "in
+    # use"), these replace cpu_percent and threads; 0% pauses, as idle_only does.
+    in_use_cpu_percent: int = 100  # 0..100
+    in_use_threads: int = 0  # 0: the same as threads
     # When to compute (client_app.policy). Defaults keep a plain worker computing as
     # before, except on battery: draining a laptop unasked is the one surprise no
     # volunteer wants, and a machine without a battery never sees it.
@@ -167,6 +171,10 @@ class WorkerSettings:
     pause_on_battery: bool = True
     schedule: str = ""  # daily windows, "22:00-07:00,12:00-13:00"; empty: any time
     snooze_until: str = ""  # ISO local time; empty: not snoozed
+    # Pause above these temperatures, resume temp_hysteresis_c below them; 0: no limit.
+    max_cpu_temp_c: float = 0.0
+    max_gpu_temp_c: float = 0.0
+    temp_hysteresis_c: float = 5.0
     bandwidth_kbps: int = 0  # per direction, KiB/s (client_app.bandwidth); 0: unlimited
     # Share the GPU only while no other program is using it (client_app.gpu_busy).
     gpu_only_when_free: bool = True
@@ -181,6 +189,16 @@ class WorkerSettings:
             raise ValueError(f"memory_mb must be >= 0, not {self.memory_mb}")
         if self.bandwidth_kbps < 0:
             raise ValueError(f"bandwidth_kbps must be >= 0, not {self.bandwidth_kbps}")
+        if not 1 <= self.cpu_percent <= 100:
+            raise ValueError(f"cpu_percent must be in [1, 100], not {self.cpu_percent}")
+        if not 0 <= self.in_use_cpu_percent <= 100:
+            raise ValueError(
+                f"in_use_cpu_percent must be in [0, 100], not {self.in_use_cpu_percent}"
+            )
+        if self.in_use_threads < 0:
+            raise ValueError(
+                f"in_use_threads must be >= 1 (or 0 for threads), not {self.in_use_threads}"
+            )
         if not 1 <= self.window <= MAX_WINDOW:
             raise ValueError(f"window must be in [1, {MAX_WINDOW}], not {self.window}")
         if len(self.name) > MAX_NAME_CHARS:
@@ -194,12 +212,24 @@ class WorkerSettings:
             )
         if not 0.0 < self.idle_minutes <= 24 * 60:
             raise ValueError(f"idle_minutes must be in (0, 1440], not {self.idle_minutes}")
+        for name in ("max_cpu_temp_c", "max_gpu_temp_c"):
+            value = getattr(self, name)
+            if not (value == 0.0 or 20.0 <= value <= 120.0):
+                raise ValueError(f"{name} must be 0 (no limit) or in [20, 120] °C, not {value}")
+        if not 1.0 <= self.temp_hysteresis_c <= 30.0:
+            raise ValueError(
+                f"temp_hysteresis_c must be in [1, 30] °C, not {self.temp_hysteresis_c}"
+            )
         Schedule.parse(self.schedule)  # ValueError says what is wrong
         Snooze.from_iso(self.snooze_until)
 
     @property
     def effective_threads(self) -> int:
         return self.threads or default_threads()
+
+    @property
+    def effective_in_use_threads(self) -> int:
+        return self.in_use_threads or self.effective_threads
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -38,6 +38,19 @@ class WorkerStatus:
     credit_gflop: float = 0.0
     threads: int = 0
     device: str = ""  # "cpu" or "cuda"
+    cpu_percent: int = 100  # the CPU-time limit in force
+    limits_mode: str = ""  # "in use", "idle", or "" before the policy has decided
+    # What the volunteer helps, as the coordinator describes it (plain text, checked
+    # lengths: common.messages.JobAbout) and how far its training has come.
+    job_name: str = ""
+    job_description: str = ""
+    job_operator: str = ""
+    job_link: str = ""
+    job_parameters: int = 0
+    job_step: int = 0  # steps completed
+    job_steps: int = 0  # steps the run is to train; 0: not known
+    # The coordinator's word on why it sends no tiles ("" when it has nothing to say).
+    note: str = ""
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

@@ -29,6 +29,7 @@ class Activity:
     device: str  # "cpu" or "cuda"
     resting: bool  # between tiles, under the CPU-time limit
     cpu_percent: int
+    limits_mode: str = ""  # "in use" / "idle": whose limits are in force
 
 
 def build_status(
@@ -65,6 +66,8 @@ def build_status(
         detail=detail,
         threads=activity.threads,
         device=activity.device,
+        cpu_percent=activity.cpu_percent,
+        limits_mode=activity.limits_mode,
         **extra,
     )
 

@@ -115,6 +115,7 @@ class WorkerCore:
         self._started = False
         self._stop_requested = False
         self._pause_reason: str | None = None
+        self._limits_mode = ""
         self._stop_event: asyncio.Event | None = None
         self._ws: ClientConnection | None = None
         self._welcomed: asyncio.Event | None = None
@@ -176,6 +177,12 @@ class WorkerCore:
         """
         self._pacer.request_bandwidth_kbps(kbps)  # ValueError here, in the caller's thread
         self._call_in_loop(self._pacer.bandwidth_changed)
+
+    def set_limits_mode(self, mode: str) -> None:
+        """Name the limits in force ("in use", "idle"; "" unknown) for the status.
+        Safe from any thread: the policy runner calls it with each change of limits."""
+        self._limits_mode = mode
+        self._call_in_loop(self._publish)
 
     def _on_cpu_percent(self) -> None:
         self._pacer.cpu_percent_changed()
@@ -510,5 +517,6 @@ class WorkerCore:
             device=self.computer.device.type,
             resting=self._pacer.resting,
             cpu_percent=self._pacer.cpu_percent,
+            limits_mode=self._limits_mode,
         )
         self._board.publish(self.session, activity, line)

@@ -1,0 +1,125 @@
+"""Temperatures of the CPU and the NVIDIA GPU, for the owner's thermal limit.
+
+Like ``client_app.readings``, every source that is missing or fails reads as None,
+never an exception. ``cpu_celsius`` is the pure rule that picks the CPU's figure out of
+psutil's sensor table; the sources are the thin I/O around it, with psutil and NVML
+injectable so that tests need neither sensors nor a GPU.
+
+Where no source exists the owner's limit cannot apply: ``cpu_sensor_missing`` and
+``gpu_sensor_missing`` say why in words the settings show next to the greyed-out field.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+# psutil's chip names for the CPU package, best first: Intel, AMD (two drivers), ARM
+# boards, then the ACPI thermal zone, which on many laptops is the CPU's neighbourhood.
+CPU_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "acpitz")
+
+Source = Callable[[], float | None]
+
+
+def cpu_celsius(table: Mapping[str, Sequence[Any]]) -> float | None:
+    """The hottest reading of the first CPU chip in ``table`` (psutil's
+    ``sensors_temperatures()``: chip name -> entries with ``.current`` in °C).
+
+    The hottest, not the package average: a thermal limit is about the part that is at
+    risk, and one core at its limit is the throttling the owner wants to avoid.
+    """
+    for chip in CPU_CHIPS:
+        readings = [
+            float(entry.current)
+            for entry in table.get(chip, ())
+            if isinstance(getattr(entry, "current", None), (int, float))
+            and 0.0 < float(entry.current) < 150.0  # 0 or absurd: a sensor not wired up
+        ]
+        if readings:
+            return max(readings)
+    return None
+
+
+def _psutil_table(sensors: Callable[[], Any]) -> Mapping[str, Sequence[Any]]:
+    try:
+        table = sensors()
+    except Exception as exc:  # psutil raises on some platforms and in odd sandboxes
+        log.debug("no temperature sensors: %s", exc)
+        return {}
+    return table if isinstance(table, Mapping) else {}
+
+
+def cpu_temperature_source(
+    sensors: Callable[[], Any] | None = None, platform: str | None = None
+) -> Source | None:
+    """A callable giving the CPU's temperature in °C, or None where none can be read.
+
+    psutil reads temperatures on Linux and FreeBSD only; elsewhere there is no source.
+    """
+    plat = sys.platform if platform is None else platform
+    read = sensors if sensors is not None else getattr(psutil, "sensors_temperatures", None)
+    if read is None or plat.startswith(("win", "darwin")):
+        return None
+    if cpu_celsius(_psutil_table(read)) is None:
+        return None
+    return lambda: cpu_celsius(_psutil_table(read))
+
+
+def cpu_sensor_missing(source: Source | None, platform: str | None = None) -> str:
+    """Why the CPU limit cannot apply here ("" when a sensor exists)."""
+    if source is not None:
+        return ""
+    plat = sys.platform if platform is None else platform
+    if plat.startswith(("win", "darwin")):
+        return "this system does not let programs read the CPU temperature"
+    return "no CPU temperature sensor found (on Linux: load the lm-sensors modules)"
+
+
+def _load_nvml() -> Any | None:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError:
+        return None
+
+
+def gpu_celsius(nvml: Any, device_index: int = 0) -> float | None:
+    """NVML's core temperature of GPU ``device_index``; None on any NVML error."""
+    try:
+        nvml.nvmlInit()
+    except Exception:  # NVMLError: no driver, no NVIDIA GPU; the library has no base class
+        return None
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+        return float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+    except Exception:
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # shutting down a half-initialized library must not mask the answer
+            pass
+
+
+def gpu_temperature_source(nvml: Any | None = None, device_index: int = 0) -> Source | None:
+    """A callable giving the GPU's temperature in °C, or None without NVML (the
+    optional ``nvidia-ml-py`` package) or without a GPU it can read."""
+    lib = nvml if nvml is not None else _load_nvml()
+    if lib is None or gpu_celsius(lib, device_index) is None:
+        return None
+    return lambda: gpu_celsius(lib, device_index)
+
+
+def gpu_sensor_missing(source: Source | None, gpu_present: bool) -> str:
+    """Why the GPU limit cannot apply here ("" when a sensor exists)."""
+    if source is not None:
+        return ""
+    if not gpu_present:
+        return "no graphics card is used for tiles"
+    return "reading the GPU temperature needs NVIDIA's library: pip install nvidia-ml-py"
