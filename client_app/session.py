@@ -24,6 +24,7 @@ from common.auth import answer_challenge, check_welcome, new_nonce
 from common.block_cache import BlockCache
 from common.errors import ErrorCode, KeyMismatchError, LimitExceeded, ProtocolError
 from common.frames import Buffer, decode_frame
+from common.job_about import JobAbout
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
     BLOCK_FIELD,
@@ -35,6 +36,7 @@ from common.messages import (
     Error,
     Heartbeat,
     Hello,
+    JobState,
     Pause,
     Received,
     Result,
@@ -43,6 +45,7 @@ from common.messages import (
     Welcome,
     encode_message,
     parse_message,
+    verify_job_state,
     verify_task_blocks,
 )
 from common.signing import fingerprint, public_key_from_hex, public_key_hex
@@ -114,6 +117,8 @@ class WorkerSession:
         self.worker_id = ""
         self.coordinator_key = ""
         self.fingerprint = ""
+        self.about: JobAbout | None = None  # the job, as the coordinator's Welcome says
+        self.job_state: JobState | None = None  # its latest signed progress and note
         self.heartbeat_interval_s = 0.0
         self.coordinator_max_frame_bytes = limits.max_frame_bytes
         self._key: Ed25519PublicKey | None = None
@@ -180,6 +185,8 @@ class WorkerSession:
             return self._on_welcome(received, msg, now)
         if isinstance(msg, Cancel):
             return self._on_cancel(msg)
+        if isinstance(msg, JobState):
+            return self._on_job_state(received, data)
         if isinstance(msg, Ack):
             self.stats.credit_tiles = msg.credit_tiles
             self.stats.credit_gflop = msg.credit_gflop
@@ -254,6 +261,8 @@ class WorkerSession:
         self.coordinator_key = msg.coordinator_key
         self.fingerprint = fingerprint(msg.coordinator_key)
         self.worker_id = msg.worker_id
+        self.about = msg.about
+        self.job_state = None  # this coordinator's word comes after its welcome
         self.heartbeat_interval_s = msg.heartbeat_interval_s
         self.coordinator_max_frame_bytes = msg.max_frame_bytes
         self.phase = Phase.READY
@@ -263,6 +272,17 @@ class WorkerSession:
             # Paused while disconnected: say so before the coordinator assigns tiles.
             send = (self._out(encode_message(Pause(reason=self.paused_reason))),)
         return Actions(send=send, welcome=msg, first_pin=first_pin)
+
+    def _on_job_state(self, received: Received, data: Buffer | str) -> Actions:
+        if self.phase != Phase.READY or self._key is None:
+            early = ProtocolError("job state before welcome", code=ErrorCode.UNEXPECTED_MESSAGE)
+            return Actions(send=(self._error(early),))
+        try:
+            # Shown to the volunteer as the coordinator's word: only if it signed it.
+            self.job_state = verify_job_state(received, self._key)
+        except ProtocolError as exc:
+            return self._bad_message(data, exc)
+        return NO_ACTIONS
 
     def _on_task(self, received: Received, msg: Task, now: float) -> Actions:
         tile_id = msg.tile_id

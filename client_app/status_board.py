@@ -58,6 +58,7 @@ def build_status(
             "bytes_out": stats.bytes_out,
             "credit_tiles": stats.credit_tiles,
             "credit_gflop": stats.credit_gflop,
+            **_job(session),
         }
     return WorkerStatus(
         state=state,
@@ -70,6 +71,25 @@ def build_status(
         limits_mode=activity.limits_mode,
         **extra,
     )
+
+
+def _job(session: WorkerSession) -> dict[str, Any]:
+    """What the coordinator said about its job: the Welcome's description, the latest
+    signed JobState's step and note."""
+    out: dict[str, Any] = {}
+    about = session.about
+    if about is not None:
+        out = {
+            "job_name": about.name,
+            "job_description": about.description,
+            "job_operator": about.operator,
+            "job_link": about.link,
+            "job_parameters": about.parameters,
+        }
+    state = session.job_state
+    if state is not None:
+        out.update(job_step=state.step, job_steps=state.steps, note=state.note)
+    return out
 
 
 def _state_and_line(
@@ -92,6 +112,9 @@ def _state_and_line(
         if activity.resting:
             # Still "computing": the worker is at work, pacing itself between tiles.
             return "computing", f"Resting (CPU limit {activity.cpu_percent}%)"
+        note = session.job_state.note if session.job_state is not None else ""
+        if note:
+            return "waiting", f"Waiting for tiles: {note}"
         return "waiting", f"Waiting for tiles ({session.stats.tiles_done} done)"
     return link, line or f"Connecting to {url}"
 

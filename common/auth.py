@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.errors import AuthError, ErrorCode
 from common.frames import canonical_json
+from common.job_about import JobAbout
 from common.messages import Challenge, DeviceProfile, Hello, Welcome, wire_header
 from common.signing import SIGNATURE_FIELD, SIGNATURE_HEX_LEN, public_key_from_hex, public_key_hex
 
@@ -195,6 +196,7 @@ def make_welcome(
     heartbeat_interval_s: float,
     max_frame_bytes: int,
     job: str,
+    about: JobAbout | None = None,
 ) -> Welcome:
     welcome = Welcome(
         worker_id=worker_id,
@@ -202,6 +204,7 @@ def make_welcome(
         heartbeat_interval_s=heartbeat_interval_s,
         max_frame_bytes=max_frame_bytes,
         job=job,
+        about=about,
     )
     sig = _sign_proof(
         key, WELCOME_DOMAIN, wire_header(welcome), hello.nonce, "worker", hello.worker_key

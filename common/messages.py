@@ -25,6 +25,7 @@ from common.errors import (
     TensorCodecError,
 )
 from common.frames import Frame, FrameParts, decode_frame, encode_frame, frame_head
+from common.job_about import MAX_NOTE_CHARS, JobAbout, text_problem
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.ops import TILE_OPS, TileOp
 from common.signing import SIGNATURE_FIELD, sign_bundle, verify_bundle
@@ -204,6 +205,8 @@ class Welcome:
     heartbeat_interval_s: float
     max_frame_bytes: int
     job: str
+    # What the job is, in the operator's words: signed with the rest of the welcome.
+    about: JobAbout | None = None
     sig: str = ""  # by coordinator_key, over the hello's nonce and worker key
 
     def to_header(self) -> dict[str, Any]:
@@ -214,6 +217,8 @@ class Welcome:
             "max_frame_bytes": self.max_frame_bytes,
             "job": self.job,
         }
+        if self.about is not None:
+            header["about"] = self.about.to_header()
         if self.sig:
             header[SIGNATURE_FIELD] = self.sig
         return header
@@ -226,8 +231,16 @@ class Welcome:
             heartbeat_interval_s=_num(h, "heartbeat_interval_s", "welcome", lo=0.01, hi=3600),
             max_frame_bytes=_int(h, "max_frame_bytes", "welcome", lo=1),
             job=_str(h, "job", "welcome", limits),
+            about=_about(h) if "about" in h else None,
             sig=_str(h, SIGNATURE_FIELD, "welcome", limits) if SIGNATURE_FIELD in h else "",
         )
+
+
+def _about(h: dict[str, Any]) -> JobAbout:
+    try:
+        return JobAbout.from_header(h["about"])
+    except ValueError as exc:
+        raise ProtocolError(f"welcome: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -397,6 +410,53 @@ class Ack:
 
 
 @dataclass(frozen=True)
+class JobState:
+    """How far the training has come, and why no tiles come when none do.
+
+    Signed like a task (``sign_job_state``): it is shown to the volunteer as the
+    coordinator's word, so a party on the path must not be able to put words in it.
+    """
+
+    TYPE: ClassVar[str] = "job_state"
+    step: int  # steps completed
+    steps: int  # steps the run is to train; 0: open-ended
+    note: str = ""  # why no tiles come, for people; "" when there is nothing to say
+    sig: str = ""
+
+    def to_header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"step": self.step, "steps": self.steps, "note": self.note}
+        if self.sig:
+            header[SIGNATURE_FIELD] = self.sig
+        return header
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], limits: WireLimits) -> JobState:
+        note = _str(h, "note", "job_state", limits, max_chars=MAX_NOTE_CHARS)
+        problem = text_problem(note, max_chars=MAX_NOTE_CHARS)
+        if problem:
+            raise ProtocolError(f'job_state: field "note" {problem}')
+        return cls(
+            step=_int(h, "step", "job_state"),
+            steps=_int(h, "steps", "job_state"),
+            note=note,
+            sig=_str(h, SIGNATURE_FIELD, "job_state", limits) if SIGNATURE_FIELD in h else "",
+        )
+
+
+def sign_job_state(key: Ed25519PrivateKey, state: JobState) -> JobState:
+    """``state`` with its signature: made once per change, sent to every worker."""
+    unsigned = JobState(state.step, state.steps, state.note)
+    return JobState(state.step, state.steps, state.note, sign_bundle(key, wire_header(unsigned)))
+
+
+def verify_job_state(received: Received, key: Ed25519PublicKey) -> JobState:
+    """The received JobState, if ``key`` signed it; SignatureError otherwise."""
+    verify_bundle(key, received.frame.header)
+    assert isinstance(received.message, JobState)
+    return received.message
+
+
+@dataclass(frozen=True)
 class Cancel:
     TYPE: ClassVar[str] = "cancel"
     tile_id: str
@@ -479,6 +539,7 @@ Message = (
     | Result
     | Heartbeat
     | Ack
+    | JobState
     | Cancel
     | Error
     | Pause
@@ -495,6 +556,7 @@ MESSAGE_TYPES: dict[str, Any] = {
         Result,
         Heartbeat,
         Ack,
+        JobState,
         Cancel,
         Error,
         Pause,

@@ -63,6 +63,23 @@ def _job_options(group: argparse._ArgumentGroup) -> None:
         default="coordinator.jobs.tiny_gpt:make_job",
         help="MODULE:FACTORY returning a coordinator.Job (default: built-in tiny GPT)",
     )
+    group.add_argument(
+        "--job-name",
+        metavar="NAME",
+        help="the job's name as volunteers see it (default: the job's)",
+    )
+    group.add_argument(
+        "--job-description",
+        metavar="TEXT",
+        help="what the job is for, in a short paragraph (at most 1,000 characters) shown "
+        "in volunteers' apps and on the dashboard, as plain text",
+    )
+    group.add_argument(
+        "--job-operator", metavar="WHO", help="who runs the job: a person, a lab, a company"
+    )
+    group.add_argument(
+        "--job-link", metavar="URL", help="an http(s) address where volunteers read more"
+    )
     group.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     group.add_argument(
         "--state-dir",

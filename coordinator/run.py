@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from common.gemm_speed import matmul_gflops
+from common.job_about import JobAbout
+from common.messages import JobState
 from common.signing import fingerprint, load_or_create_private_key
 from coordinator.plan.live import LivePlanning
 from coordinator.plan.planner import plan_config_for
@@ -82,6 +84,11 @@ class ServeOptions:
     leave_for_faster: float | None
     join_token: str
     handshake_timeout: float
+    # The job's public description, over the job's own (None: the job's).
+    job_name: str | None = None
+    job_description: str | None = None
+    job_operator: str | None = None
+    job_link: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -119,7 +126,31 @@ class ServeOptions:
             leave_for_faster=args.leave_for_faster or None,
             join_token=args.join_token,
             handshake_timeout=args.handshake_timeout,
+            job_name=getattr(args, "job_name", None),
+            job_description=getattr(args, "job_description", None),
+            job_operator=getattr(args, "job_operator", None),
+            job_link=getattr(args, "job_link", None),
         )
+
+    def about(self, job: Job) -> JobAbout:
+        """What volunteers are shown about ``job``; SystemExit names what to change."""
+
+        def pick(option: str | None, own: str) -> str:
+            return own if option is None else option
+
+        try:
+            return JobAbout(
+                name=pick(self.job_name, job.name),
+                description=pick(self.job_description, job.description),
+                operator=pick(self.job_operator, job.operator),
+                link=pick(self.job_link, job.link),
+                parameters=sum(p.numel() for p in job.model.parameters()),
+            )
+        except ValueError as exc:
+            raise SystemExit(
+                f"cannot show the job to volunteers: {exc} (set it with --job-name, "
+                "--job-description, --job-operator or --job-link, or in the Job)"
+            ) from None
 
     def tls_context(self) -> ssl.SSLContext | None:
         """A server context for ``--tls-cert``/``--tls-key``, or None for plain ws://."""
@@ -178,8 +209,10 @@ class CoordinatorRun:
     def __init__(self, options: ServeOptions, job: Job) -> None:
         self.options = options
         self.job = job
+        self.about = options.about(job)
         self.ssl_context = options.tls_context()
-        self.progress = Progress(options.steps)
+        self._told: JobState | None = None
+        self.progress = Progress(options.steps, on_change=self._tell_workers)
         self.cancel = threading.Event()
         self.stop_signal: signal.Signals | None = None
         self.in_trainer = False  # the training thread runs: it must finish before we stop
@@ -189,13 +222,23 @@ class CoordinatorRun:
         self.ledger = Ledger(state / "ledger.sqlite")
         self.server = CoordinatorServer(
             key=self.key,
-            job_name=job.name,
+            job_name=self.about.name,
+            about=self.about,
             ledger=self.ledger,
             config=options.server_config(),
             status_extra=self.progress.status,
         )
         self.url = ""
         self._training: asyncio.Future[None] | None = None
+        self._tell_workers(self.progress)
+
+    def _tell_workers(self, progress: Progress) -> None:
+        """Keep the workers' JobState in step with the run (any thread)."""
+        state = JobState(step=progress.step, steps=self.options.steps, note=progress.note())
+        if state == self._told:
+            return
+        self._told = state
+        self.server.set_job_state(state)
 
     @property
     def checkpoint(self) -> Path:
@@ -232,7 +275,7 @@ class CoordinatorRun:
         connect_host = "127.0.0.1" if options.host in ANY_ADDRESS else options.host
         ws, http = ("wss", "https") if self.ssl_context is not None else ("ws", "http")
         self.url = f"{ws}://{connect_host}:{port}{WS_PATH}"
-        name = self.job.name
+        name = self.about.name
         say(f"Cleave coordinator for job {name!r} on {self.url}", url=self.url, job=name)
         say(f"  dashboard:       {http}://{connect_host}:{port}/")
         say(f"  status:          {http}://{connect_host}:{port}/api/status")

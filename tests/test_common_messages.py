@@ -12,6 +12,7 @@ import torch
 from common import PROTOCOL_VERSION
 from common.errors import LimitExceeded, ProtocolError, SignatureError, TensorCodecError
 from common.frames import decode_frame, encode_frame
+from common.job_about import JobAbout
 from common.limits import WireLimits
 from common.messages import (
     MESSAGE_TYPES,
@@ -24,6 +25,7 @@ from common.messages import (
     Error,
     Heartbeat,
     Hello,
+    JobState,
     Message,
     Pause,
     Received,
@@ -97,6 +99,16 @@ MESSAGES: list[Message] = [
         token_proof="ef" * 32,
         sig="12" * 64,
     ),
+    Welcome(
+        worker_id="w-2",
+        coordinator_key="ab",
+        heartbeat_interval_s=1,
+        max_frame_bytes=1,
+        job="sonnets",
+        about=JobAbout("sonnets", "a\nb", "Lab 7", "https://x.example", 124_000_000),
+    ),
+    JobState(step=1204, steps=5000, note="the coordinator computes faster alone", sig="cd" * 64),
+    JobState(step=0, steps=0),
 ]
 
 
@@ -133,6 +145,7 @@ def test_every_message_type_is_covered() -> None:
         "result",
         "heartbeat",
         "ack",
+        "job_state",
         "cancel",
         "error",
         "pause",

@@ -26,6 +26,7 @@ from common.messages import (
     Error,
     Heartbeat,
     Hello,
+    JobState,
     Message,
     Pause,
     Result,
@@ -33,6 +34,7 @@ from common.messages import (
     Task,
     encode_message,
     parse_message,
+    sign_job_state,
 )
 from common.signing import generate_private_key, public_key_hex
 from coordinator.plan.estimates import DeviceEstimate
@@ -709,3 +711,23 @@ def test_checks_carry_the_result_bytes_and_claimed_time(h: Harness) -> None:
     assert isinstance(check, Check)
     assert (check.worker_id, check.tile_id, check.compute_s) == (w1, jobs[0].tile_id, 0.01)
     assert check.up_bytes == jobs[0].ticket.up_bytes  # the payload: the product's bytes
+
+
+def test_each_worker_is_told_the_job_state_once_per_change(h: Harness) -> None:
+    w1, joined = h.admit("one")
+    assert not [m for m in messages(joined, w1) if isinstance(m, JobState)]  # none yet
+    first = sign_job_state(h.key, JobState(step=3, steps=10, note="waiting"))
+    h.core.set_job_state(first)
+    w2, joined = h.admit("two")
+    assert [m for m in messages(joined, w2) if isinstance(m, JobState)] == [first]
+
+    def told(worker_id: str) -> list[Message]:
+        effects = h.receive(worker_id, Heartbeat(1, "working", 0))
+        return [m for m in messages(effects, worker_id) if isinstance(m, JobState)]
+
+    assert told(w1) == [first]  # with its next ack
+    assert told(w1) == [] and told(w2) == []  # nothing new: nothing sent
+    second = sign_job_state(h.key, JobState(step=4, steps=10, note=""))
+    h.core.set_job_state(second)
+    assert told(w1) == [second] and told(w2) == [second]
+    assert told(w2) == []

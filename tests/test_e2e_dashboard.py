@@ -27,6 +27,8 @@ from test_metrics import parse_exposition
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 HOSTILE_NAME = "<img src=x onerror=\"document.title='owned'\">eve"
+# The operator's own description may hold markup too (pasted from a web page): text.
+DESCRIPTION = "Sonnets, <b>one</b> character at a time <img src=y onerror=alert(1)>"
 
 pytestmark = [
     pytest.mark.e2e,
@@ -131,7 +133,9 @@ return {
   loss: document.getElementById('loss').textContent,
   verified: document.querySelector('[data-count="verified"]')?.textContent ?? '',
   workers: rows.map((r) => r.cells[0].firstChild?.textContent ?? ''),
-  images: document.querySelectorAll('#workers img').length,
+  images: document.querySelectorAll('#workers img, #about-card img').length,
+  about: document.getElementById('about-description').textContent,
+  aboutMeta: document.getElementById('about-meta').textContent,
   flops: document.getElementById('flop-share').textContent,
   title: document.title,
 };
@@ -165,7 +169,9 @@ def _metrics(coord: Coordinator) -> Any:
 @pytest.mark.timeout(300)
 def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path: Path) -> None:
     coord = Coordinator(
-        tmp_path, "--steps", "400", "--local-workers", "2", "--checkpoint-every", "1000"
+        tmp_path,
+        *("--steps", "400", "--local-workers", "2", "--checkpoint-every", "1000"),
+        *("--job-description", DESCRIPTION, "--job-operator", "Lab 7"),
     )
     hostile: Worker | None = None
     try:
@@ -180,6 +186,8 @@ def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path:
         )
         assert sorted(page["workers"]) == ["local-0", "local-1"], page
         assert page["state"] == "training" and page["loss"] != "–", page
+        assert page["about"] == DESCRIPTION and page["images"] == 0, page
+        assert page["aboutMeta"].startswith("run by Lab 7 · "), page
         assert int(page["verified"].replace(",", "")) > 0, page
         assert re.match(r"Workers computed \d+\.\d% of the last step's [\d.]+ GFLOP", page["flops"])
         first_step, first_points = _step_shown(page), page["points"]

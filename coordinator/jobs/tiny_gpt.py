@@ -128,6 +128,12 @@ def make_job(
         batches=batches(data, cfg, seed),
         name="tiny_gpt" if autocast is None else f"tiny_gpt_{str(autocast).split('.')[-1]}",
         autocast=autocast,
+        description=(
+            "A small GPT-style language model learning to write like Shakespeare, one "
+            "character at a time, from his sonnets. It is Cleave's built-in demonstration "
+            "job: your computer multiplies pieces of its matrices, and the coordinator "
+            "checks every piece before it counts."
+        ),
     )
 
 

@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.auth import check_hello, make_welcome, new_nonce
 from common.errors import ErrorCode, ProtocolError
+from common.job_about import JobAbout
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import Challenge, Error, Hello, encode_message, parse_message
 from common.signing import public_key_hex
@@ -45,6 +46,7 @@ class Admission:
     max_frame_bytes: int
     join_token: str = ""
     limits: WireLimits = DEFAULT_LIMITS
+    about: JobAbout | None = None
     challenge: Challenge = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,5 +88,6 @@ class Admission:
             heartbeat_interval_s=self.heartbeat_interval_s,
             max_frame_bytes=self.max_frame_bytes,
             job=self.job_name,
+            about=self.about,
         )
         return Admitted(worker_id, hello, encode_message(welcome))

@@ -31,8 +31,10 @@ from common.messages import (
     Cancel,
     Error,
     Hello,
+    JobState,
     Message,
     Result,
+    encode_message,
     parse_message,
 )
 from common.signing import fingerprint
@@ -102,6 +104,10 @@ class CoordinatorCore:
         self.jobs: dict[str, Any] = {}  # tile id -> Tile, until it is verified or taken over
         self.pool = PoolView()
         self._estimates_moved = False
+        # How far the training has come and why workers may wait (signed once per
+        # change): each worker is sent the newest one as it joins and with its next ack.
+        self.job_state: JobState | None = None
+        self._job_state_frame = b""
         self._ids = itertools.count(1)
         self.now = 0.0
 
@@ -171,8 +177,20 @@ class CoordinatorCore:
             worker.profile.gflops,
         )
         effects = Effects(workers_changed=True)
+        self.tell_job_state(worker, effects)
         self.dispatch(effects)
         return effects
+
+    def set_job_state(self, state: JobState) -> None:
+        """A new signed JobState for every worker; it reaches each with its next ack."""
+        self.job_state = state
+        self._job_state_frame = encode_message(state)  # one encoding for every worker
+
+    def tell_job_state(self, worker: Worker, effects: Effects) -> None:
+        state = self.job_state
+        if state is not None and worker.job_state is not state:
+            worker.job_state = state
+            effects.sends.append(Send(worker.worker_id, frame=self._job_state_frame))
 
     def submit(self, jobs: Iterable[Any], now: float) -> Effects:
         """Queue a GEMM's tiles."""

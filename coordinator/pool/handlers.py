@@ -56,6 +56,7 @@ def on_heartbeat(core: CoordinatorCore, worker: Worker, msg: Heartbeat, effects:
     worker.state, worker.reason = WorkerState(msg.state), msg.reason
     credit = core.ledger.get(worker.key)
     effects.send(worker.worker_id, Ack(msg.seq, credit.tiles, round(credit.gflop, 6)))
+    core.tell_job_state(worker, effects)
 
 
 def on_pause(core: CoordinatorCore, worker: Worker, msg: Pause, effects: Effects) -> None:

@@ -11,7 +11,7 @@ from typing import Protocol
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.block_cache import BlockCache
-from common.messages import DeviceProfile
+from common.messages import DeviceProfile, JobState
 from common.signing import fingerprint
 from common.token_bucket import TokenBucket
 from coordinator.plan.estimates import DeviceEstimate, TileObservation, observe
@@ -79,6 +79,7 @@ class Worker:
     # When its last result arrived: a tile sent while another was computing starts its
     # own compute no earlier (estimates.queued_start).
     last_result_at: float = 0.0
+    job_state: JobState | None = None  # the last sent to it: the core's, by identity
 
     @property
     def fingerprint(self) -> str:

@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from common.job_about import JobAbout
 from common.messages import Hello
 from coordinator.pool.admission import Admission, Refusal
 from coordinator.pool.core import CoordinatorCore
@@ -38,6 +39,7 @@ async def handshake(
     core: CoordinatorCore,
     config: ServerConfig,
     job_name: str,
+    about: JobAbout | None = None,
 ) -> tuple[str, Hello]:
     """Challenge out, one frame in, the verdict out (``coordinator.pool.admission``).
 
@@ -49,6 +51,7 @@ async def handshake(
         key,
         core,
         job_name,
+        about=about,
         heartbeat_interval_s=config.core.heartbeat_interval_s,
         max_frame_bytes=config.max_message_bytes,
         join_token=config.join_token,

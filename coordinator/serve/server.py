@@ -28,6 +28,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from common.frames import FrameParts
+from common.job_about import JobAbout
+from common.messages import JobState, sign_job_state
 from common.signing import fingerprint
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, Close, CloseCode, Effects, Send
@@ -100,9 +102,11 @@ class CoordinatorServer:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         status_extra: Callable[[], dict[str, Any]] = dict,
+        about: JobAbout | None = None,
     ) -> None:
         self.key = key
         self.job_name = job_name
+        self.about = about  # sent in each Welcome; None: the name alone
         self.ledger = ledger
         self.config = config
         self.clock = clock
@@ -124,6 +128,7 @@ class CoordinatorServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Event()
         self._flush_due = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # The core's state, for the CLI, the offload and tests.
     @property
@@ -154,6 +159,7 @@ class CoordinatorServer:
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
         """Listen on ``host:port``; with ``ssl_context``, WebSocket and status are TLS only."""
         COSTS.this_thread_is("event_loop")
+        self._loop = asyncio.get_running_loop()
         self._server = await serve(
             self._handle,
             host,
@@ -203,6 +209,17 @@ class CoordinatorServer:
     def submit(self, jobs: list[SignedTile]) -> None:
         """Queue a GEMM's tiles."""
         self._apply(self.core.submit(jobs, self.clock()))
+
+    def set_job_state(self, state: JobState) -> None:
+        """Tell every worker how far the training has come (and why none may get tiles).
+        Safe from any thread: signed here, handed to the core on the event loop."""
+        signed = sign_job_state(self.key, state)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.core.set_job_state(signed)  # not serving yet: the first joins get it
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self.core.set_job_state, signed)
 
     def kept_here(self, gemm_id: str, tiles: int, finished: bool) -> None:
         """The training thread computed ``tiles`` of a GEMM itself (CoordinatorCore.kept_here)."""
@@ -287,7 +304,12 @@ class CoordinatorServer:
         try:
             worker_id, hello = await asyncio.wait_for(
                 handshake(
-                    ws, key=self.key, core=self.core, config=self.config, job_name=self.job_name
+                    ws,
+                    key=self.key,
+                    core=self.core,
+                    config=self.config,
+                    job_name=self.job_name,
+                    about=self.about,
                 ),
                 self.config.handshake_timeout_s,
             )
@@ -344,6 +366,7 @@ class CoordinatorServer:
         return {
             **self.status_extra(),
             "job": self.job_name,
+            "about": None if self.about is None else self.about.to_header(),
             **self.core.status(self.clock()),
             "connections": {
                 "banned_this_run": self.counters.banned,

@@ -29,6 +29,11 @@ class Job:
     # Mixed precision: the forward and the loss run under torch.autocast("cpu", autocast),
     # as a training script would write it; its GEMMs (and their tiles) are then bf16/fp16.
     autocast: torch.dtype | None = None
+    # What volunteers are shown about the job (common.job_about.JobAbout checks them;
+    # cleave-coordinator's --job-* options override them).
+    description: str = ""
+    operator: str = ""
+    link: str = ""
     _iterator: Iterator[Batch] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

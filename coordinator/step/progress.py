@@ -9,17 +9,39 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.step.trainer import StepRecord
+
+# What workers are told when no tiles come, by the run's state; while training, the
+# last step says it (``Progress.note``).
+STATE_NOTES = {
+    "starting": "the coordinator is preparing the job",
+    "waiting for workers": "training starts once enough workers have joined",
+    "stopping": "the coordinator is stopping",
+    "stopped": "the coordinator has stopped training",
+    "done": "the training run has finished; there is no more work",
+    "failed": "the training run has stopped after an error",
+}
+ALONE_NOTE = "the coordinator needs no help with this job right now; it computes faster alone"
+FEW_TILES_NOTE = "this job has fewer tiles in a step than there are workers, so some workers wait"
 
 HISTORY_POINTS = 500  # steps kept: enough for the dashboard's chart, small to poll
 LOSSES_POINTS = 50  # the older flat "losses" list, kept for existing readers
 
 
 class Progress:
-    def __init__(self, steps: int, history_points: int = HISTORY_POINTS) -> None:
-        self.state = "starting"
+    def __init__(
+        self,
+        steps: int,
+        history_points: int = HISTORY_POINTS,
+        on_change: Callable[[Progress], None] | None = None,
+    ) -> None:
+        # Called after each step and each change of state, on the thread that made it
+        # (the workers' JobState follows it).
+        self._on_change = on_change
+        self._state = "starting"
         self.step = 0  # steps completed, counting resumed ones: the next step's number
         self.steps = steps
         self.step_gflop: float | None = None  # GEMM work in one step, once traced
@@ -28,6 +50,19 @@ class Progress:
         self.flops: dict[str, Any] | None = None
         self._history: deque[dict[str, Any]] = deque(maxlen=history_points)
         self._lock = threading.Lock()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        self._state = state
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self)
 
     def add(
         self,
@@ -52,12 +87,33 @@ class Progress:
             self.checkpoint_step = checkpoint_step
             if flops:
                 self.flops = flops
+        self._changed()
+
+    def note(self) -> str:
+        """Why a connected worker may get no tiles now, in words for volunteers ("" when
+        the last step handed work to every worker there was)."""
+        with self._lock:
+            return self._note()
+
+    def _note(self) -> str:
+        if self.state != "training":
+            return STATE_NOTES.get(self.state, "")
+        if not self._history:
+            return ""
+        last = self._history[-1]
+        if last["workers"] and not last["tiles"]:
+            # The planner found every GEMM of the step faster here than as tiles.
+            return ALONE_NOTE
+        if last["tiles"] < last["workers"]:
+            return FEW_TILES_NOTE
+        return ""
 
     def status(self) -> dict[str, Any]:
         with self._lock:
             history = list(self._history)
             return {
                 "state": self.state,
+                "note": self._note(),
                 "step": self.step,
                 "steps": self.steps,
                 "step_gflop": self.step_gflop,
