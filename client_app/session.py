@@ -279,9 +279,13 @@ class WorkerSession:
             return Actions(send=(self._error(early),))
         try:
             # Shown to the volunteer as the coordinator's word: only if it signed it.
-            self.job_state = verify_job_state(received, self._key)
+            state = verify_job_state(received, self._key)
         except ProtocolError as exc:
             return self._bad_message(data, exc)
+        previous = self.job_state.note if self.job_state is not None else ""
+        if state.note and state.note != previous:
+            log.info("the coordinator says: %s", state.note)  # the headless worker's line
+        self.job_state = state
         return NO_ACTIONS
 
     def _on_task(self, received: Received, msg: Task, now: float) -> Actions:
