@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from client_app import readings, thermal
 from client_app.config import (
     MAX_WINDOW,
     ConfigError,
@@ -65,6 +66,16 @@ def _cpu_percent(text: str) -> int:
     return value
 
 
+def _in_use_cpu_percent(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be in [0, 100], not {value}")
+    return value
+
+
 def _number(text: str) -> float:
     try:
         return float(text)
@@ -83,6 +94,22 @@ def _percent(text: str) -> float:
     value = _number(text)
     if not 0 <= value <= 100:
         raise argparse.ArgumentTypeError(f"must be in [0, 100], not {text}")
+    return value
+
+
+def _temperature_limit(text: str) -> float:
+    value = _number(text)
+    # The bounds WorkerSettings enforces: below 20 °C every machine is "hot", above
+    # 120 °C the hardware has shut itself down long before.
+    if not (value == 0 or 20 <= value <= 120):
+        raise argparse.ArgumentTypeError(f"must be 0 (no limit) or in [20, 120], not {text}")
+    return value
+
+
+def _hysteresis(text: str) -> float:
+    value = _number(text)
+    if not 1 <= value <= 30:
+        raise argparse.ArgumentTypeError(f"must be in [1, 30], not {text}")
     return value
 
 
@@ -182,6 +209,39 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep computing on battery (default: pause while unplugged)",
     )
+    policy.add_argument(
+        "--in-use-cpu-percent",
+        type=_in_use_cpu_percent,
+        metavar="P",
+        help="while someone uses this machine (see --idle-threshold/--idle-minutes), "
+        "compute at most P%% of the time "
+        "(0-100; 0 pauses, like --idle-only; default 100)",
+    )
+    policy.add_argument(
+        "--in-use-threads",
+        type=_positive_int,
+        metavar="N",
+        help="while someone uses this machine, use at most N CPU threads (default: --threads)",
+    )
+    policy.add_argument(
+        "--max-cpu-temp",
+        type=_temperature_limit,
+        metavar="C",
+        help="pause while the CPU is above C °C (20-120; 0: no limit, the default)",
+    )
+    policy.add_argument(
+        "--max-gpu-temp",
+        type=_temperature_limit,
+        metavar="C",
+        help="pause while the GPU computing tiles is above C °C (20-120; 0: no limit, "
+        "the default; needs nvidia-ml-py)",
+    )
+    policy.add_argument(
+        "--temp-hysteresis",
+        type=_hysteresis,
+        metavar="C",
+        help="after a temperature pause, resume C °C below the limit (1-30; default 5)",
+    )
 
 
 def _add_program_flags(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +303,16 @@ def _settings_from_args(args: argparse.Namespace, saved: WorkerSettings) -> Work
         settings = replace(settings, schedule=args.schedule)
     if args.no_battery_pause:
         settings = replace(settings, pause_on_battery=False)
+    if args.in_use_cpu_percent is not None:  # 0 is valid: pause while in use
+        settings = replace(settings, in_use_cpu_percent=args.in_use_cpu_percent)
+    if args.in_use_threads:
+        settings = replace(settings, in_use_threads=args.in_use_threads)
+    if args.max_cpu_temp is not None:  # 0 clears a saved limit
+        settings = replace(settings, max_cpu_temp_c=args.max_cpu_temp)
+    if args.max_gpu_temp is not None:
+        settings = replace(settings, max_gpu_temp_c=args.max_gpu_temp)
+    if args.temp_hysteresis is not None:
+        settings = replace(settings, temp_hysteresis_c=args.temp_hysteresis)
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
     if token is not None:
         settings = replace(settings, join_token=token)
@@ -300,9 +370,43 @@ def _describe_policy(settings: WorkerSettings) -> str:
     if settings.schedule:
         rules.append(f"schedule {settings.schedule}")
     rules.append("pause on battery" if settings.pause_on_battery else "also on battery")
+    if settings.in_use_cpu_percent == 0:
+        if not settings.idle_only:
+            rules.append("paused while in use")
+    elif (settings.in_use_cpu_percent, settings.effective_in_use_threads) != (
+        settings.cpu_percent,
+        settings.effective_threads,
+    ):
+        threads = settings.effective_in_use_threads
+        rules.append(
+            f"while in use {settings.in_use_cpu_percent}% of the time, "
+            f"{threads} thread{'' if threads == 1 else 's'}"
+        )
+    for part, limit in (("CPU", settings.max_cpu_temp_c), ("GPU", settings.max_gpu_temp_c)):
+        if limit and (part == "CPU" or settings.use_gpu):
+            resume = limit - settings.temp_hysteresis_c
+            rules.append(f"pause above {limit:g} °C {part} (resume at {resume:g} °C)")
     if settings.snooze_until:
         rules.append(f"snoozed until {settings.snooze_until}")
     return ", ".join(rules)
+
+
+def _warn_unusable_temperature_limits(
+    settings: WorkerSettings, sampler: readings.Sampler, *, gpu_present: bool
+) -> None:
+    """Once at start: a limit without a sensor would otherwise be silently ignored."""
+    if settings.max_cpu_temp_c and sampler.cpu_temp is None:
+        log.warning(
+            "the CPU temperature limit (%g °C) cannot apply: %s",
+            settings.max_cpu_temp_c,
+            thermal.cpu_sensor_missing(None),
+        )
+    if settings.max_gpu_temp_c and settings.use_gpu and sampler.gpu_temp is None:
+        log.warning(
+            "the GPU temperature limit (%g °C) cannot apply: %s",
+            settings.max_gpu_temp_c,
+            thermal.gpu_sensor_missing(None, gpu_present),
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -351,7 +455,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.window,
         directory,
     )
-    policy = PolicyRunner(core, settings)
+    sampler = readings.shared_sampler()
+    _warn_unusable_temperature_limits(
+        settings, sampler, gpu_present=core.computer.device.type == "cuda"
+    )
+    policy = PolicyRunner(core, settings, sample=sampler)
     log.info("policy: %s", _describe_policy(settings))
     result = asyncio.run(_run(core, policy))
     if result is RunResult.REFUSED:

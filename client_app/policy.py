@@ -1,19 +1,28 @@
-"""When the owner lets this machine compute: idle detection, battery, schedule, snooze.
+"""When and how hard the owner lets this machine compute: idle detection, battery,
+schedule, snooze, temperature limits, and the limits while the computer is in use.
 
 Pure logic in the websockets/Flower style (DESIGN §5): no I/O, no clocks read here.
 Callers pass readings (``client_app.readings``), a local wall-clock ``datetime`` for the
-schedule and snooze, and a monotonic ``float`` for the idle detector's timers (so a
-wall-clock jump, e.g. an NTP step or a DST change, cannot fake minutes of idleness).
+schedule and snooze, and a monotonic ``float`` for the idle detector's and the thermal
+guard's timers (so a wall-clock jump, e.g. an NTP step or a DST change, cannot fake
+minutes of idleness).
 ``client_app.policy_runner`` is the thin loop that applies decisions to a WorkerCore.
 
-Priority, highest first: snooze > battery > schedule > graphics card in use > computer
-in use. A person's explicit "not now" beats every automatic rule, and among the
-automatic ones the line shown is the most lasting cause (on battery until plugged in,
-the schedule until its next window, a busy GPU or "in use" may clear in minutes).
+Priority, highest first: snooze > battery > schedule > too hot > graphics card in use >
+computer in use. A person's explicit "not now" beats every automatic rule, and among
+the automatic ones the line shown is the most lasting cause (on battery until plugged
+in, the schedule until its next window, a hot part cools in minutes, a busy GPU or "in
+use" may clear at any moment).
+
+Whether it runs or not, a decision also names the limits in force (``Limits``): the
+owner's in-use CPU share and threads while the idle detector says "in use", the
+ordinary ones while it says "idle". The detector's grace periods are what keep the
+limits from flapping.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -26,8 +35,16 @@ RUN = "run"
 SNOOZED = "snoozed"
 ON_BATTERY = "on_battery"
 OUTSIDE_SCHEDULE = "outside_schedule"
+TOO_HOT = "too_hot"
 GPU_BUSY = "gpu_busy"
 IN_USE = "in_use"
+
+# Limits.mode values, shown in WorkerStatus.limits_mode.
+MODE_IN_USE = "in use"
+MODE_IDLE = "idle"
+
+# How long a missing temperature keeps a hot part paused (ThermalGuard).
+UNKNOWN_TEMP_HOLD_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,8 @@ class Readings:
     user_idle_s: float | None = None  # seconds since the last keyboard/mouse input
     on_battery: bool | None = None  # None: no battery or unknown, treated as mains
     gpu_busy: bool | None = None  # another program uses the GPU; None: no GPU or unknown
+    cpu_temp_c: float | None = None  # the hottest CPU sensor, °C; None: no sensor or unknown
+    gpu_temp_c: float | None = None  # the GPU's core, °C; None: no GPU, no NVML or unknown
 
 
 # ---- idle detection --------------------------------------------------------------------
@@ -91,6 +110,109 @@ class IdleDetector:
                 not user_active and quiet_since is not None and t - quiet_since >= self.idle_after_s
             )
         return replace(self, idle=idle, quiet_since=quiet_since, loud_since=loud_since)
+
+
+# ---- temperature limits ----------------------------------------------------------------
+
+
+def _degrees(celsius: float) -> str:
+    # Tenths at most: sensors report whole or half degrees, and "85.4 °C" still shows
+    # why a reading just over an 85 °C limit counts as over it.
+    return f"{round(celsius, 1):g}"
+
+
+@dataclass(frozen=True)
+class TempLimit:
+    """One part's temperature limit with hysteresis: hot above ``limit_c``, cool again
+    only at or below ``limit_c - hysteresis_c``; ``limit_c`` 0 is no limit.
+
+    A missing reading (None: a read failed, or the sensor vanished) is no evidence: a
+    cool part stays cool, and a hot part stays hot for ``hold_s`` after its last real
+    reading, then counts as cool. So one failed read cannot resume a hot CPU, and a
+    sensor that disappears cannot pause the worker forever: after the hold it behaves
+    like a machine that never had a sensor, where the limit cannot apply either.
+    Immutable: ``observe`` returns the next state.
+    """
+
+    part: str  # "CPU" or "GPU", as the status line names it
+    limit_c: float = 0.0
+    hysteresis_c: float = 5.0
+    hold_s: float = UNKNOWN_TEMP_HOLD_S
+    hot_at_c: float | None = None  # the reading that started this hot spell; None: cool
+    hot_since: float | None = None  # monotonic time the spell started
+    seen_at: float | None = None  # monotonic time of the spell's last real reading
+
+    def __post_init__(self) -> None:
+        if self.limit_c < 0 or self.hysteresis_c < 0 or self.hold_s < 0:
+            raise ValueError("limit_c, hysteresis_c and hold_s must be >= 0")
+
+    @property
+    def hot(self) -> bool:
+        return self.hot_at_c is not None
+
+    @property
+    def text(self) -> str:
+        """ "CPU at 92 °C, limit 85 °C": the reading that started the spell, not the
+        latest one, so the reason sent to the coordinator stays put while it wiggles."""
+        if self.hot_at_c is None:
+            return ""
+        return f"{self.part} at {_degrees(self.hot_at_c)} °C, limit {_degrees(self.limit_c)} °C"
+
+    def observe(self, celsius: float | None, t: float) -> TempLimit:
+        """The state after reading ``celsius`` (None: unknown) at monotonic time ``t``."""
+        cool = replace(self, hot_at_c=None, hot_since=None, seen_at=None)
+        if celsius is not None and not math.isfinite(celsius):
+            celsius = None  # a NaN would compare neither hot nor cool: it is no reading
+        if self.limit_c <= 0:
+            return cool
+        if celsius is None:
+            if self.seen_at is not None and t - self.seen_at >= self.hold_s:
+                return cool
+            return self
+        if self.hot_at_c is None:
+            if celsius > self.limit_c:
+                return replace(self, hot_at_c=celsius, hot_since=t, seen_at=t)
+            return self
+        if celsius <= self.limit_c - self.hysteresis_c:
+            return cool
+        return replace(self, seen_at=t)
+
+
+@dataclass(frozen=True)
+class ThermalGuard:
+    """The CPU's and the GPU's limits together; ``cause`` is the part to blame, if any.
+
+    When both are hot the one that got hot first is named, so a second part joining in
+    does not change the reason under way.
+    """
+
+    cpu: TempLimit = field(default_factory=lambda: TempLimit("CPU"))
+    gpu: TempLimit = field(default_factory=lambda: TempLimit("GPU"))
+
+    @classmethod
+    def with_limits(
+        cls, max_cpu_c: float = 0.0, max_gpu_c: float = 0.0, hysteresis_c: float = 5.0
+    ) -> ThermalGuard:
+        return cls(
+            TempLimit("CPU", max_cpu_c, hysteresis_c), TempLimit("GPU", max_gpu_c, hysteresis_c)
+        )
+
+    def retuned(self, max_cpu_c: float, max_gpu_c: float, hysteresis_c: float) -> ThermalGuard:
+        """New limits, same hot spells: the next ``observe`` judges them by the new ones."""
+        return ThermalGuard(
+            replace(self.cpu, limit_c=max_cpu_c, hysteresis_c=hysteresis_c),
+            replace(self.gpu, limit_c=max_gpu_c, hysteresis_c=hysteresis_c),
+        )
+
+    def observe(self, readings: Readings, t: float) -> ThermalGuard:
+        return ThermalGuard(
+            self.cpu.observe(readings.cpu_temp_c, t), self.gpu.observe(readings.gpu_temp_c, t)
+        )
+
+    @property
+    def cause(self) -> TempLimit | None:
+        hot = [part for part in (self.cpu, self.gpu) if part.hot_since is not None]
+        return min(hot, key=lambda part: part.hot_since or 0.0) if hot else None
 
 
 # ---- schedule --------------------------------------------------------------------------
@@ -240,51 +362,98 @@ class PolicyConfig:
     schedule: Schedule = field(default_factory=Schedule)
     snooze: Snooze = field(default_factory=Snooze)
     gpu_only_when_free: bool = False  # pause while another program keeps the GPU busy
+    # Limits while idle, and while in use (0%: pause, as idle_only does). Threads 0:
+    # leave the core's count alone; in-use threads 0: the same as ``threads``.
+    cpu_percent: int = 100
+    threads: int = 0
+    in_use_cpu_percent: int = 100
+    in_use_threads: int = 0
+    # Pause above these, resume ``temp_hysteresis_c`` below them; 0: no limit.
+    max_cpu_temp_c: float = 0.0
+    max_gpu_temp_c: float = 0.0  # 0 as well when the worker does not use the GPU
+    temp_hysteresis_c: float = 5.0
 
     def new_detector(self) -> IdleDetector:
         return IdleDetector(threshold=self.idle_threshold_percent, idle_after_s=self.idle_after_s)
 
+    def new_guard(self) -> ThermalGuard:
+        return ThermalGuard.with_limits(
+            self.max_cpu_temp_c, self.max_gpu_temp_c, self.temp_hysteresis_c
+        )
+
+    def limits(self, *, idle: bool) -> Limits:
+        if idle:
+            return Limits(self.cpu_percent, self.threads, MODE_IDLE)
+        return Limits(self.in_use_cpu_percent, self.in_use_threads or self.threads, MODE_IN_USE)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How hard to compute while allowed: ``WorkerCore.set_cpu_percent``/``set_threads``
+    values and the mode's name for the status. ``cpu_percent`` 0 comes with an in-use
+    pause and ``threads`` 0 means "leave as is": neither is sent to the core."""
+
+    cpu_percent: int = 100
+    threads: int = 0
+    mode: str = MODE_IDLE
+
 
 @dataclass(frozen=True)
 class Decision:
-    """Whether to compute now, and why.
+    """Whether to compute now, and why, and the limits in force.
 
     ``reason`` is the short text for ``WorkerCore.pause`` (the coordinator sees it and
     the core shows "Paused: <reason>"); ``line`` is the status line for people. When
     ``run`` is True both are empty: the worker's own line ("Computing ...", "Waiting
-    for tiles") says what it is doing.
+    for tiles") says what it is doing. ``limits`` follow the in-use/idle mode even while
+    paused, so that a resume starts with the right ones already in place.
     """
 
     run: bool
     reason_code: str
     line: str = ""
     reason: str = ""
+    limits: Limits = field(default_factory=Limits)
 
 
 ALLOWED = Decision(run=True, reason_code=RUN)
 
 
 def decide(
-    readings: Readings, now: datetime, config: PolicyConfig, *, idle: bool = True
+    readings: Readings,
+    now: datetime,
+    config: PolicyConfig,
+    *,
+    idle: bool = True,
+    too_hot: TempLimit | None = None,
 ) -> Decision:
     """Apply the owner's rules in priority order (module docstring) at local time ``now``.
 
-    ``idle`` is the IdleDetector's current answer; it matters only with ``idle_only``.
+    ``idle`` is the IdleDetector's current answer: it picks the limits, and pauses with
+    ``idle_only`` or an in-use CPU share of 0. ``too_hot`` is the ThermalGuard's
+    ``cause``: the guard, not this function, holds the hysteresis.
     """
+    limits = config.limits(idle=idle)
+
+    def paused(code: str, reason: str, line: str = "") -> Decision:
+        return Decision(False, code, line or f"Paused: {reason}", reason, limits)
+
     if config.snooze.active(now):
         assert config.snooze.until is not None
         until = format_until(config.snooze.until, now)
-        return Decision(False, SNOOZED, f"Snoozed until {until}", f"snoozed until {until}")
+        return paused(SNOOZED, f"snoozed until {until}", f"Snoozed until {until}")
     if config.pause_on_battery and readings.on_battery:
-        return Decision(False, ON_BATTERY, "Paused: on battery", "on battery")
+        return paused(ON_BATTERY, "on battery")
     if not config.schedule.allows(now):
-        return Decision(False, OUTSIDE_SCHEDULE, "Paused: outside schedule", "outside schedule")
+        return paused(OUTSIDE_SCHEDULE, "outside schedule")
+    if too_hot is not None and too_hot.hot:
+        return paused(TOO_HOT, too_hot.text)
     # Unknown (None: no GPU, no NVML) never pauses: see client_app.gpu_busy.
     if config.gpu_only_when_free and readings.gpu_busy is True:
-        return Decision(False, GPU_BUSY, "Paused: graphics card in use", "graphics card in use")
-    if config.idle_only and not idle:
-        return Decision(False, IN_USE, "Paused: computer in use", "computer in use")
-    return ALLOWED
+        return paused(GPU_BUSY, "graphics card in use")
+    if not idle and (config.idle_only or limits.cpu_percent == 0):
+        return paused(IN_USE, "computer in use")
+    return Decision(True, RUN, limits=limits)
 
 
 def decide_all(
@@ -292,9 +461,9 @@ def decide_all(
 ) -> list[Decision]:
     """Decisions for a sequence of (monotonic t, local now, readings): what a runner
     would decide sample by sample. Handy for tests and for replaying a logged trace."""
-    detector = config.new_detector()
+    detector, guard = config.new_detector(), config.new_guard()
     out: list[Decision] = []
     for t, now, readings in samples:
-        detector = detector.observe(readings, t)
-        out.append(decide(readings, now, config, idle=detector.idle))
+        detector, guard = detector.observe(readings, t), guard.observe(readings, t)
+        out.append(decide(readings, now, config, idle=detector.idle, too_hot=guard.cause))
     return out

@@ -8,7 +8,10 @@ whole of one tick and is synchronous, so tests drive it with scripted readings a
 injected clock and never sleep.
 
 It calls ``core.pause(reason)`` / ``core.resume()`` only when the decision changes: a
-pause is a message to the coordinator, which moves this worker's tiles elsewhere.
+pause is a message to the coordinator, which moves this worker's tiles elsewhere. It is
+also the one owner of the core's CPU share and thread count: it sets them (and names
+the mode, "in use" or "idle") at the first step, when they change, and once more after
+new settings, and nothing else needs to.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from typing import Protocol
 
 from client_app import readings
 from client_app.config import WorkerSettings
-from client_app.policy import Decision, PolicyConfig, Readings, Schedule, Snooze, decide
+from client_app.policy import (
+    Decision,
+    Limits,
+    PolicyConfig,
+    Readings,
+    Schedule,
+    Snooze,
+    decide,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +44,17 @@ DEFAULT_INTERVAL_S = 5.0
 
 
 class Pausable(Protocol):
-    """What the runner needs of a WorkerCore (thread-safe pause/resume)."""
+    """What the runner needs of a WorkerCore (all thread-safe)."""
 
     def pause(self, reason: str) -> None: ...
 
     def resume(self) -> None: ...
+
+    def set_cpu_percent(self, percent: int) -> None: ...
+
+    def set_threads(self, threads: int) -> None: ...
+
+    def set_limits_mode(self, mode: str) -> None: ...
 
 
 def local_now() -> datetime:
@@ -59,11 +76,27 @@ def policy_config(settings: WorkerSettings) -> PolicyConfig:
         schedule=Schedule.parse(settings.schedule),
         snooze=snooze,
         gpu_only_when_free=settings.use_gpu and settings.gpu_only_when_free,
+        cpu_percent=settings.cpu_percent,
+        threads=settings.effective_threads,
+        in_use_cpu_percent=settings.in_use_cpu_percent,
+        in_use_threads=settings.effective_in_use_threads,
+        max_cpu_temp_c=settings.max_cpu_temp_c,
+        # A GPU the worker does not compute on is not the worker's to cool.
+        max_gpu_temp_c=settings.max_gpu_temp_c if settings.use_gpu else 0.0,
+        temp_hysteresis_c=settings.temp_hysteresis_c,
     )
 
 
+def _describe_limits(limits: Limits) -> str:
+    if limits.cpu_percent == 0:
+        return f"{limits.mode}: paused"
+    plural = "" if limits.threads == 1 else "s"
+    threads = f", {limits.threads} thread{plural}" if limits.threads else ""
+    return f"{limits.mode}: {limits.cpu_percent}% of the time{threads}"
+
+
 class PolicyRunner:
-    """Every ``interval_s``: sample, decide, pause or resume ``core`` on a change."""
+    """Every ``interval_s``: sample, decide, apply a change of pause or limits to ``core``."""
 
     def __init__(
         self,
@@ -88,7 +121,9 @@ class PolicyRunner:
         self._lock = threading.Lock()
         self._config = config if isinstance(config, PolicyConfig) else policy_config(config)
         self._detector = self._config.new_detector()
+        self._guard = self._config.new_guard()
         self._decision: Decision | None = None  # the one last applied to the core
+        self._limits: Limits | None = None  # those last sent; None: send all at the next step
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -108,9 +143,19 @@ class PolicyRunner:
         Safe from any thread; also wakes a running loop so a snooze takes effect at once.
         """
         new = config if isinstance(config, PolicyConfig) else policy_config(config)
+        self._set_config(new, resend_limits=True)
+
+    def _set_config(self, new: PolicyConfig, *, resend_limits: bool) -> None:
         with self._lock:
             old = self._config
             self._config = new
+            if resend_limits:
+                # New settings are the moment to (re)state every limit, changed or not.
+                self._limits = None
+            # New limits, same hot spells: a part that is hot stays so until it cools.
+            self._guard = self._guard.retuned(
+                new.max_cpu_temp_c, new.max_gpu_temp_c, new.temp_hysteresis_c
+            )
             same_idle_rule = (old.idle_threshold_percent, old.idle_after_s) == (
                 new.idle_threshold_percent,
                 new.idle_after_s,
@@ -126,17 +171,41 @@ class PolicyRunner:
 
     def snooze(self, snooze: Snooze) -> None:
         """Snooze (or, with ``Snooze()``, wake) now. Safe from any thread."""
-        self.set_config(replace(self._config, snooze=snooze))
+        with self._lock:
+            config = replace(self._config, snooze=snooze)
+        self._set_config(config, resend_limits=False)
 
     def step(self, reading: Readings | None = None) -> Decision:
         """One tick: sample (unless given), decide, apply a change to the core."""
         if reading is None:
             reading = self._sample()
         with self._lock:
-            self._detector = self._detector.observe(reading, self._monotonic())
-            decision = decide(reading, self._clock(), self._config, idle=self._detector.idle)
+            t = self._monotonic()
+            self._detector = self._detector.observe(reading, t)
+            self._guard = self._guard.observe(reading, t)
+            decision = decide(
+                reading,
+                self._clock(),
+                self._config,
+                idle=self._detector.idle,
+                too_hot=self._guard.cause,
+            )
+            sent, self._limits = self._limits, decision.limits
+        # Limits first: a resume in this same step then starts with the right ones.
+        self._apply_limits(decision.limits, sent)
         self._apply(decision)
         return decision
+
+    def _apply_limits(self, limits: Limits, sent: Limits | None) -> None:
+        if sent is None or limits.mode != sent.mode:
+            log.info("limits: %s", _describe_limits(limits))
+        # 0% comes with an in-use pause, and 0 threads means "not ours to set".
+        if limits.cpu_percent >= 1 and (sent is None or limits.cpu_percent != sent.cpu_percent):
+            self._core.set_cpu_percent(limits.cpu_percent)
+        if limits.threads >= 1 and (sent is None or limits.threads != sent.threads):
+            self._core.set_threads(limits.threads)
+        if sent is None or limits.mode != sent.mode:
+            self._core.set_limits_mode(limits.mode)
 
     def _apply(self, decision: Decision) -> None:
         previous = self._decision

@@ -1,4 +1,5 @@
-"""The machine's side of the policy: CPU load, battery, user-input idle time, GPU use.
+"""The machine's side of the policy: CPU load, battery, user-input idle time, GPU use,
+CPU and GPU temperatures (the last two from ``client_app.thermal``).
 
 Thin and defensive: every source that is missing or fails reads as None, never an
 exception, because a worker must keep working (or keep paused) whatever the desktop
@@ -20,7 +21,7 @@ from typing import TypeVar
 
 import psutil
 
-from client_app import gpu_busy
+from client_app import gpu_busy, thermal
 from client_app.policy import Readings
 
 log = logging.getLogger(__name__)
@@ -205,22 +206,33 @@ class Sampler:
         user_idle: Callable[[], float | None] | None = None,
         battery: Callable[[], bool | None] = on_battery,
         gpu: Callable[[], bool | None] | None = None,
+        cpu_temp: thermal.Source | None = None,
+        gpu_temp: thermal.Source | None = None,
     ) -> None:
         self._cpu = CpuSampler() if cpu is None else cpu
         self._user_idle = user_idle
         self._battery = battery
         self._gpu = gpu
+        self.cpu_temp = cpu_temp  # public: None says the CPU limit cannot apply here
+        self.gpu_temp = gpu_temp
 
     @classmethod
     def for_this_machine(cls) -> Sampler:
-        return cls(user_idle=user_idle_source(), gpu=gpu_busy_source())
+        return cls(
+            user_idle=user_idle_source(),
+            gpu=gpu_busy_source(),
+            cpu_temp=thermal.cpu_temperature_source(),
+            gpu_temp=thermal.gpu_temperature_source(),
+        )
 
     def __call__(self) -> Readings:
         return Readings(
             other_cpu_percent=_safely(self._cpu),
-            user_idle_s=_safely(self._user_idle) if self._user_idle is not None else None,
+            user_idle_s=_optional(self._user_idle),
             on_battery=_safely(self._battery),
-            gpu_busy=_safely(self._gpu) if self._gpu is not None else None,
+            gpu_busy=_optional(self._gpu),
+            cpu_temp_c=_optional(self.cpu_temp),
+            gpu_temp_c=_optional(self.gpu_temp),
         )
 
 
@@ -232,12 +244,21 @@ def _safely(source: Callable[[], T | None]) -> T | None:
         return None
 
 
+def _optional(source: Callable[[], T | None] | None) -> T | None:
+    return None if source is None else _safely(source)
+
+
 _default: Sampler | None = None
 
 
-def sample() -> Readings:
-    """One reading of this machine through a shared Sampler, made (and primed) on first use."""
+def shared_sampler() -> Sampler:
+    """This machine's Sampler, made (and primed) on first use and shared after that."""
     global _default
     if _default is None:
         _default = Sampler.for_this_machine()
-    return _default()
+    return _default
+
+
+def sample() -> Readings:
+    """One reading of this machine through the shared Sampler."""
+    return shared_sampler()()

@@ -28,6 +28,11 @@ CPU_CHIPS = ("coretemp", "k10temp", "zenpower", "cpu_thermal", "cpu-thermal", "a
 Source = Callable[[], float | None]
 
 
+def _plausible(celsius: float) -> bool:
+    # 0 or absurd (or NaN): a sensor that is not wired up, not a temperature.
+    return 0.0 < celsius < 150.0
+
+
 def cpu_celsius(table: Mapping[str, Sequence[Any]]) -> float | None:
     """The hottest reading of the first CPU chip in ``table`` (psutil's
     ``sensors_temperatures()``: chip name -> entries with ``.current`` in °C).
@@ -39,8 +44,9 @@ def cpu_celsius(table: Mapping[str, Sequence[Any]]) -> float | None:
         readings = [
             float(entry.current)
             for entry in table.get(chip, ())
-            if isinstance(getattr(entry, "current", None), (int, float))
-            and 0.0 < float(entry.current) < 150.0  # 0 or absurd: a sensor not wired up
+            # bool is an int: a driver's True is a flag, not one degree.
+            if type(getattr(entry, "current", None)) in (int, float)
+            and _plausible(float(entry.current))
         ]
         if readings:
             return max(readings)
@@ -97,7 +103,7 @@ def gpu_celsius(nvml: Any, device_index: int = 0) -> float | None:
         return None
     try:
         handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
-        return float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
+        celsius = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
     except Exception:
         return None
     finally:
@@ -105,6 +111,7 @@ def gpu_celsius(nvml: Any, device_index: int = 0) -> float | None:
             nvml.nvmlShutdown()
         except Exception:  # shutting down a half-initialized library must not mask the answer
             pass
+    return celsius if _plausible(celsius) else None
 
 
 def gpu_temperature_source(nvml: Any | None = None, device_index: int = 0) -> Source | None:

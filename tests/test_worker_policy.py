@@ -1,4 +1,5 @@
-"""The owner's policy as pure logic: idle hysteresis, schedule, snooze, battery, priority.
+"""The owner's policy as pure logic: idle hysteresis, schedule, snooze, battery, priority,
+temperature limits, and the in-use/idle limits.
 
 Every test injects its readings and its clock; nothing here sleeps or reads the machine.
 """
@@ -16,16 +17,23 @@ from client_app.config import ConfigError, WorkerSettings
 from client_app.policy import (
     GPU_BUSY,
     IN_USE,
+    MODE_IDLE,
+    MODE_IN_USE,
     ON_BATTERY,
     OUTSIDE_SCHEDULE,
     RUN,
     SNOOZED,
+    TOO_HOT,
+    UNKNOWN_TEMP_HOLD_S,
     Decision,
     IdleDetector,
+    Limits,
     PolicyConfig,
     Readings,
     Schedule,
     Snooze,
+    TempLimit,
+    ThermalGuard,
     decide,
     decide_all,
     format_until,
@@ -443,3 +451,217 @@ def test_sampler_reads_the_gpu_source_and_treats_failure_as_unknown() -> None:
     assert sampler(lambda: True)().gpu_busy is True
     assert sampler(broken)().gpu_busy is None
     assert sampler(None)().gpu_busy is None
+
+
+# ---- temperature limits ------------------------------------------------------------------
+
+CPU_85 = TempLimit("CPU", limit_c=85.0, hysteresis_c=5.0)
+
+
+def run_limit(
+    temps: list[float | None], start: TempLimit = CPU_85, every_s: float = 5.0
+) -> list[bool]:
+    """One reading every ``every_s`` -> whether the part is hot after each."""
+    limit, out = start, []
+    for i, celsius in enumerate(temps):
+        limit = limit.observe(celsius, every_s * i)
+        out.append(limit.hot)
+    return out
+
+
+def test_hot_above_the_limit_and_cool_only_at_limit_minus_hysteresis() -> None:
+    temps: list[float | None] = [80.0, 85.0, 85.5, 88.0, 84.0, 80.1, 80.0, 79.0, 84.9, 86.0]
+    assert run_limit(temps) == [
+        False,
+        False,  # at the limit is not above it
+        True,
+        True,
+        True,  # below the limit, above 80: still hot (no flapping around 85)
+        True,
+        False,  # at limit - hysteresis: cool again
+        False,
+        False,  # cool below the limit stays cool
+        True,
+    ]
+
+
+def test_the_reason_keeps_the_reading_that_started_the_pause() -> None:
+    limit = CPU_85
+    for t, celsius in enumerate([92.0, 95.0, 89.0, 86.5]):
+        limit = limit.observe(celsius, float(t))
+    assert limit.hot and limit.text == "CPU at 92 °C, limit 85 °C"
+    assert TempLimit("GPU", 82.5).observe(85.25, 0.0).text == "GPU at 85.2 °C, limit 82.5 °C"
+    assert CPU_85.text == ""
+
+
+def test_a_missing_reading_holds_a_hot_part_for_a_bounded_time() -> None:
+    hot = CPU_85.observe(90.0, 0.0)
+    hold = UNKNOWN_TEMP_HOLD_S
+    # A one-off failure does not resume a hot CPU...
+    assert hot.observe(None, hold - 1).hot
+    # ...a sensor that went away does not pause forever...
+    assert not hot.observe(None, hold).hot
+    # ...and the hold counts from the last real reading, not from the spell's start.
+    later = hot.observe(86.0, 40.0).observe(None, 40.0 + hold - 1)
+    assert later.hot and not later.observe(None, 40.0 + hold).hot
+
+
+def test_a_missing_reading_keeps_a_cool_part_cool() -> None:
+    assert run_limit([None] * 30) == [False] * 30
+    assert run_limit([80.0, None, None, 90.0]) == [False, False, False, True]
+
+
+def test_nan_is_no_reading() -> None:
+    hot = CPU_85.observe(90.0, 0.0)
+    assert hot.observe(float("nan"), 1.0).hot
+    assert not hot.observe(float("nan"), UNKNOWN_TEMP_HOLD_S).hot
+    assert not CPU_85.observe(float("nan"), 0.0).hot
+
+
+def test_limit_zero_is_no_limit() -> None:
+    assert run_limit([140.0] * 3, start=TempLimit("CPU", 0.0)) == [False] * 3
+    # A limit turned off mid-spell ends the spell at the next reading.
+    hot = CPU_85.observe(90.0, 0.0)
+    assert not replace(hot, limit_c=0.0).observe(90.0, 5.0).hot
+
+
+def test_temp_limit_validates() -> None:
+    with pytest.raises(ValueError):
+        TempLimit("CPU", limit_c=-1.0)
+    with pytest.raises(ValueError):
+        TempLimit("CPU", limit_c=80.0, hysteresis_c=-1.0)
+
+
+def test_guard_names_the_part_that_got_hot_first() -> None:
+    guard = ThermalGuard.with_limits(max_cpu_c=85.0, max_gpu_c=80.0)
+    guard = guard.observe(Readings(cpu_temp_c=70.0, gpu_temp_c=81.0), 0.0)
+    assert guard.cause is not None and guard.cause.text == "GPU at 81 °C, limit 80 °C"
+    guard = guard.observe(Readings(cpu_temp_c=90.0, gpu_temp_c=83.0), 5.0)
+    assert guard.cause is not None and guard.cause.part == "GPU"  # the CPU joins, no change
+    guard = guard.observe(Readings(cpu_temp_c=90.0, gpu_temp_c=70.0), 10.0)
+    assert guard.cause is not None and guard.cause.text == "CPU at 90 °C, limit 85 °C"
+    assert guard.observe(Readings(cpu_temp_c=60.0, gpu_temp_c=60.0), 15.0).cause is None
+
+
+def test_retuned_guard_keeps_the_spell_and_judges_by_the_new_limit() -> None:
+    guard = ThermalGuard.with_limits(max_cpu_c=85.0).observe(Readings(cpu_temp_c=90.0), 0.0)
+    retuned = guard.retuned(95.0, 0.0, 5.0)
+    assert retuned.cause is not None  # no reading yet: still the old spell
+    assert retuned.observe(Readings(cpu_temp_c=89.0), 5.0).cause is None  # 89 <= 95 - 5
+
+
+HOT = TempLimit("CPU", 85.0).observe(92.0, 0.0)
+
+
+def test_too_hot_pauses_with_its_line_and_reason() -> None:
+    decision = decide(Readings(cpu_temp_c=92.0), NOON, PolicyConfig(), too_hot=HOT)
+    assert (decision.run, decision.reason_code) == (False, TOO_HOT)
+    assert decision.line == "Paused: CPU at 92 °C, limit 85 °C"
+    assert decision.reason == "CPU at 92 °C, limit 85 °C"
+    assert decide(Readings(), NOON, PolicyConfig(), too_hot=CPU_85).run  # a cool part
+
+
+def test_too_hot_priority_after_schedule_before_gpu_busy_and_in_use() -> None:
+    everything = PolicyConfig(
+        idle_only=True,
+        schedule=Schedule.parse("22:00-07:00"),
+        snooze=Snooze(NOON + timedelta(hours=1)),
+        gpu_only_when_free=True,
+    )
+    readings = Readings(on_battery=True, gpu_busy=True)
+    expected = [SNOOZED, ON_BATTERY, OUTSIDE_SCHEDULE, TOO_HOT, GPU_BUSY, IN_USE, RUN]
+    config, seen = everything, []
+    too_hot: TempLimit | None = HOT
+    idle = False
+    for _ in expected:
+        seen.append(decide(readings, NOON, config, idle=idle, too_hot=too_hot).reason_code)
+        # Clear the rule that just won, and the next one down must show.
+        if seen[-1] == SNOOZED:
+            config = replace(config, snooze=Snooze())
+        elif seen[-1] == ON_BATTERY:
+            readings = replace(readings, on_battery=False)
+        elif seen[-1] == OUTSIDE_SCHEDULE:
+            config = replace(config, schedule=Schedule())
+        elif seen[-1] == TOO_HOT:
+            too_hot = None
+        elif seen[-1] == GPU_BUSY:
+            readings = replace(readings, gpu_busy=False)
+        elif seen[-1] == IN_USE:
+            idle = True
+    assert seen == expected
+
+
+def test_decide_all_runs_the_thermal_guard() -> None:
+    config = PolicyConfig(max_cpu_temp_c=85.0, temp_hysteresis_c=5.0)
+    temps = [70.0, 90.0, 84.0, None, 82.0, 80.0, 75.0]
+    samples = [
+        (5.0 * i, NOON + timedelta(seconds=5 * i), Readings(cpu_temp_c=c))
+        for i, c in enumerate(temps)
+    ]
+    codes = [d.reason_code for d in decide_all(samples, config)]
+    assert codes == [RUN, TOO_HOT, TOO_HOT, TOO_HOT, TOO_HOT, RUN, RUN]
+
+
+@pytest.mark.parametrize(("use_gpu", "expected"), [(True, 80.0), (False, 0.0)])
+def test_policy_config_gpu_limit_only_when_the_gpu_is_used(use_gpu: bool, expected: float) -> None:
+    settings = WorkerSettings(
+        use_gpu=use_gpu, max_cpu_temp_c=90.0, max_gpu_temp_c=80.0, temp_hysteresis_c=3.0
+    )
+    config = policy_config(settings)
+    assert (config.max_cpu_temp_c, config.max_gpu_temp_c) == (90.0, expected)
+    assert config.temp_hysteresis_c == 3.0
+    hot_gpu = config.new_guard().observe(Readings(gpu_temp_c=95.0), 0.0)
+    assert (hot_gpu.cause is not None) is use_gpu
+
+
+def test_sampler_reads_temperatures_and_treats_failure_as_unknown() -> None:
+    def broken() -> float | None:
+        raise OSError("sensor gone")
+
+    def sampler(cpu_temp: Callable[[], float | None] | None) -> Sampler:
+        return Sampler(cpu=lambda: 1.0, battery=lambda: None, cpu_temp=cpu_temp, gpu_temp=broken)
+
+    assert sampler(lambda: 71.0)() == Readings(other_cpu_percent=1.0, cpu_temp_c=71.0)
+    assert sampler(broken)().cpu_temp_c is None
+    assert sampler(None)().cpu_temp_c is None
+
+
+# ---- in use vs idle limits -----------------------------------------------------------------
+
+SPLIT = PolicyConfig(cpu_percent=100, threads=2, in_use_cpu_percent=30, in_use_threads=1)
+
+
+def test_limits_follow_the_mode() -> None:
+    in_use = decide(Readings(), NOON, SPLIT, idle=False)
+    idle = decide(Readings(), NOON, SPLIT, idle=True)
+    assert in_use.run and in_use.limits == Limits(30, 1, MODE_IN_USE)
+    assert idle.run and idle.limits == Limits(100, 2, MODE_IDLE)
+
+
+def test_limits_show_the_mode_even_when_equal_and_while_paused() -> None:
+    same = PolicyConfig(cpu_percent=50, threads=2, in_use_cpu_percent=50)
+    assert decide(Readings(), NOON, same, idle=False).limits == Limits(50, 2, MODE_IN_USE)
+    assert decide(Readings(), NOON, same, idle=True).limits == Limits(50, 2, MODE_IDLE)
+    on_battery = decide(Readings(on_battery=True), NOON, SPLIT, idle=False)
+    assert not on_battery.run and on_battery.limits == Limits(30, 1, MODE_IN_USE)
+
+
+def test_in_use_cpu_percent_zero_pauses_like_idle_only() -> None:
+    zero = replace(SPLIT, in_use_cpu_percent=0)
+    paused = decide(Readings(), NOON, zero, idle=False)
+    idle_only = decide(Readings(), NOON, replace(SPLIT, idle_only=True), idle=False)
+    assert paused == Decision(
+        False, IN_USE, "Paused: computer in use", "computer in use", Limits(0, 1, MODE_IN_USE)
+    )
+    assert (paused.reason_code, paused.reason) == (idle_only.reason_code, idle_only.reason)
+    assert decide(Readings(), NOON, zero, idle=True).run
+
+
+def test_policy_config_maps_the_in_use_limits() -> None:
+    config = policy_config(
+        WorkerSettings(threads=4, cpu_percent=80, in_use_cpu_percent=20, in_use_threads=1)
+    )
+    assert config.limits(idle=True) == Limits(80, 4, MODE_IDLE)
+    assert config.limits(idle=False) == Limits(20, 1, MODE_IN_USE)
+    same_threads = policy_config(WorkerSettings(threads=3))
+    assert same_threads.limits(idle=False) == Limits(100, 3, MODE_IN_USE)

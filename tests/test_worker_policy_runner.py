@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,11 @@ from client_app import cli, readings
 from client_app.config import WorkerSettings
 from client_app.policy import (
     IN_USE,
+    MODE_IDLE,
+    MODE_IN_USE,
     ON_BATTERY,
     RUN,
+    TOO_HOT,
     Decision,
     PolicyConfig,
     Readings,
@@ -38,14 +42,26 @@ NOON = datetime(2024, 5, 2, 12, 0, tzinfo=TZ)
 
 
 class FakeCore:
+    """Records pauses in ``calls`` and the limit setters apart, in ``limit_calls``."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
+        self.limit_calls: list[tuple[str, int | str]] = []
 
     def pause(self, reason: str) -> None:
         self.calls.append(("pause", reason))
 
     def resume(self) -> None:
         self.calls.append(("resume",))
+
+    def set_cpu_percent(self, percent: int) -> None:
+        self.limit_calls.append(("cpu", percent))
+
+    def set_threads(self, threads: int) -> None:
+        self.limit_calls.append(("threads", threads))
+
+    def set_limits_mode(self, mode: str) -> None:
+        self.limit_calls.append(("mode", mode))
 
 
 class Clock:
@@ -169,6 +185,158 @@ async def test_run_ticks_until_stopped_from_another_thread() -> None:
     await asyncio.wait_for(task, 5)
     assert core.calls == [("pause", "on battery"), ("resume",)]
     assert [d.reason_code for d in seen] == [ON_BATTERY, RUN]
+
+
+# ---- temperature limits ------------------------------------------------------------------
+
+HOT_85 = WorkerSettings(max_cpu_temp_c=85.0, temp_hysteresis_c=5.0, use_gpu=False)
+
+
+def test_a_hot_cpu_pauses_within_one_tick_and_resumes_at_limit_minus_hysteresis() -> None:
+    clock = Clock()
+    runner, core = make_runner(HOT_85, clock)
+    line = "Paused: CPU at 92 °C, limit 85 °C"
+    # (reading, expected code after this very step)
+    script = [(70.0, RUN), (92.0, TOO_HOT), (93.5, TOO_HOT), (84.0, TOO_HOT), (80.5, TOO_HOT)]
+    script += [(80.0, RUN), (84.0, RUN), (85.0, RUN)]
+    for celsius, code in script:
+        decision = runner.step(Readings(cpu_temp_c=celsius))
+        assert decision.reason_code == code, (celsius, decision)
+        assert decision.line == (line if code == TOO_HOT else "")
+        clock.t += 5
+    # One pause: the reading wiggling inside the spell never re-sent it.
+    assert core.calls == [("pause", "CPU at 92 °C, limit 85 °C"), ("resume",)]
+
+
+def test_a_lost_sensor_resumes_after_the_hold_but_a_one_off_failure_does_not() -> None:
+    clock = Clock()
+    runner, core = make_runner(HOT_85, clock)
+    runner.step(Readings(cpu_temp_c=90.0))
+    for _ in range(11):  # 55 s of failed reads
+        clock.t += 5
+        assert runner.step(Readings()).reason_code == TOO_HOT
+    clock.t += 5  # 60 s since the last reading
+    assert runner.step(Readings()).run
+    assert core.calls == [("pause", "CPU at 90 °C, limit 85 °C"), ("resume",)]
+
+
+def test_gpu_limit_is_ignored_when_the_worker_does_not_use_the_gpu() -> None:
+    clock = Clock()
+    hot_gpu = Readings(gpu_temp_c=95.0)
+    runner, core = make_runner(replace(HOT_85, max_gpu_temp_c=80.0), clock)
+    assert runner.step(hot_gpu).run and core.calls == []
+    runner, core = make_runner(replace(HOT_85, max_gpu_temp_c=80.0, use_gpu=True), clock)
+    assert runner.step(hot_gpu).line == "Paused: GPU at 95 °C, limit 80 °C"
+
+
+def test_new_limits_keep_a_hot_spell_and_judge_it_by_the_new_numbers() -> None:
+    clock = Clock()
+    runner, core = make_runner(HOT_85, clock)
+    runner.step(Readings(cpu_temp_c=90.0))
+    runner.set_config(replace(HOT_85, max_cpu_temp_c=0.0))  # limit off: resume
+    clock.t = 5
+    assert runner.step(Readings(cpu_temp_c=90.0)).run
+    assert core.calls == [("pause", "CPU at 90 °C, limit 85 °C"), ("resume",)]
+
+
+# ---- in use vs idle limits -----------------------------------------------------------------
+
+SPLIT = WorkerSettings(
+    cpu_percent=100, threads=2, in_use_cpu_percent=30, in_use_threads=1, idle_minutes=1.0
+)
+IN_USE_LIMITS = [("cpu", 30), ("threads", 1), ("mode", MODE_IN_USE)]
+IDLE_LIMITS = [("cpu", 100), ("threads", 2), ("mode", MODE_IDLE)]
+
+
+def test_limits_switch_after_the_grace_period_and_back_at_once_on_input() -> None:
+    clock = Clock()
+    runner, core = make_runner(SPLIT, clock)
+    quiet = Readings(other_cpu_percent=5.0, user_idle_s=600.0)
+    for _ in range(12):  # t = 0 .. 55: quiet, but not yet for the minute asked
+        assert runner.step(quiet).limits.mode == MODE_IN_USE
+        clock.t += 5
+    assert core.limit_calls == IN_USE_LIMITS  # the first step states them, once
+    assert runner.step(quiet).limits.mode == MODE_IDLE  # t = 60
+    for _ in range(5):
+        clock.t += 5
+        runner.step(quiet)
+    assert core.limit_calls == IN_USE_LIMITS + IDLE_LIMITS
+    clock.t += 5
+    assert runner.step(Readings(other_cpu_percent=5.0, user_idle_s=1.0)).limits.mode == (
+        MODE_IN_USE  # a key press: at once
+    )
+    assert core.limit_calls == IN_USE_LIMITS + IDLE_LIMITS + IN_USE_LIMITS
+    assert core.calls == []  # limits change, computing goes on
+
+
+def test_only_the_limits_that_change_are_sent() -> None:
+    clock = Clock()
+    same_threads = replace(SPLIT, in_use_threads=0)  # in use: the same 2 threads
+    runner, core = make_runner(same_threads, clock)
+    for _ in range(13):
+        runner.step(Readings(other_cpu_percent=5.0))
+        clock.t += 5
+    assert core.limit_calls == [
+        ("cpu", 30),
+        ("threads", 2),
+        ("mode", MODE_IN_USE),
+        ("cpu", 100),
+        ("mode", MODE_IDLE),
+    ]
+
+
+def test_new_settings_restate_the_limits_at_the_next_step_but_a_snooze_does_not() -> None:
+    clock = Clock()
+    runner, core = make_runner(SPLIT, clock)
+    runner.step(Readings())
+    runner.step(Readings())
+    runner.snooze(Snooze.for_duration(clock.now()))
+    runner.step(Readings())
+    assert core.limit_calls == IN_USE_LIMITS
+    runner.set_config(replace(SPLIT, in_use_cpu_percent=40))
+    assert core.limit_calls == IN_USE_LIMITS  # not before the step
+    runner.step(Readings())
+    assert core.limit_calls == IN_USE_LIMITS + [("cpu", 40), ("threads", 1), ("mode", MODE_IN_USE)]
+
+
+def test_in_use_cpu_percent_zero_pauses_while_in_use_like_idle_only() -> None:
+    clock = Clock()
+    runner, core = make_runner(replace(SPLIT, in_use_cpu_percent=0), clock)
+    for _ in range(13):
+        runner.step(Readings(other_cpu_percent=5.0))
+        clock.t += 5
+    assert core.calls == [("pause", "computer in use"), ("resume",)]
+    # 0% is never sent (the pause covers it); the idle share is.
+    assert core.limit_calls == [
+        ("threads", 1),
+        ("mode", MODE_IN_USE),
+        ("cpu", 100),
+        ("threads", 2),
+        ("mode", MODE_IDLE),
+    ]
+
+
+def test_limits_are_set_before_a_resume_in_the_same_step() -> None:
+    events: list[str] = []
+
+    class Ordered(FakeCore):
+        def resume(self) -> None:
+            events.append("resume")
+
+        def set_cpu_percent(self, percent: int) -> None:
+            events.append(f"cpu {percent}")
+
+    clock = Clock()
+    runner = PolicyRunner(
+        Ordered(),
+        replace(SPLIT, in_use_cpu_percent=0),
+        clock=clock.now,
+        monotonic=clock.monotonic,
+    )
+    for _ in range(13):
+        runner.step(Readings(other_cpu_percent=5.0))
+        clock.t += 5
+    assert events == ["cpu 100", "resume"]
 
 
 def test_rejects_a_bad_interval() -> None:
@@ -318,7 +486,7 @@ async def test_a_reading_that_raises_is_treated_as_unknown_and_the_runner_goes_o
 
     calls: list[str] = []
 
-    class Core:
+    class Core(FakeCore):
         def pause(self, reason: str) -> None:
             calls.append(f"pause:{reason}")
 
