@@ -22,9 +22,23 @@ from PySide6.QtWidgets import QApplication, QWidget  # noqa: E402
 
 from client_app.config import WorkerSettings  # noqa: E402
 from client_app.status import WorkerStatus  # noqa: E402
+from client_app.thermal import cpu_sensor_missing, gpu_sensor_missing  # noqa: E402
 
 URL = "ws://coordinator.example.org:8765/ws"
-FINGERPRINT = "SHA256:3f9a c1e2 77b0 94d5 0a6e"
+FINGERPRINT = "3f9a-c1e2-77b0-94d5-0a6e-51b8-d2f4-8c03"
+# What a coordinator says about its job (common.job_about.JobAbout).
+JOB = {
+    "job_name": "tiny_gpt",
+    "job_description": (
+        "A small GPT-style language model learning to write like Shakespeare's sonnets. "
+        "It shows how volunteers' computers can train a model together: each piece of "
+        "work is one matrix product of a training step."
+    ),
+    "job_operator": "Cleave demo coordinator",
+    "job_link": "https://example.org/cleave/tiny-gpt",
+    "job_parameters": 420_000,
+    "job_steps": 5_000,
+}
 
 
 def sample_statuses(now: float) -> list[tuple[float, WorkerStatus]]:
@@ -52,6 +66,10 @@ def sample_statuses(now: float) -> list[tuple[float, WorkerStatus]]:
                     credit_gflop=max(0, i - 3) * 300.0,
                     threads=4,
                     device="cpu",
+                    cpu_percent=70,
+                    limits_mode="idle",
+                    job_step=1_024 + i,  # step 1,204 of 5,000 at the end
+                    **JOB,  # type: ignore[arg-type]
                 ),
             )
         )
@@ -86,9 +104,10 @@ def main() -> int:
     window.show_status(statuses[-1][1])
     if window.stats_view is not None:
         window.stats_view.refresh()  # type: ignore[attr-defined]
-    window.join_button.setText("Leave")  # what a joined window shows
-    window.usage_label.setText("This app: CPU 48%")
-    window.resize(560, 720)
+    window.join_button.setText("&Leave")  # what a joined window shows
+    window.usage_label.setText("CPU 48%")
+    em = window.fontMetrics().height()
+    window.resize(44 * em, 74 * em)  # tall enough to show the charts without scrolling
     save(window, "main_window.png")
 
     if window.stats_view is not None:
@@ -97,7 +116,14 @@ def main() -> int:
     else:
         print("stats view not importable: skipped", file=sys.stderr)
     if SettingsDialog is not None:
-        dialog = SettingsDialog(settings, device_name="AMD Ryzen 7 5800X", gpu_available=False)
+        # As on a desktop without lm-sensors: the CPU limit shows why it is greyed out.
+        dialog = SettingsDialog(
+            settings,
+            device_name="AMD Ryzen 7 5800X",
+            gpu_available=False,
+            cpu_temperature_missing=cpu_sensor_missing(None, platform="linux"),
+            gpu_temperature_missing=gpu_sensor_missing(None, gpu_present=False),
+        )
         save(dialog, "settings_dialog.png")
     else:
         print("settings dialog not importable: skipped", file=sys.stderr)

@@ -18,16 +18,22 @@ pytest.importorskip("pytestqt")
 
 from procs import Coordinator, Worker, assert_losses_match  # noqa: E402
 from PySide6.QtCore import QEventLoop, Qt, QTimer  # noqa: E402
+from PySide6.QtGui import QKeySequence  # noqa: E402
+from PySide6.QtWidgets import QApplication, QLabel, QScrollArea  # noqa: E402
 from pytestqt.qtbot import QtBot  # noqa: E402
 from test_worker_loopback import PROFILE, FakeCoordinator, operands  # noqa: E402
 
 from client_app.compute import TileComputer  # noqa: E402
 from client_app.config import WorkerSettings, config_dir  # noqa: E402
 from client_app.gui import app as gui_app  # noqa: E402
-from client_app.gui.bridge import WorkerBridge  # noqa: E402
+from client_app.gui.bridge import PauseGate, WorkerBridge  # noqa: E402
 from client_app.gui.main_window import MainWindow  # noqa: E402
-from client_app.gui.status_text import shown_state, status_line  # noqa: E402
-from client_app.gui.tray import state_icon  # noqa: E402
+from client_app.gui.status_text import (  # noqa: E402
+    ZERO_WIDTH_SPACE,
+    shown_state,
+    status_line,
+)
+from client_app.gui.tray import icon_tooltip, state_icon  # noqa: E402
 from client_app.options import WorkerOptions  # noqa: E402
 from client_app.policy import Readings  # noqa: E402
 from client_app.status import WorkerStatus  # noqa: E402
@@ -80,7 +86,7 @@ def test_join_computes_credits_and_leave_loses_nothing(qtbot: QtBot, tmp_path: P
     try:
         window.url_edit.setText(coord.url)
         qtbot.mouseClick(window.join_button, Qt.MouseButton.LeftButton)
-        assert window.bridge.joined and window.join_button.text() == "Leave"
+        assert window.bridge.joined and window.join_button.text() == "&Leave"
 
         def counted_by_coordinator() -> bool:
             workers = coord.status()["workers"]
@@ -98,7 +104,7 @@ def test_join_computes_credits_and_leave_loses_nothing(qtbot: QtBot, tmp_path: P
         # The coordinator's verified figure arrives with a heartbeat's Ack.
         qtbot.waitUntil(lambda: window.bridge.status.credit_tiles > 0, timeout=30_000)
         credit = window.bridge.status.credit_tiles
-        assert f"{credit} verified" in window.totals_label.text()
+        assert f"verified ({credit:,} tiles)" == window.contribution_captions["verified"].text()
         if window.stats_view is not None:  # the stats view is someone else's module
             shown = window.stats_view.values()["credit.session"]  # type: ignore[attr-defined]
             assert shown.startswith(f"{credit:,} tiles"), shown
@@ -106,7 +112,7 @@ def test_join_computes_credits_and_leave_loses_nothing(qtbot: QtBot, tmp_path: P
         assert len(coord.steps()) < steps  # leaving mid-run is the point
         qtbot.mouseClick(window.join_button, Qt.MouseButton.LeftButton)  # Leave
         qtbot.waitUntil(lambda: not window.bridge.joined, timeout=15_000)
-        assert window.join_button.text() == "Join" and status_line(window.bridge.status) == "Left"
+        assert window.join_button.text() == "&Join" and status_line(window.bridge.status) == "Left"
         headless = Worker(tmp_path, coord.url, "headless")
         assert coord.wait(180) == 0, coord.output()
     finally:
@@ -239,13 +245,18 @@ def test_settings_dialog_changes_apply_live_and_persist(qtbot: QtBot) -> None:
         qtbot.mouseClick(window.settings_button, Qt.MouseButton.LeftButton)
         dialog = window.settings_dialog
         assert dialog is not None and dialog.isVisible()
-        changed = replace(window.settings, threads=2, cpu_percent=50, bandwidth_kbps=512)
+        changed = replace(
+            window.settings, threads=2, cpu_percent=50, in_use_cpu_percent=40, bandwidth_kbps=512
+        )
         dialog.settings_changed.emit(changed)  # type: ignore[attr-defined]
+        # The policy runner applies threads and CPU time, the in-use or the idle ones.
         qtbot.waitUntil(lambda: window.bridge.status.threads == 2, timeout=5_000)
         core = window.bridge._core
         assert core is not None
         qtbot.waitUntil(lambda: core.bandwidth_kbps == 512, timeout=5_000)
-        assert core.cpu_percent == 50
+        mode = window.bridge.status.limits_mode
+        assert mode in ("in use", "idle")
+        qtbot.waitUntil(lambda: core.cpu_percent == (40 if mode == "in use" else 50), timeout=5_000)
         assert WorkerSettings.load(config_dir()) == changed
         dialog.close()
     finally:
@@ -260,9 +271,15 @@ def test_settings_dialog_changes_apply_live_and_persist(qtbot: QtBot) -> None:
     ("state", "core_line", "shown", "look"),
     [
         ("computing", "Computing tile t-12", "Computing", "computing"),
-        ("computing", "Resting (CPU limit 50%)", "Resting (CPU limit 50%)", "computing"),
-        ("waiting", "Waiting for tiles (3 done)", "Waiting for work", "waiting"),
+        ("computing", "Resting (CPU limit 50%)", "Computing", "computing"),
+        ("waiting", "Waiting for tiles (3 done)", "Connected — waiting for work", "waiting"),
         ("paused", "Paused: computer in use", "Paused: computer in use", "paused"),
+        (
+            "paused",
+            "Paused: CPU at 92 °C, limit 85 °C",
+            "Paused: CPU at 92 °C, limit 85 °C",
+            "paused",
+        ),
         ("paused", "Paused: on battery", "Paused: on battery", "paused"),
         ("paused", "Paused: outside schedule", "Paused: outside schedule", "paused"),
         ("paused", "Paused: paused by you", "Paused: paused by you", "paused"),
@@ -290,6 +307,7 @@ def test_status_line_for_every_state(
     window.show_status(status)
     assert window.status_label.text() == shown
     assert window.tray.state == look
+    assert window.tray.tooltip.splitlines()[1] == shown
 
 
 # ---- (d) settings survive a restart; tray actions -----------------------------------------
@@ -330,4 +348,237 @@ def test_join_saves_a_name_and_a_bad_url_says_why(qtbot: QtBot) -> None:
         assert window.bridge.manually_paused
     finally:
         leave_and_wait(qtbot, window)
-    assert window.join_button.text() == "Join" and window.tray.join_action.text() == "Join"
+    assert window.join_button.text() == "&Join" and window.tray.join_action.text() == "Join"
+
+
+# ---- (e) the window reads at a glance: the job, the sentence, the contribution -------------
+
+JOB_STATUS = WorkerStatus(
+    state="computing",
+    line="Computing tile t-7",
+    coordinator_url="ws://h/ws",
+    coordinator_fingerprint="3f9a-c1e2-77b0-94d5-0a6e-51b8-d2f4-8c03",
+    current_tile="t-7",
+    tiles_done=557,
+    compute_s=0.4,  # 557 tiles of under a millisecond each
+    credit_tiles=550,
+    credit_gflop=2.5,
+    threads=1,
+    cpu_percent=30,
+    limits_mode="in use",
+    job_name="tiny_gpt",
+    job_description="A small GPT-style model learning Shakespeare's sonnets.",
+    job_operator="Ada's lab",
+    job_link="https://example.org/tiny",
+    job_parameters=124_000_000,
+    job_step=1_204,
+    job_steps=5_000,
+)
+
+
+def test_window_shows_the_job_the_sentence_and_the_contribution(qtbot: QtBot) -> None:
+    window = make_window(qtbot, WorkerSettings())
+    window.show_status(JOB_STATUS)
+    assert window.job_name_label.text() == "tiny_gpt"
+    assert window.job_description_label.text() == JOB_STATUS.job_description
+    assert window.job_meta_label.text() == (
+        "Run by Ada's lab · 124 M parameters · step 1,204 of 5,000"
+    )
+    assert window.job_link_label.text() == "https://example.org/tiny"
+    assert window.fingerprint_label.text() == JOB_STATUS.coordinator_fingerprint
+    assert window.status_label.text() == "Computing for tiny_gpt — step 1,204 of 5,000"
+    assert window.limits_label.text() == (
+        "Limits while you use the computer: 30% CPU time, 1 thread"
+    )
+    assert window.contribution["tiles"].text() == "557"
+    assert window.contribution["time"].text() == "0.4 s"  # seconds below a minute
+    assert window.contribution["verified"].text() == "2.5 GFLOP"
+    assert window.contribution_captions["verified"].text() == "verified (550 tiles)"
+    assert window.tray.tooltip == (
+        "Cleave — tiny_gpt, step 1,204 of 5,000\n"
+        "Computing for tiny_gpt — step 1,204 of 5,000\n"
+        "Key 3f9a-c1e2-77b0-94d5-0a6e-51b8-d2f4-8c03"
+    )
+    # Without a job the panel says how to get one, and the job's other lines go.
+    window.show_status(replace(JOB_STATUS, job_name="", state="waiting"))
+    assert window.job_name_label.text() == "No job yet"
+    assert window.job_meta_label.isHidden() and window.job_link_label.isHidden()
+    assert window.status_label.text() == "Connected — waiting for work"
+
+
+@pytest.mark.parametrize(
+    ("line", "shown"),
+    [
+        ("Paused: CPU at 92 °C, limit 85 °C", "Paused: CPU at 92 °C, limit 85 °C"),
+        ("Paused: computer in use", "Paused: computer in use"),
+    ],
+)
+def test_paused_for_heat_or_use_says_so(qtbot: QtBot, line: str, shown: str) -> None:
+    window = make_window(qtbot, WorkerSettings())
+    window.show_status(replace(JOB_STATUS, state="paused", line=line))
+    assert window.status_label.text() == shown
+    assert window.limits_label.isHidden()  # no limit is at work while paused
+    assert shown in window.tray.tooltip
+
+
+HOSTILE = "<b>bold</b><img src=x>"
+
+
+def test_coordinator_text_is_shown_literally(qtbot: QtBot) -> None:
+    window = make_window(qtbot, WorkerSettings())
+    status = replace(
+        JOB_STATUS,
+        job_name="<i>name</i>",
+        job_description=HOSTILE,
+        job_operator="<a href='x'>op</a>",
+        job_link="<script>",
+        state="waiting",
+        note="<u>note</u>",
+        detail="<h1>detail</h1>",
+    )
+    window.show_status(status)
+    assert window.job_description_label.text() == HOSTILE
+    assert window.job_name_label.text() == "<i>name</i>"
+    assert window.job_meta_label.text().startswith("Run by <a href='x'>op</a>")
+    assert window.job_link_label.text() == "<script>"
+    assert window.status_label.text() == "Connected — <u>note</u>"
+    for label in (
+        window.job_name_label,
+        window.job_description_label,
+        window.job_meta_label,
+        window.job_link_label,
+        window.status_label,
+        window.fingerprint_label,
+        window.tile_label,
+    ):
+        assert label.textFormat() == Qt.TextFormat.PlainText, label.accessibleName()
+    # Qt shows a tooltip as HTML when it looks like HTML: escaped, it shows the text.
+    assert "&lt;h1&gt;detail&lt;/h1&gt;" in window.status_label.toolTip()
+    assert window.tray.tooltip.startswith("Cleave — <i>name</i>, step ")
+    assert icon_tooltip(window.tray.tooltip, "linux").startswith(
+        "<p>Cleave — &lt;i&gt;name&lt;/i&gt;, step "
+    )
+    assert icon_tooltip(window.tray.tooltip, "win32") == window.tray.tooltip  # native: plain
+
+
+def visible_labels(window: MainWindow) -> list[QLabel]:
+    return [w for w in window.findChildren(QLabel) if w.isVisibleTo(window) and w.text()]
+
+
+def assert_nothing_clipped(qtbot: QtBot, window: MainWindow) -> None:
+    window.grab()  # lays everything out
+    qtbot.wait(10)
+    for label in visible_labels(window):
+        # A label narrower than its text would cut it off; a wrapping one grows instead.
+        hint = label.minimumSizeHint() if label.wordWrap() else label.sizeHint()
+        assert label.width() >= hint.width(), (label.text(), label.width(), hint.width())
+        if label.wordWrap():
+            assert label.height() >= label.heightForWidth(label.width()) - 1, label.text()
+
+
+@pytest.mark.parametrize("font_scale", [1.0, 2.0])
+def test_window_reads_at_two_sizes_and_a_doubled_font(qtbot: QtBot, font_scale: float) -> None:
+    app = QApplication.instance()
+    assert isinstance(app, QApplication)
+    old_font = app.font()
+    font = app.font()
+    font.setPointSizeF(font.pointSizeF() * font_scale)
+    app.setFont(font)
+    try:
+        window = make_window(qtbot, WorkerSettings(coordinator_url="ws://example.org:8765/ws"))
+        long = replace(
+            JOB_STATUS,
+            job_description="A model that learns to write. " * 30,
+            job_name="a_rather_long_job_name_" * 3,
+        )
+        window.show_status(long)
+        # The default size, which follows the font: all of it fits across.
+        assert_nothing_clipped(qtbot, window)
+        scroll = window.centralWidget()
+        assert isinstance(scroll, QScrollArea)
+        assert scroll.horizontalScrollBar().maximum() == 0
+        # Narrower and shorter: text wraps or the area scrolls, nothing is cut off.
+        window.resize(window.width() * 3 // 4, window.height() // 2)
+        assert_nothing_clipped(qtbot, window)
+    finally:
+        app.setFont(old_font)
+
+
+def test_keyboard_reaches_every_control(qtbot: QtBot) -> None:
+    window = make_window(qtbot, WorkerSettings())
+    assert window.url_edit.nextInFocusChain() is window.join_button
+    assert window.join_button.nextInFocusChain() is window.settings_button
+    for button in (window.join_button, window.settings_button):
+        assert button.focusPolicy() & Qt.FocusPolicy.TabFocus
+    assert window.join_button.text() == "&Join"
+    assert QKeySequence.mnemonic(window.join_button.text()) == QKeySequence("Alt+J")
+    assert QKeySequence.mnemonic(window.settings_button.text()) == QKeySequence("Alt+S")
+    for widget in (
+        window.url_edit,
+        window.join_button,
+        window.settings_button,
+        window.status_label,
+        window.job_name_label,
+        window.fingerprint_label,
+        window.identity_label,
+        window.contribution["tiles"],
+    ):
+        assert widget.accessibleName(), widget
+
+
+class RecordingCore:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: self.calls.append((name, args[0] if args else None))
+
+
+def test_pause_gate_passes_the_runners_limits_to_the_core() -> None:
+    core = RecordingCore()
+    gate = PauseGate(core)  # type: ignore[arg-type]
+    gate.set_cpu_percent(30)
+    gate.set_threads(1)
+    gate.set_limits_mode("in use")
+    gate.pause("computer in use")
+    assert core.calls == [
+        ("set_cpu_percent", 30),
+        ("set_threads", 1),
+        ("set_limits_mode", "in use"),
+        ("pause", "computer in use"),
+    ]
+
+
+@pytest.mark.e2e
+def test_a_real_coordinators_job_and_step_reach_the_window_and_tray(
+    qtbot: QtBot, tmp_path: Path
+) -> None:
+    description = "Sonnets <b>one</b> character at a time.\n<img src=x onerror=alert(1)>"
+    coord = Coordinator(
+        tmp_path,
+        *("--steps", "400", "--checkpoint-every", "1000", "--min-workers", "1"),
+        *("--job-description", description, "--job-operator", "Lab <7>"),
+    )
+    window = make_window(qtbot, WorkerSettings(name="gui-job", threads=1, use_gpu=False))
+    try:
+        window.url_edit.setText(coord.url)
+        qtbot.mouseClick(window.join_button, Qt.MouseButton.LeftButton)
+        qtbot.waitUntil(lambda: window.bridge.status.job_step >= 2, timeout=120_000)
+        status = window.bridge.status
+        assert (status.job_name, status.job_steps) == ("tiny_gpt", 400)
+        # The coordinator's words, exactly as sent, and never as markup.
+        assert window.job_description_label.text().replace(ZERO_WIDTH_SPACE, "") == description
+        assert window.job_description_label.textFormat() == Qt.TextFormat.PlainText
+        step = f"step {status.job_step:,} of 400"
+        assert window.job_meta_label.text().startswith("Run by Lab <7> · ")
+        assert window.job_meta_label.text().endswith(step)
+        assert window.fingerprint_label.text() == coord.status()["coordinator_key"]
+        if status.state == "computing":
+            assert window.status_label.text() == f"Computing for tiny_gpt — {step}"
+        tooltip = window.tray.tooltip.split("\n")
+        assert tooltip[0] == f"Cleave — tiny_gpt, {step}"
+        assert tooltip[1] == window.status_label.text()
+        assert tooltip[2] == f"Key {coord.status()['coordinator_key']}"
+    finally:
+        leave_and_wait(qtbot, window)
+        coord.kill()

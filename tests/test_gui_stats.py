@@ -52,9 +52,19 @@ def painted_colours(image: QImage) -> int:
 
 
 def test_formatting_for_people() -> None:
-    assert format_duration(0) == "0:00:00"
-    assert format_duration(3725.9) == "1:02:05"
-    assert format_duration(27 * 3600 + 3 * 60 + 9) == "27:03:09"
+    # Seconds until a minute is reached: 557 tiles of milliseconds must not read "0:00:00".
+    assert format_duration(0) == "0 s"
+    assert format_duration(0.004) == "< 0.01 s"
+    assert format_duration(0.4) == "0.4 s"
+    assert format_duration(0.047) == "0.04 s"  # rounded down: never more than was given
+    assert format_duration(4.26) == "4.2 s"
+    assert format_duration(9.99) == "9.9 s"
+    assert format_duration(12.7) == "12 s"
+    assert format_duration(59.9) == "59 s"
+    assert format_duration(185) == "3 min 05 s"
+    assert format_duration(3725.9) == "1 h 02 min"
+    assert format_duration(27 * 3600 + 3 * 60 + 9) == "27 h 03 min"
+    assert format_duration(-1) == "0 s" and format_duration(float("nan")) == "0 s"
     assert format_bytes(0) == "0 B"
     assert format_bytes(999) == "999 B"
     assert format_bytes(1_500) == "1.5 kB"
@@ -87,8 +97,8 @@ def test_shows_session_and_all_time_figures(qtbot: QtBot, tmp_path: Path) -> Non
     v = view.values()
     assert v["tiles.session"] == "5"
     assert v["tiles.all_time"] == "15"
-    assert v["compute.session"] == "1:02:10"
-    assert v["compute.all_time"] == "1:03:10"
+    assert v["compute.session"] == "1 h 02 min"
+    assert v["compute.all_time"] == "1 h 03 min"
     assert v["received.session"] == "3 MB"
     assert v["received.all_time"] == "8 MB"
     assert v["sent.session"] == "2 kB"

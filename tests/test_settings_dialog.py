@@ -19,8 +19,20 @@ NOW = datetime(2024, 5, 3, 14, 30)
 BASE = WorkerSettings(threads=1, cpu_percent=100, use_gpu=True)
 
 
-def make(qtbot: QtBot, settings: WorkerSettings = BASE, gpu: bool = True) -> SettingsDialog:
-    dialog = SettingsDialog(settings, device_name="Test GPU 9000", gpu_available=gpu)
+def make(
+    qtbot: QtBot,
+    settings: WorkerSettings = BASE,
+    gpu: bool = True,
+    cpu_missing: str = "",
+    gpu_missing: str = "",
+) -> SettingsDialog:
+    dialog = SettingsDialog(
+        settings,
+        device_name="Test GPU 9000",
+        gpu_available=gpu,
+        cpu_temperature_missing=cpu_missing,
+        gpu_temperature_missing=gpu_missing,
+    )
     qtbot.addWidget(dialog)
     dialog.now = lambda: NOW
     return dialog
@@ -61,6 +73,10 @@ def test_every_control_changes_the_emitted_settings(qtbot: QtBot) -> None:
     assert emitted(qtbot, d, lambda: d.start_minimized.setChecked(True)).start_minimized is True
     assert emitted(qtbot, d, lambda: d.join_token.setText(" pool-7 ")).join_token == "pool-7"
 
+    assert emitted(qtbot, d, lambda: d.max_cpu_temp.setValue(85)).max_cpu_temp_c == 85.0
+    assert emitted(qtbot, d, lambda: d.max_gpu_temp.setValue(90)).max_gpu_temp_c == 90.0
+    assert emitted(qtbot, d, lambda: d.temp_hysteresis.setValue(8)).temp_hysteresis_c == 8.0
+
     # Snooze: 1 hour, until tomorrow (midnight), cancel.
     assert emitted(qtbot, d, d.snooze_hour.click).snooze_until == "2024-05-03T15:30:00"
     assert d.snooze_label.text() == "Snoozed until 15:30" and d.snooze_cancel.isEnabled()
@@ -73,6 +89,7 @@ def test_every_control_changes_the_emitted_settings(qtbot: QtBot) -> None:
     final = d.settings()
     assert (final.cpu_percent, final.memory_mb, final.bandwidth_kbps) == (70, 512, 300)
     assert final.idle_only and final.start_minimized and not final.use_gpu
+    assert (final.max_cpu_temp_c, final.max_gpu_temp_c, final.temp_hysteresis_c) == (85, 90, 8)
 
 
 def test_invalid_schedule_shows_an_error_and_emits_nothing(qtbot: QtBot) -> None:
@@ -136,10 +153,73 @@ def test_initial_values_come_from_the_settings(qtbot: QtBot) -> None:
         start_at_login=True,
         start_minimized=True,
         snooze_until="2024-05-03T18:00:00",
+        in_use_cpu_percent=30,
+        in_use_threads=1,
+        max_gpu_temp_c=75.0,
+        temp_hysteresis_c=7.0,
     )
     d = make(qtbot, s)
+    assert d.in_use_cpu_percent.value() == 30 and d.in_use_threads.value() == 1
+    assert d.max_gpu_temp.value() == 75 and d.temp_hysteresis.value() == 7
     assert d.cpu_percent.value() == 55 and d.cpu_slider.value() == 55
     assert d.memory_mb.value() == 256 and d.bandwidth_kbps.value() == 64
     assert d.schedule.text() == "08:00-09:00" and d.idle_only.isChecked()
     assert d.start_at_login.isChecked() and d.start_minimized.isChecked()
     assert d.settings() == s
+
+
+def test_in_use_limits_and_their_link_to_idle_only(qtbot: QtBot) -> None:
+    d = make(qtbot)
+    assert d.in_use_cpu_percent.isEnabled() and d.in_use_threads.isEnabled()
+    assert not d.idle_threshold.isEnabled()  # no limits of their own: "idle" decides nothing
+    assert emitted(qtbot, d, lambda: d.in_use_cpu_percent.setValue(30)).in_use_cpu_percent == 30
+    # What "idle" means now decides which limits apply.
+    assert d.idle_threshold.isEnabled() and d.idle_minutes.isEnabled()
+    if d.in_use_threads.maximum() >= 1:
+        assert emitted(qtbot, d, lambda: d.in_use_threads.setValue(1)).in_use_threads == 1
+    assert emitted(qtbot, d, lambda: d.in_use_threads.setValue(0)).in_use_threads == 0
+    assert d.in_use_threads.text() == "Same"
+    # 0 % pauses while in use: the thread count has nothing left to govern.
+    assert emitted(qtbot, d, lambda: d.in_use_cpu_percent.setValue(0)).in_use_cpu_percent == 0
+    assert d.in_use_cpu_percent.text() == "Pause" and not d.in_use_threads.isEnabled()
+    # Below the floor a rest would outlast a deadline: 5 % counts as 10 %.
+    assert emitted(qtbot, d, lambda: d.in_use_cpu_percent.setValue(5)).in_use_cpu_percent == 10
+    assert d.in_use_cpu_percent.value() == 10 and d.in_use_threads.isEnabled()
+    # Computing only while idle leaves the in-use limits nothing to do.
+    assert emitted(qtbot, d, lambda: d.idle_only.setChecked(True)).idle_only is True
+    assert not d.in_use_cpu_percent.isEnabled() and not d.in_use_threads.isEnabled()
+    assert emitted(qtbot, d, lambda: d.idle_only.setChecked(False)).idle_only is False
+    assert d.in_use_cpu_percent.isEnabled()
+
+
+def test_temperature_limits_off_and_on(qtbot: QtBot) -> None:
+    d = make(qtbot, WorkerSettings(max_cpu_temp_c=80.0))
+    d.show()
+    assert d.max_cpu_temp.value() == 80 and d.max_gpu_temp.text() == "Off"
+    assert d.temp_hysteresis.isEnabled()  # a limit is set
+    assert not d.cpu_temp_reason.isVisible() and not d.gpu_temp_reason.isVisible()
+    off = emitted(qtbot, d, lambda: d.max_cpu_temp.setValue(d.max_cpu_temp.minimum()))
+    assert off.max_cpu_temp_c == 0.0 and d.max_cpu_temp.text() == "Off"
+    assert not d.temp_hysteresis.isEnabled()  # no limit: nothing to resume below
+    assert emitted(qtbot, d, lambda: d.max_cpu_temp.setValue(20)).max_cpu_temp_c == 20.0
+    assert d.max_cpu_temp.maximum() == 120
+
+
+def test_a_missing_sensor_greys_the_field_out_and_says_why(qtbot: QtBot) -> None:
+    why_cpu = "no CPU temperature sensor found (on Linux: load the lm-sensors modules)"
+    why_gpu = "no graphics card is used for tiles"
+    d = make(qtbot, WorkerSettings(max_cpu_temp_c=85.0), cpu_missing=why_cpu, gpu_missing=why_gpu)
+    d.show()
+    for spin, label, why in (
+        (d.max_cpu_temp, d.cpu_temp_reason, why_cpu),
+        (d.max_gpu_temp, d.gpu_temp_reason, why_gpu),
+    ):
+        assert not spin.isEnabled()
+        assert why in spin.toolTip()
+        assert label.isVisible() and why in label.text()
+    assert d.max_cpu_temp.value() == 85  # kept: it applies where a sensor exists
+    assert not d.temp_hysteresis.isEnabled()  # no limit can apply here
+    only_gpu = make(qtbot, gpu_missing=why_gpu)
+    only_gpu.show()
+    assert only_gpu.max_cpu_temp.isEnabled() and not only_gpu.cpu_temp_reason.isVisible()
+    assert not only_gpu.max_gpu_temp.isEnabled() and only_gpu.gpu_temp_reason.isVisible()

@@ -56,6 +56,17 @@ class PauseGate:
             self._policy_reason = None
             self._sync()
 
+    # The runner owns the limits (in-use or idle); they pass straight to the core, whose
+    # setters are thread-safe themselves.
+    def set_cpu_percent(self, percent: int) -> None:
+        self._core.set_cpu_percent(percent)
+
+    def set_threads(self, threads: int) -> None:
+        self._core.set_threads(threads)
+
+    def set_limits_mode(self, mode: str) -> None:
+        self._core.set_limits_mode(mode)
+
     def set_manual(self, paused: bool) -> None:
         with self._lock:
             self._manual = paused
@@ -174,17 +185,17 @@ class WorkerBridge(QObject):
         return not thread.is_alive()
 
     def apply_settings(self, settings: WorkerSettings) -> None:
-        """Apply live what can change under a running worker: threads, CPU limit,
-        bandwidth, policy.
+        """Apply live what can change under a running worker: bandwidth and the policy,
+        which includes the CPU-time and thread limits.
 
-        The URL, GPU use, name, memory cap and window take effect at the next join.
+        The policy runner sets threads and CPU time itself, choosing between the in-use
+        and the idle limits; setting them here too would undo its choice until its
+        next tick. The URL, GPU use, name, memory cap and window take effect at the
+        next join.
         """
         core, policy = self._core, self._policy
         if core is None or policy is None:
             return
-        if settings.effective_threads != core.computer.threads:
-            core.set_threads(settings.effective_threads)
-        core.set_cpu_percent(settings.cpu_percent)
         core.set_bandwidth_kbps(settings.bandwidth_kbps)
         policy.set_config(settings)
 

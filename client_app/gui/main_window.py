@@ -1,4 +1,8 @@
-"""The main window: coordinator URL, key fingerprint, Join/Leave, status, tile, usage.
+"""The main window: what this computer helps, what it does now, what it has given.
+
+Top to bottom: the job (name, description, who runs it, the coordinator's key), the
+state as one sentence, this session's contribution in big numbers, then the URL with
+Join/Leave, this computer's key, the tile in progress and the stats view.
 
 A thin view: it shows ``WorkerStatus`` snapshots from the bridge and turns clicks into
 bridge calls and saved settings. The stats view and the settings dialog are separate
@@ -17,24 +21,40 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from PySide6.QtCore import QCoreApplication, Qt, QTimer, Signal
+from PySide6.QtCore import QCoreApplication, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QFont
 from PySide6.QtWidgets import (
     QFormLayout,
+    QFrame,
+    QGridLayout,
+    QGroupBox,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QMainWindow,
     QProgressBar,
     QPushButton,
+    QScrollArea,
     QVBoxLayout,
     QWidget,
 )
 
+from client_app import thermal
 from client_app.config import ConfigError, WorkerSettings, load_identity
 from client_app.gui.bridge import WorkerBridge
-from client_app.gui.status_text import NOT_JOINED, shown_state, status_line
-from client_app.gui.tray import Tray, state_icon
+from client_app.gui.status_text import (
+    NOT_JOINED,
+    breakable,
+    clean_text,
+    html_for_plain,
+    job_about,
+    limits_line,
+    progress_text,
+    shown_state,
+    status_line,
+)
+from client_app.gui.tray import ICON_SIZE, Tray, state_icon
+from client_app.gui.units import format_count, format_duration, format_gflop
 from client_app.policy import Snooze
 from client_app.policy_runner import local_now
 from client_app.status import WorkerStatus
@@ -44,6 +64,8 @@ log = logging.getLogger(__name__)
 
 USAGE_INTERVAL_MS = 1000
 LEAVE_TIMEOUT_MS = 15_000  # quitting waits this long for a clean leave, then goes anyway
+JOIN_TEXT = "&Join"  # Alt+J
+LEAVE_TEXT = "&Leave"  # Alt+L
 
 # Sibling views built by others: optional, so the window never depends on their state.
 try:
@@ -66,6 +88,30 @@ def device_name() -> str:
     if torch is not None and torch.cuda.is_available():
         return str(torch.cuda.get_device_name(0))
     return platform.processor() or platform.machine() or "CPU"
+
+
+def scaled_font(base: QFont, factor: float, *, bold: bool = False) -> QFont:
+    """``base`` times ``factor``: relative sizes keep the window's proportions at any
+    system font size or display scale."""
+    font = QFont(base)
+    if font.pointSizeF() > 0:
+        font.setPointSizeF(font.pointSizeF() * factor)
+    else:  # a font set in pixels
+        font.setPixelSize(max(1, round(font.pixelSize() * factor)))
+    font.setBold(bold)
+    return font
+
+
+def _plain_label(font: QFont | None = None, *, wrap: bool = True) -> QLabel:
+    """A label for text that may come from the coordinator: never interpreted as HTML,
+    selectable, wrapped unless it is one unbreakable token (a key)."""
+    label = QLabel()
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    label.setWordWrap(wrap)
+    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    if font is not None:
+        label.setFont(font)
+    return label
 
 
 def gpu_available() -> bool:
@@ -124,103 +170,204 @@ class MainWindow(QMainWindow):
             return f"unusable: {exc}"
 
     def _build(self) -> None:
-        central = QWidget(self)
-        layout = QVBoxLayout(central)
-        form = QFormLayout()
-        self.url_edit = QLineEdit(self.settings.coordinator_url)
-        self.url_edit.setPlaceholderText("ws://host:8765/ws")
-        form.addRow("Coordinator", self.url_edit)
-        self.fingerprint_label = QLabel()
-        self.fingerprint_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        form.addRow("Coordinator key", self.fingerprint_label)
-        # This computer's identity: credit and reputation follow it, and operators see
-        # it next to the name on their dashboard.
-        self.identity_label = QLabel(self._identity_text())
-        self.identity_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        form.addRow("Your key", self.identity_label)
-        layout.addLayout(form)
-
-        self.join_button = QPushButton("Join")
-        big = QFont(self.join_button.font())
-        big.setPointSizeF(big.pointSizeF() * 1.6)
-        big.setBold(True)
-        self.join_button.setFont(big)
-        self.join_button.setMinimumHeight(56)
-        self.join_button.clicked.connect(self.toggle_join)
-        layout.addWidget(self.join_button)
-
-        self.status_label = QLabel()
-        status_font = QFont(self.status_label.font())
-        status_font.setPointSizeF(status_font.pointSizeF() * 1.25)
-        self.status_label.setFont(status_font)
-        self.status_label.setWordWrap(True)
-        layout.addWidget(self.status_label)
-
-        # A GEMM is one call with no progress of its own: the bar is busy while a tile
-        # computes, and names it.
-        tile_row = QHBoxLayout()
-        self.tile_label = QLabel()
-        self.tile_bar = QProgressBar()
-        self.tile_bar.setTextVisible(False)  # a busy bar draws no text in most styles
-        tile_row.addWidget(self.tile_label)
-        tile_row.addWidget(self.tile_bar, 1)
-        layout.addLayout(tile_row)
-
-        row = QHBoxLayout()
-        self.usage_label = QLabel("This app: CPU 0%")
-        self.totals_label = QLabel()
-        row.addWidget(self.usage_label)
-        row.addStretch(1)
-        row.addWidget(self.totals_label)
-        layout.addLayout(row)
+        # Top to bottom in the order a glance wants: what this computer helps, what it
+        # does now, what it has given; then the controls and the history. In a scroll
+        # area, so large fonts or 2x scaling scroll instead of clipping.
+        content = QWidget()
+        layout = QVBoxLayout(content)
+        layout.addWidget(self._build_about())
+        layout.addLayout(self._build_state())
+        layout.addWidget(self._build_contribution())
+        layout.addWidget(self._build_details())
 
         self.stats_view: QWidget | None = None
         self.settings_dialog: QWidget | None = None
         if StatsView is not None and self.history is not None:
             try:
-                self.stats_view = StatsView(self.history, central)
+                self.stats_view = StatsView(self.history, content)
                 layout.addWidget(self.stats_view, 1)
             except Exception as exc:
                 log.warning("stats view failed: %s", exc)
                 self.stats_view = None
+        layout.addStretch(0)
 
-        buttons = QHBoxLayout()
-        self.settings_button = QPushButton("Settings…")
+        scroll = QScrollArea(self)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        scroll.setWidget(content)
+        self.setCentralWidget(scroll)
+        self.setTabOrder(self.url_edit, self.join_button)
+        self.setTabOrder(self.join_button, self.settings_button)
+        em = self.fontMetrics().height()  # sizes follow the font, so scaling scales them
+        self.resize(44 * em, (52 if self.stats_view is not None else 32) * em)
+
+    def _build_about(self) -> QGroupBox:
+        box = QGroupBox("What this computer helps")
+        column = QVBoxLayout(box)
+        self.job_name_label = _plain_label(scaled_font(self.font(), 1.35, bold=True))
+        self.job_name_label.setAccessibleName("Training job")
+        self.job_description_label = _plain_label()
+        self.job_description_label.setAccessibleName("Job description")
+        self.job_meta_label = _plain_label()  # "Run by ... · 124 M parameters"
+        self.job_meta_label.setAccessibleName("Who runs the job, and the model's size")
+        self.job_link_label = _plain_label()  # text only: a stranger's link is not clicked
+        self.job_link_label.setAccessibleName("The job's web page")
+        for label in (
+            self.job_name_label,
+            self.job_description_label,
+            self.job_meta_label,
+            self.job_link_label,
+        ):
+            column.addWidget(label)
+        key_row = QHBoxLayout()
+        key_caption = QLabel("Coordinator key:")
+        self.fingerprint_label = _plain_label(wrap=False)
+        self.fingerprint_label.setAccessibleName("Coordinator key")
+        self.fingerprint_label.setToolTip(
+            "The fingerprint of the key this coordinator signs its work with. It is "
+            "remembered at the first join; a different key later stops the app."
+        )
+        key_row.addWidget(key_caption)
+        key_row.addWidget(self.fingerprint_label, 1)
+        column.addLayout(key_row)
+        return box
+
+    def _build_state(self) -> QHBoxLayout:
+        row = QHBoxLayout()
+        self.state_icon_label = QLabel()
+        self.state_icon_label.setAccessibleName("State icon")
+        row.addWidget(self.state_icon_label, 0, Qt.AlignmentFlag.AlignTop)
+        column = QVBoxLayout()
+        self.status_label = _plain_label(scaled_font(self.font(), 1.5, bold=True))
+        self.status_label.setAccessibleName("State")
+        self.limits_label = _plain_label()
+        self.limits_label.setAccessibleName("Limits in force")
+        column.addWidget(self.status_label)
+        column.addWidget(self.limits_label)
+        row.addLayout(column, 1)
+        return row
+
+    def _build_contribution(self) -> QGroupBox:
+        box = QGroupBox("This session")
+        grid = QGridLayout(box)
+        big = scaled_font(self.font(), 1.8, bold=True)
+        self.contribution: dict[str, QLabel] = {}
+        self.contribution_captions: dict[str, QLabel] = {}
+        for col, (key, caption, tip) in enumerate(
+            (
+                ("tiles", "tiles computed", "Pieces of work this computer finished."),
+                (
+                    "verified",
+                    "verified",
+                    "Work the coordinator checked and accepted, from its ledger.",
+                ),
+                ("time", "time computing", "Time spent multiplying matrices."),
+            )
+        ):
+            value = QLabel()
+            value.setFont(big)
+            value.setAlignment(Qt.AlignmentFlag.AlignCenter)
+            value.setAccessibleName(caption.capitalize())
+            value.setToolTip(tip)
+            value.setTextFormat(Qt.TextFormat.PlainText)
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            note = QLabel(caption)
+            note.setAlignment(Qt.AlignmentFlag.AlignCenter)
+            note.setToolTip(tip)
+            note.setWordWrap(True)
+            grid.addWidget(value, 0, col)
+            grid.addWidget(note, 1, col)
+            grid.setColumnStretch(col, 1)
+            self.contribution[key] = value
+            self.contribution_captions[key] = note
+        return box
+
+    def _build_details(self) -> QGroupBox:
+        box = QGroupBox("Connection")
+        form = QFormLayout(box)
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
+        self.url_edit = QLineEdit(self.settings.coordinator_url)
+        self.url_edit.setPlaceholderText("ws://host:8765/ws")
+        self.url_edit.setAccessibleName("Coordinator URL")
+        self.join_button = QPushButton(JOIN_TEXT)
+        self.join_button.setFont(scaled_font(self.font(), 1.25, bold=True))
+        self.join_button.setDefault(True)  # Enter in the URL field joins
+        self.join_button.setAccessibleName("Join or leave the coordinator")
+        self.join_button.clicked.connect(self.toggle_join)
+        url_row = QHBoxLayout()
+        url_row.addWidget(self.url_edit, 1)
+        url_row.addWidget(self.join_button)
+        url_label = QLabel("Coordinator &URL:")
+        url_label.setBuddy(self.url_edit)
+        form.addRow(url_label, url_row)
+        self.url_edit.returnPressed.connect(self._join_from_url)
+
+        # This computer's identity: credit and reputation follow it, and operators see
+        # it next to the name on their dashboard.
+        self.identity_label = _plain_label(wrap=False)
+        self.identity_label.setText(self._identity_text())
+        self.identity_label.setAccessibleName("Your key")
+        form.addRow("Your key:", self.identity_label)
+
+        # A GEMM is one call with no progress of its own: the bar is busy while a tile
+        # computes, and names it.
+        tile_row = QHBoxLayout()
+        self.tile_label = _plain_label(wrap=False)
+        self.tile_bar = QProgressBar()
+        self.tile_bar.setTextVisible(False)  # a busy bar draws no text in most styles
+        self.tile_bar.setAccessibleName("Tile progress")
+        tile_row.addWidget(self.tile_label)
+        tile_row.addWidget(self.tile_bar, 1)
+        form.addRow("Tile:", tile_row)
+
+        usage_row = QHBoxLayout()
+        self.usage_label = QLabel("CPU 0%")
+        self.settings_button = QPushButton("&Settings…")
+        self.settings_button.setAccessibleName("Settings")
         self.settings_button.clicked.connect(self.open_settings)
         self.settings_button.setVisible(SettingsDialog is not None)
-        buttons.addStretch(1)
-        buttons.addWidget(self.settings_button)
-        layout.addLayout(buttons)
-        layout.addStretch(0)
-        self.setCentralWidget(central)
-        self.resize(520, 560 if self.stats_view is not None else 300)
+        usage_row.addWidget(self.usage_label, 1)
+        usage_row.addWidget(self.settings_button)
+        form.addRow("This app:", usage_row)
+        return box
 
     # ---- showing --------------------------------------------------------------------------
 
     def show_status(self, status: WorkerStatus) -> None:
         joined = self.bridge.joined
-        self.status_label.setText(status_line(status))
-        self.status_label.setToolTip(status.detail or status.line)
-        fp = status.coordinator_fingerprint
-        self.fingerprint_label.setText(fp if fp else "not known yet")
+        self._show_about(status)
+        self.status_label.setText(breakable(status_line(status)))
+        self.status_label.setToolTip(html_for_plain(status.detail or status.line))
+        limits = limits_line(status)
+        self.limits_label.setText(limits)
+        self.limits_label.setVisible(bool(limits))
+        look = shown_state(status)
+        side = 2 * self.fontMetrics().height()
+        self.state_icon_label.setPixmap(
+            state_icon(look, ICON_SIZE).pixmap(QSize(side, side), self.devicePixelRatioF())
+        )
         if self.bridge.leaving:
             self.join_button.setText("Leaving…")
             self.join_button.setEnabled(False)
         else:
-            self.join_button.setText("Leave" if joined else "Join")
+            self.join_button.setText(LEAVE_TEXT if joined else JOIN_TEXT)
             self.join_button.setEnabled(True)
         self.url_edit.setEnabled(not joined)
         if status.state == "computing" and status.current_tile:
             self.tile_bar.setRange(0, 0)  # busy
-            self.tile_label.setText(f"Tile {status.current_tile}")
+            self.tile_label.setText(clean_text(status.current_tile, 60))
         else:
             self.tile_bar.setRange(0, 1)
             self.tile_bar.setValue(0)
-            self.tile_label.setText("No tile")
-        self.totals_label.setText(
-            f"{status.tiles_done} tiles computed · {status.credit_tiles} verified"
+            self.tile_label.setText("none")
+        self.contribution["tiles"].setText(format_count(status.tiles_done))
+        self.contribution["verified"].setText(format_gflop(status.credit_gflop))
+        self.contribution_captions["verified"].setText(
+            f"verified ({format_count(status.credit_tiles)} tiles)"
         )
-        self.setWindowIcon(state_icon(shown_state(status)))
+        self.contribution["time"].setText(format_duration(status.compute_s))
+        self.setWindowIcon(state_icon(look))
         self.tray.update_status(status, joined)
         # The stats view records into the history itself; without it, record here so
         # the figures are there once it is back.
@@ -232,11 +379,43 @@ class MainWindow(QMainWindow):
             except Exception as exc:
                 log.warning("could not record history: %s", exc)
 
+    def _show_about(self, status: WorkerStatus) -> None:
+        about = job_about(status)
+        fp = status.coordinator_fingerprint
+        self.fingerprint_label.setText(fp if fp else "not known yet")
+        if not about.name:
+            self.job_name_label.setText("No job yet")
+            self.job_description_label.setText(
+                "Join a coordinator to see the training job this computer helps."
+            )
+            self.job_description_label.show()
+            for label in (self.job_meta_label, self.job_link_label):
+                label.hide()
+            return
+        self.job_name_label.setText(breakable(about.name))
+        # The step is here as well as in the sentence: it stays in view between tiles.
+        meta = " · ".join(
+            part
+            for part in (
+                f"Run by {about.operator}" if about.operator else "",
+                about.size,
+                progress_text(status),
+            )
+            if part
+        )
+        for label, text in (
+            (self.job_description_label, about.description),
+            (self.job_meta_label, meta),
+            (self.job_link_label, about.link),
+        ):
+            label.setText(breakable(text))
+            label.setVisible(bool(text))
+
     def _update_usage(self) -> None:
         # psutil reads /proc (or its equivalents): microseconds, fine on the GUI thread.
         cores = psutil.cpu_count() or 1
         cpu = self._process.cpu_percent(None) / cores
-        text = f"This app: CPU {cpu:.0f}%"
+        text = f"CPU {cpu:.0f}%"
         if self.bridge.status.device == "cuda":
             text += f" · GPU {_gpu_use()}"
         self.usage_label.setText(text)
@@ -247,6 +426,10 @@ class MainWindow(QMainWindow):
         if self.bridge.joined:
             self.leave()
         else:
+            self.join()
+
+    def _join_from_url(self) -> None:
+        if not self.bridge.joined:
             self.join()
 
     def join(self) -> None:
@@ -286,10 +469,15 @@ class MainWindow(QMainWindow):
         if self.settings_dialog is not None and self.settings_dialog.isVisible():
             self.settings_dialog.raise_()
             return
+        gpu = gpu_available()
         dialog = SettingsDialog(
             self.current_settings(),
             device_name=device_name(),
-            gpu_available=gpu_available(),
+            gpu_available=gpu,
+            cpu_temperature_missing=thermal.cpu_sensor_missing(thermal.cpu_temperature_source()),
+            gpu_temperature_missing=thermal.gpu_sensor_missing(
+                thermal.gpu_temperature_source(), gpu
+            ),
             parent=self,
         )
         dialog.settings_changed.connect(self.apply_settings)

@@ -1,9 +1,10 @@
 """The settings dialog: every owner limit, applied live (no Apply button, no restart).
 
 Each valid change emits ``settings_changed`` with a complete new ``WorkerSettings``;
-whoever owns the worker applies it (``WorkerCore.set_threads`` and friends) and saves
-it. Invalid input (a malformed schedule) shows an inline error and emits nothing, so
-the worker never sees settings that ``WorkerSettings`` would refuse.
+whoever owns the worker applies it (the policy runner picks the in-use or idle limits)
+and saves it. Invalid input (a malformed schedule) shows an inline error and emits
+nothing, so the worker never sees settings that ``WorkerSettings`` would refuse. A
+temperature limit that cannot apply here (no sensor) is greyed out, the reason beside it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from client_app.policy import Schedule, Snooze, format_until
 MIN_CPU_PERCENT = 10  # below this a tile's rest would outlast any coordinator deadline
 MAX_BANDWIDTH_KBPS = 1_000_000  # ~1 GB/s: beyond any home link, so effectively a cap-free max
 ERROR_STYLE = "color: #b00020;"
+MIN_TEMP_C, MAX_TEMP_C = 20, 120  # what WorkerSettings accepts for a temperature limit
 
 
 class SettingsDialog(QDialog):
@@ -53,12 +55,18 @@ class SettingsDialog(QDialog):
         *,
         device_name: str,
         gpu_available: bool,
+        cpu_temperature_missing: str = "",
+        gpu_temperature_missing: str = "",
         parent: QWidget | None = None,
     ) -> None:
+        """``*_temperature_missing``: why that temperature cannot be read here
+        (``client_app.thermal.*_sensor_missing``); "" where a sensor exists."""
         super().__init__(parent)
         self.setWindowTitle("Cleave settings")
         self._settings = settings
         self._gpu_available = gpu_available
+        self._cpu_temperature_missing = cpu_temperature_missing
+        self._gpu_temperature_missing = gpu_temperature_missing
         # Injectable for tests: the clock for snooze, and what "start at login" runs.
         self.now: Callable[[], datetime] = datetime.now
         self.autostart_command: Callable[[], Sequence[str]] = autostart.app_command
@@ -67,6 +75,7 @@ class SettingsDialog(QDialog):
         layout.addWidget(self._build_cpu_box())
         layout.addWidget(self._build_gpu_box(device_name))
         layout.addWidget(self._build_when_box())
+        layout.addWidget(self._build_temperature_box())
         layout.addWidget(self._build_limits_box())
         layout.addWidget(self._build_pool_box())
         layout.addWidget(self._build_startup_box())
@@ -96,7 +105,6 @@ class SettingsDialog(QDialog):
             "Fewer leaves more for your own programs."
         )
         self.threads.valueChanged.connect(lambda v: self._change(threads=v))
-        form.addRow("CPU threads:", self.threads)
 
         percent = max(MIN_CPU_PERCENT, min(100, self._settings.cpu_percent))
         self.cpu_slider = QSlider(Qt.Orientation.Horizontal)
@@ -112,6 +120,7 @@ class SettingsDialog(QDialog):
         )
         self.cpu_slider.setToolTip(tip)
         self.cpu_percent.setToolTip(tip)
+        self.cpu_slider.setAccessibleName("CPU time while idle")
         # Slider and spin box mirror each other; only the spin box emits.
         self.cpu_slider.valueChanged.connect(self.cpu_percent.setValue)
         self.cpu_percent.valueChanged.connect(self.cpu_slider.setValue)
@@ -119,7 +128,41 @@ class SettingsDialog(QDialog):
         row = QHBoxLayout()
         row.addWidget(self.cpu_slider, 1)
         row.addWidget(self.cpu_percent)
-        form.addRow("CPU time:", row)
+        row.addWidget(QLabel("threads"))
+        row.addWidget(self.threads)
+        form.addRow("When the computer is idle: CPU time", row)
+
+        s = self._settings
+        self.in_use_cpu_percent = QSpinBox()
+        self.in_use_cpu_percent.setRange(0, 100)
+        self.in_use_cpu_percent.setSingleStep(10)
+        self.in_use_cpu_percent.setSuffix(" %")
+        self.in_use_cpu_percent.setSpecialValueText("Pause")  # shown for 0
+        # Typing "5" on the way to "50" must not emit 5 %; the value counts once the
+        # field is left or Enter is pressed (the arrows still count at once).
+        self.in_use_cpu_percent.setKeyboardTracking(False)
+        self.in_use_cpu_percent.setValue(s.in_use_cpu_percent)
+        self.in_use_cpu_percent.setToolTip(
+            "The share of time Cleave computes while you use the computer. "
+            f"0: pause while you use it. Between 1 and {MIN_CPU_PERCENT - 1} % counts as "
+            f"{MIN_CPU_PERCENT} %: less would leave a piece of work unfinished for too long."
+        )
+        self.in_use_cpu_percent.valueChanged.connect(self._on_in_use_cpu_percent)
+        self.in_use_threads = QSpinBox()
+        self.in_use_threads.setRange(0, cores)
+        self.in_use_threads.setSpecialValueText("Same")  # shown for 0
+        self.in_use_threads.setValue(min(s.in_use_threads, cores))
+        self.in_use_threads.setToolTip(
+            "How many processor threads Cleave may use while you use the computer. "
+            "Same: as many as when it is idle."
+        )
+        self.in_use_threads.valueChanged.connect(lambda v: self._change(in_use_threads=v))
+        row = QHBoxLayout()
+        row.addWidget(self.in_use_cpu_percent)
+        row.addWidget(QLabel("threads"))
+        row.addWidget(self.in_use_threads)
+        row.addStretch(1)
+        form.addRow("While I use the computer: CPU time", row)
         return box
 
     def _build_gpu_box(self, device_name: str) -> QGroupBox:
@@ -227,6 +270,72 @@ class SettingsDialog(QDialog):
         form.addRow("Snooze:", row)
         return box
 
+    def _build_temperature_box(self) -> QGroupBox:
+        box = QGroupBox("Temperature")
+        form = QFormLayout(box)
+        s = self._settings
+        self.max_cpu_temp, self.cpu_temp_reason = self._temperature_field(
+            "CPU", s.max_cpu_temp_c, self._cpu_temperature_missing, "max_cpu_temp_c"
+        )
+        self.max_gpu_temp, self.gpu_temp_reason = self._temperature_field(
+            "GPU", s.max_gpu_temp_c, self._gpu_temperature_missing, "max_gpu_temp_c"
+        )
+        self.temp_hysteresis = QSpinBox()
+        self.temp_hysteresis.setRange(1, 30)
+        self.temp_hysteresis.setSuffix(" °C")
+        self.temp_hysteresis.setValue(round(s.temp_hysteresis_c))
+        self.temp_hysteresis.setToolTip(
+            "After a pause for heat, compute again once the temperature is this far "
+            "below the limit, so that Cleave does not switch on and off at the limit."
+        )
+        self.temp_hysteresis.valueChanged.connect(
+            lambda v: self._change(temp_hysteresis_c=float(v))
+        )
+        row = QHBoxLayout()
+        row.addWidget(QLabel("CPU"))
+        row.addWidget(self.max_cpu_temp)
+        row.addWidget(QLabel("GPU"))
+        row.addWidget(self.max_gpu_temp)
+        row.addWidget(QLabel("resume"))
+        row.addWidget(self.temp_hysteresis)
+        row.addWidget(QLabel("below"))
+        row.addStretch(1)
+        form.addRow("Pause above:", row)
+        form.addRow("", self.cpu_temp_reason)
+        form.addRow("", self.gpu_temp_reason)
+        return box
+
+    def _temperature_field(
+        self, part: str, value: float, missing: str, field: str
+    ) -> tuple[QSpinBox, QLabel]:
+        """A limit in °C ("Off" for none) and the label saying why it is greyed out."""
+        spin = QSpinBox()
+        spin.setRange(MIN_TEMP_C - 1, MAX_TEMP_C)  # the minimum shows as "Off": 0, no limit
+        spin.setSpecialValueText("Off")
+        spin.setSuffix(" °C")
+        spin.setKeyboardTracking(False)  # "9" on the way to "90" is no limit to apply
+        spin.setValue(round(value) if value else MIN_TEMP_C - 1)
+        spin.setAccessibleName(f"{part} temperature limit")
+        reason = QLabel()
+        reason.setWordWrap(True)
+        reason.setEnabled(False)  # greyed, like the field it explains
+        if missing:
+            spin.setEnabled(False)
+            spin.setToolTip(f"Not available: {missing}.")
+            reason.setText(f"{part} limit not available: {missing}.")
+        else:
+            spin.setToolTip(
+                f"Pause when the {part} is hotter than this; Off: no limit. A cooler "
+                "machine is quieter and lasts longer."
+            )
+            reason.hide()
+
+        def changed(v: int) -> None:
+            self._change(**{field: 0.0 if v < MIN_TEMP_C else float(v)})
+
+        spin.valueChanged.connect(changed)
+        return spin, reason
+
     def _build_limits_box(self) -> QGroupBox:
         box = QGroupBox("Limits")
         form = QFormLayout(box)
@@ -315,8 +424,23 @@ class SettingsDialog(QDialog):
     def _sync_enabled(self) -> None:
         s = self._settings
         self.gpu_only_when_free.setEnabled(self._gpu_available and s.use_gpu)
-        self.idle_threshold.setEnabled(s.idle_only)
-        self.idle_minutes.setEnabled(s.idle_only)
+        # "Idle" matters to computing only while idle and to in-use limits of their own.
+        idle_matters = s.idle_only or s.in_use_cpu_percent < 100 or s.in_use_threads > 0
+        self.idle_threshold.setEnabled(idle_matters)
+        self.idle_minutes.setEnabled(idle_matters)
+        # Computing only while idle leaves nothing for the in-use limits to govern.
+        self.in_use_cpu_percent.setEnabled(not s.idle_only)
+        self.in_use_threads.setEnabled(not s.idle_only and s.in_use_cpu_percent > 0)
+        limited = (s.max_cpu_temp_c and not self._cpu_temperature_missing) or (
+            s.max_gpu_temp_c and not self._gpu_temperature_missing
+        )
+        self.temp_hysteresis.setEnabled(bool(limited))
+
+    def _on_in_use_cpu_percent(self, value: int) -> None:
+        if 0 < value < MIN_CPU_PERCENT:
+            self.in_use_cpu_percent.setValue(MIN_CPU_PERCENT)  # emits again, with 10
+            return
+        self._change(in_use_cpu_percent=value)
 
     def _on_schedule(self, text: str) -> None:
         try:

@@ -14,6 +14,7 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
 from client_app.gui.charts import DailyChart, ThroughputChart
+from client_app.gui.units import format_bytes, format_duration, format_gflop
 from client_app.history import History, Totals
 from client_app.status import WorkerStatus
 
@@ -30,40 +31,10 @@ ROWS: tuple[tuple[str, str, str], ...] = (
         "From the coordinator's ledger: tiles (and their GFLOP) that the coordinator "
         "checked and accepted. It can trail tiles computed by a few seconds.",
     ),
-    ("compute", "Compute time", "Time spent multiplying matrices."),
+    ("compute", "Time computing", "Time spent multiplying matrices for the coordinator."),
     ("received", "Data received", "Everything downloaded from the coordinator."),
     ("sent", "Data sent", "Everything uploaded to the coordinator."),
 )
-
-
-def format_duration(seconds: float) -> str:
-    """h:mm:ss; hours keep counting past a day (``27:03:09``)."""
-    total = max(0, int(seconds))
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as download sizes are usually shown: 999 B, 1.2 kB, 3.4 GB."""
-    if n < 1000:
-        return f"{int(n)} B"
-    value = float(n)
-    for unit in ("kB", "MB", "GB", "TB", "PB"):
-        value /= 1000
-        if value < 999.5 or unit == "PB":
-            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def format_gflop(gflop: float) -> str:
-    """GFLOP up to a thousand, then TFLOP and PFLOP, three significant digits."""
-    for limit, unit in ((1e6, "PFLOP"), (1e3, "TFLOP")):
-        if gflop >= limit:
-            return f"{gflop / limit:,.3g} {unit}"
-    if gflop == 0:
-        return "0 GFLOP"
-    return f"{gflop:.3g} GFLOP" if gflop < 100 else f"{gflop:.0f} GFLOP"
 
 
 def format_credit(tiles: int, gflop: float) -> str:

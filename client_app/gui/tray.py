@@ -7,14 +7,36 @@ window and tests can use one code path.
 
 from __future__ import annotations
 
+import sys
+
 from PySide6.QtCore import QObject, QPointF, QRectF, Qt, Signal
 from PySide6.QtGui import QAction, QBrush, QColor, QIcon, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon
 
-from client_app.gui.status_text import STATE_COLOURS, shown_state, status_line
+from client_app.gui.status_text import (
+    NOT_JOINED,
+    STATE_COLOURS,
+    html_for_plain,
+    shown_state,
+    tray_tooltip,
+)
 from client_app.status import WorkerStatus
 
 ICON_SIZE = 64
+
+
+def icon_tooltip(text: str, platform: str | None = None) -> str:
+    """``text`` as the tray icon must be given it to show it literally.
+
+    Windows and macOS show tray tooltips as plain text. Elsewhere Qt (an XEmbed tray)
+    or the desktop (StatusNotifierItem) guesses whether a tooltip is HTML, and a job
+    name is the coordinator's text: as escaped HTML it shows exactly the characters it
+    was sent, "<b>" included.
+    """
+    plat = sys.platform if platform is None else platform
+    if plat.startswith(("win", "darwin")):
+        return text
+    return html_for_plain(text)
 
 
 def state_icon(state: str, size: int = ICON_SIZE) -> QIcon:
@@ -74,12 +96,13 @@ class Tray(QObject):
         self.menu.addAction(self.open_action)
         self.menu.addAction(self.quit_action)
         self.state = "stopped"
+        self.tooltip = tray_tooltip(NOT_JOINED)  # plain text: what the icon's tooltip says
         self.icon: QSystemTrayIcon | None = None
         if QSystemTrayIcon.isSystemTrayAvailable():
             self.icon = QSystemTrayIcon(state_icon(self.state), self)
             self.icon.setContextMenu(self.menu)
             self.icon.activated.connect(self._on_activated)
-            self.icon.setToolTip("Cleave: not joined")
+            self.icon.setToolTip(icon_tooltip(self.tooltip))
             self.icon.show()
 
     @property
@@ -90,9 +113,10 @@ class Tray(QObject):
     def update_status(self, status: WorkerStatus, joined: bool) -> None:
         self.state = shown_state(status)
         self.join_action.setText("Leave" if joined else "Join")
+        self.tooltip = tray_tooltip(status)
         if self.icon is not None:
             self.icon.setIcon(state_icon(self.state))
-            self.icon.setToolTip(f"Cleave: {status_line(status)}")
+            self.icon.setToolTip(icon_tooltip(self.tooltip))
 
     def _on_activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
         if reason == QSystemTrayIcon.ActivationReason.Trigger:
