@@ -4,6 +4,11 @@ lines, and settings that survive a restart. Qt runs offscreen (conftest.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -18,13 +23,18 @@ pytest.importorskip("pytestqt")
 
 from procs import Coordinator, Worker, assert_losses_match  # noqa: E402
 from PySide6.QtCore import QEventLoop, Qt, QTimer  # noqa: E402
-from PySide6.QtGui import QKeySequence  # noqa: E402
+from PySide6.QtGui import QImage, QKeySequence  # noqa: E402
 from PySide6.QtWidgets import QApplication, QLabel, QScrollArea  # noqa: E402
 from pytestqt.qtbot import QtBot  # noqa: E402
 from test_worker_loopback import PROFILE, FakeCoordinator, operands  # noqa: E402
 
 from client_app.compute import TileComputer  # noqa: E402
-from client_app.config import WorkerSettings, config_dir  # noqa: E402
+from client_app.config import (  # noqa: E402
+    IDENTITY_FILE,
+    WorkerSettings,
+    config_dir,
+    load_identity,
+)
 from client_app.gui import app as gui_app  # noqa: E402
 from client_app.gui.bridge import PauseGate, WorkerBridge  # noqa: E402
 from client_app.gui.main_window import MainWindow  # noqa: E402
@@ -582,3 +592,59 @@ def test_a_real_coordinators_job_and_step_reach_the_window_and_tray(
     finally:
         leave_and_wait(qtbot, window)
         coord.kill()
+
+
+# ---- (f) the same look offscreen and under a real X server, at 1x and 2x ------------------
+
+PROBE = Path(__file__).resolve().parent / "window_probe.py"
+
+
+def _probe(platform: str, scale: int, picture: Path) -> dict[str, Any]:
+    env = {**os.environ, "QT_QPA_PLATFORM": platform, "QT_SCALE_FACTOR": str(scale)}
+    # A config directory of its own (its history starts empty), all with one worker key.
+    config = picture.with_suffix("")
+    config.mkdir()
+    shutil.copyfile(picture.parent / IDENTITY_FILE, config / IDENTITY_FILE)
+    env["CLEAVE_CONFIG_DIR"] = str(config)
+    cmd = [sys.executable, str(PROBE), str(picture)]
+    if platform == "xcb":  # a real X server of its own, gone when the probe exits
+        cmd = ["xvfb-run", "-a", "-s", "-screen 0 2560x1600x24", *cmd]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, check=False)
+    if platform == "xcb" and "Could not load the Qt platform plugin" in done.stderr:
+        pytest.skip(f"Qt's xcb plugin does not load here: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _pixels(path: Path) -> Any:
+    import numpy as np
+
+    image = QImage(str(path)).convertToFormat(QImage.Format.Format_RGB32)
+    rows = np.frombuffer(image.constBits(), dtype=np.uint8).reshape(
+        image.height(), image.bytesPerLine()
+    )
+    return np.array(rows[:, : image.width() * 4])  # a copy: the image's buffer goes
+
+
+@pytest.mark.skipif(shutil.which("xvfb-run") is None, reason="needs xvfb-run (apt install xvfb)")
+@pytest.mark.timeout(300)
+def test_the_window_looks_the_same_offscreen_and_under_x_at_1x_and_2x(tmp_path: Path) -> None:
+    load_identity(tmp_path)  # the worker key every probe shows
+    seen: dict[tuple[str, int], dict[str, Any]] = {}
+    for platform in ("offscreen", "xcb"):
+        for scale in (1, 2):
+            seen[platform, scale] = _probe(platform, scale, tmp_path / f"{platform}{scale}.png")
+    for (platform, scale), shown in seen.items():
+        assert shown["platform"] == platform and shown["pixel_ratio"] == scale, shown
+        assert shown["cut_off"] == [], (platform, scale, shown["cut_off"])
+        # Scaling enlarges the window's pixels, not its layout: every text is there.
+        assert shown["texts"] == seen["offscreen", 1]["texts"], (platform, scale)
+        assert shown["size"] == seen["offscreen", 1]["size"], (platform, scale)
+    for scale in (1, 2):
+        offscreen = _pixels(tmp_path / f"offscreen{scale}.png")
+        x11 = _pixels(tmp_path / f"xcb{scale}.png")
+        width, height = seen["offscreen", 1]["size"]
+        assert offscreen.shape == x11.shape == (height * scale, width * scale * 4)
+        # The same fonts and style draw the same picture; a caret or a busy bar's phase
+        # may differ in a few pixels.
+        assert (offscreen != x11).mean() < 0.02, scale

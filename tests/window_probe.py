@@ -1,0 +1,87 @@
+"""Lay out the app's main window with a job on show and print what a person would see,
+as JSON: the Qt platform, the scale, the window's size, and every visible label's text
+and whether it is cut off. Run under a platform (offscreen, or xcb on an X server) and a
+``QT_SCALE_FACTOR`` chosen by the caller (tests/test_gui_app.py), in a process of its own
+because both are fixed when Qt starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout, uninstalled
+
+from PySide6.QtWidgets import QApplication, QLabel, QPushButton  # noqa: E402
+
+from client_app.config import WorkerSettings  # noqa: E402
+from client_app.status import WorkerStatus  # noqa: E402
+
+STATUS = WorkerStatus(
+    state="computing",
+    line="Computing tile t-7",
+    coordinator_url="ws://coordinator.example.org:8765/ws",
+    coordinator_fingerprint="3f9a-c1e2-77b0-94d5-0a6e-51b8-d2f4-8c03",
+    current_tile="t-7",
+    tiles_done=557,
+    compute_s=42.0,
+    credit_tiles=550,
+    credit_gflop=2.5,
+    threads=2,
+    cpu_percent=70,
+    limits_mode="idle",
+    job_name="tiny_gpt",
+    job_description="A small GPT-style model learning to write like Shakespeare. " * 4,
+    job_operator="Ada's lab",
+    job_link="https://example.org/cleave/tiny-gpt",
+    job_parameters=124_000_000,
+    job_step=1_204,
+    job_steps=5_000,
+)
+
+
+def cut_off(widget: QLabel | QPushButton) -> bool:
+    """Narrower (or, wrapping, shorter) than its text needs."""
+    wraps = isinstance(widget, QLabel) and widget.wordWrap()
+    hint = widget.minimumSizeHint() if wraps else widget.sizeHint()
+    if widget.width() < hint.width():
+        return True
+    return wraps and widget.height() < widget.heightForWidth(widget.width()) - 1
+
+
+def main() -> int:
+    # The caller's directory, so that every probe shows the same worker key.
+    os.environ.setdefault("CLEAVE_CONFIG_DIR", tempfile.mkdtemp(prefix="cleave-probe-"))
+    app = QApplication(sys.argv[:1])
+    from client_app.gui.main_window import MainWindow
+
+    window = MainWindow(WorkerSettings(), Path(os.environ["CLEAVE_CONFIG_DIR"]))
+    window.show_status(STATUS)
+    window.show()
+    for _ in range(5):
+        app.processEvents()
+    picture = window.grab()  # lays everything out, as painting would
+    if len(sys.argv) > 1:
+        picture.save(sys.argv[1])  # device pixels: twice the size at a scale of 2
+    widgets: list[QLabel | QPushButton] = [*window.findChildren(QLabel)]
+    widgets += window.findChildren(QPushButton)
+    shown = [w for w in widgets if w.isVisibleTo(window) and w.text()]
+    print(
+        json.dumps(
+            {
+                "platform": app.platformName(),
+                "pixel_ratio": window.devicePixelRatio(),
+                "size": [window.width(), window.height()],
+                "texts": sorted(w.text() for w in shown),
+                "cut_off": sorted(w.text() for w in shown if cut_off(w)),
+            }
+        )
+    )
+    window.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
