@@ -28,7 +28,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 HOSTILE_NAME = "<img src=x onerror=\"document.title='owned'\">eve"
 # The operator's own description may hold markup too (pasted from a web page): text.
-DESCRIPTION = "Sonnets, <b>one</b> character at a time <img src=y onerror=alert(1)>"
+DESCRIPTION = (
+    "A small GPT learning Shakespeare's sonnets, one character at a time. "
+    "Markup such as <b>this</b> or <img src=y onerror=alert(1)> shows as typed."
+)
 
 pytestmark = [
     pytest.mark.e2e,
