@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -42,38 +42,11 @@ TOKEN_ENV = "CLEAVE_JOIN_TOKEN"  # keeps the token out of `ps` listings
 log = logging.getLogger("client_app.cli")
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
-    return value
-
-
-def _window(text: str) -> int:
-    value = _positive_int(text)
-    if value > MAX_WINDOW:
-        raise argparse.ArgumentTypeError(f"must be <= {MAX_WINDOW}, not {value}")
-    return value
-
-
-def _cpu_percent(text: str) -> int:
-    value = _positive_int(text)
-    if value > 100:
-        raise argparse.ArgumentTypeError(f"must be <= 100, not {value}")
-    return value
-
-
-def _in_use_cpu_percent(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be in [0, 100], not {value}")
-    return value
 
 
 def _number(text: str) -> float:
@@ -83,17 +56,41 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], not {value}")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse type: a number in [lo, hi]."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}], not {text}")
+        return value
+
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
-    return value
-
-
-def _percent(text: str) -> float:
-    value = _number(text)
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be in [0, 100], not {text}")
     return value
 
 
@@ -103,13 +100,6 @@ def _temperature_limit(text: str) -> float:
     # 120 °C the hardware has shut itself down long before.
     if not (value == 0 or 20 <= value <= 120):
         raise argparse.ArgumentTypeError(f"must be 0 (no limit) or in [20, 120], not {text}")
-    return value
-
-
-def _hysteresis(text: str) -> float:
-    value = _number(text)
-    if not 1 <= value <= 30:
-        raise argparse.ArgumentTypeError(f"must be in [1, 30], not {text}")
     return value
 
 
@@ -147,7 +137,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cpu-percent",
-        type=_cpu_percent,
+        type=_int_in(1, 100),
         metavar="P",
         help="compute at most P%% of the time, resting between tiles (1-100; default 100)",
     )
@@ -173,7 +163,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--window",
-        type=_window,
+        type=_int_in(1, MAX_WINDOW),
         metavar="N",
         help="tiles to hold at once (default 2: one computing while the next arrives)",
     )
@@ -188,7 +178,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--idle-threshold",
-        type=_percent,
+        type=_float_in(0, 100),
         metavar="PERCENT",
         help="other programs' CPU below this counts as idle (default 25)",
     )
@@ -211,7 +201,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--in-use-cpu-percent",
-        type=_in_use_cpu_percent,
+        type=_int_in(0, 100),
         metavar="P",
         help="while someone uses this machine (see --idle-threshold/--idle-minutes), "
         "compute at most P%% of the time "
@@ -238,7 +228,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--temp-hysteresis",
-        type=_hysteresis,
+        type=_float_in(1, 30),
         metavar="C",
         help="after a temperature pause, resume C °C below the limit (1-30; default 5)",
     )

@@ -26,6 +26,7 @@ from PySide6.QtCore import QEventLoop, Qt, QTimer  # noqa: E402
 from PySide6.QtGui import QImage, QKeySequence  # noqa: E402
 from PySide6.QtWidgets import QApplication, QLabel, QScrollArea  # noqa: E402
 from pytestqt.qtbot import QtBot  # noqa: E402
+from sample_status import JOB_STATUS  # noqa: E402
 from test_worker_loopback import PROFILE, FakeCoordinator, operands  # noqa: E402
 
 from client_app.compute import TileComputer  # noqa: E402
@@ -362,28 +363,6 @@ def test_join_saves_a_name_and_a_bad_url_says_why(qtbot: QtBot) -> None:
 
 
 # ---- (e) the window reads at a glance: the job, the sentence, the contribution -------------
-
-JOB_STATUS = WorkerStatus(
-    state="computing",
-    line="Computing tile t-7",
-    coordinator_url="ws://h/ws",
-    coordinator_fingerprint="3f9a-c1e2-77b0-94d5-0a6e-51b8-d2f4-8c03",
-    current_tile="t-7",
-    tiles_done=557,
-    compute_s=0.4,  # 557 tiles of under a millisecond each
-    credit_tiles=550,
-    credit_gflop=2.5,
-    threads=1,
-    cpu_percent=30,
-    limits_mode="in use",
-    job_name="tiny_gpt",
-    job_description="A small GPT-style model learning Shakespeare's sonnets.",
-    job_operator="Ada's lab",
-    job_link="https://example.org/tiny",
-    job_parameters=124_000_000,
-    job_step=1_204,
-    job_steps=5_000,
-)
 
 
 def test_window_shows_the_job_the_sentence_and_the_contribution(qtbot: QtBot) -> None:

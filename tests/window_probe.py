@@ -15,31 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout, uninstalled
 
 from PySide6.QtWidgets import QApplication, QLabel, QPushButton  # noqa: E402
+from sample_status import JOB_STATUS  # noqa: E402
 
 from client_app.config import WorkerSettings  # noqa: E402
-from client_app.status import WorkerStatus  # noqa: E402
-
-STATUS = WorkerStatus(
-    state="computing",
-    line="Computing tile t-7",
-    coordinator_url="ws://coordinator.example.org:8765/ws",
-    coordinator_fingerprint="3f9a-c1e2-77b0-94d5-0a6e-51b8-d2f4-8c03",
-    current_tile="t-7",
-    tiles_done=557,
-    compute_s=42.0,
-    credit_tiles=550,
-    credit_gflop=2.5,
-    threads=2,
-    cpu_percent=70,
-    limits_mode="idle",
-    job_name="tiny_gpt",
-    job_description="A small GPT-style model learning to write like Shakespeare. " * 4,
-    job_operator="Ada's lab",
-    job_link="https://example.org/cleave/tiny-gpt",
-    job_parameters=124_000_000,
-    job_step=1_204,
-    job_steps=5_000,
-)
 
 
 def cut_off(widget: QLabel | QPushButton) -> bool:
@@ -58,7 +36,7 @@ def main() -> int:
     from client_app.gui.main_window import MainWindow
 
     window = MainWindow(WorkerSettings(), Path(os.environ["CLEAVE_CONFIG_DIR"]))
-    window.show_status(STATUS)
+    window.show_status(JOB_STATUS)
     window.show()
     for _ in range(5):
         app.processEvents()
