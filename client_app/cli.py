@@ -204,14 +204,15 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         type=_int_in(0, 100),
         metavar="P",
         help="while someone uses this machine (see --idle-threshold/--idle-minutes), "
-        "compute at most P%% of the time "
+        "compute at most P%% of the time, never more than --cpu-percent "
         "(0-100; 0 pauses, like --idle-only; default 100)",
     )
     policy.add_argument(
         "--in-use-threads",
         type=_positive_int,
         metavar="N",
-        help="while someone uses this machine, use at most N CPU threads (default: --threads)",
+        help="while someone uses this machine, use at most N CPU threads, never more than "
+        "--threads (default: --threads)",
     )
     policy.add_argument(
         "--max-cpu-temp",

@@ -382,9 +382,15 @@ class PolicyConfig:
         )
 
     def limits(self, *, idle: bool) -> Limits:
+        """The in-use limits only ever tighten the idle ones: the lower of each applies.
+        So the defaults (100%, the same threads) keep an owner's CPU-time limit in force
+        while they use the computer, which is when it matters most."""
         if idle:
             return Limits(self.cpu_percent, self.threads, MODE_IDLE)
-        return Limits(self.in_use_cpu_percent, self.in_use_threads or self.threads, MODE_IN_USE)
+        threads = self.in_use_threads or self.threads
+        if self.threads:
+            threads = min(threads, self.threads)
+        return Limits(min(self.in_use_cpu_percent, self.cpu_percent), threads, MODE_IN_USE)
 
 
 @dataclass(frozen=True)

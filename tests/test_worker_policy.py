@@ -665,3 +665,19 @@ def test_policy_config_maps_the_in_use_limits() -> None:
     assert config.limits(idle=False) == Limits(20, 1, MODE_IN_USE)
     same_threads = policy_config(WorkerSettings(threads=3))
     assert same_threads.limits(idle=False) == Limits(100, 3, MODE_IN_USE)
+
+
+def test_in_use_limits_only_tighten_the_idle_ones() -> None:
+    # An owner who limited the CPU time before in-use limits existed keeps that limit
+    # while using the computer: the in-use defaults (100%, same threads) loosen nothing.
+    older = policy_config(WorkerSettings(cpu_percent=50, threads=2))
+    assert older.limits(idle=False) == Limits(50, 2, MODE_IN_USE)
+    assert older.limits(idle=True) == Limits(50, 2, MODE_IDLE)
+    looser = policy_config(
+        WorkerSettings(cpu_percent=40, threads=2, in_use_cpu_percent=90, in_use_threads=8)
+    )
+    assert looser.limits(idle=False) == Limits(40, 2, MODE_IN_USE)
+    tighter = policy_config(
+        WorkerSettings(cpu_percent=80, threads=4, in_use_cpu_percent=25, in_use_threads=1)
+    )
+    assert tighter.limits(idle=False) == Limits(25, 1, MODE_IN_USE)

@@ -143,9 +143,10 @@ class SettingsDialog(QDialog):
         self.in_use_cpu_percent.setKeyboardTracking(False)
         self.in_use_cpu_percent.setValue(s.in_use_cpu_percent)
         self.in_use_cpu_percent.setToolTip(
-            "The share of time Cleave computes while you use the computer. "
-            f"0: pause while you use it. Between 1 and {MIN_CPU_PERCENT - 1} % counts as "
-            f"{MIN_CPU_PERCENT} %: less would leave a piece of work unfinished for too long."
+            "The share of time Cleave computes while you use the computer, never more "
+            "than when it is idle. 0: pause while you use it. Between 1 and "
+            f"{MIN_CPU_PERCENT - 1} % counts as {MIN_CPU_PERCENT} %: less would leave a "
+            "piece of work unfinished for too long."
         )
         self.in_use_cpu_percent.valueChanged.connect(self._on_in_use_cpu_percent)
         self.in_use_threads = QSpinBox()
@@ -153,8 +154,8 @@ class SettingsDialog(QDialog):
         self.in_use_threads.setSpecialValueText("Same")  # shown for 0
         self.in_use_threads.setValue(min(s.in_use_threads, cores))
         self.in_use_threads.setToolTip(
-            "How many processor threads Cleave may use while you use the computer. "
-            "Same: as many as when it is idle."
+            "How many processor threads Cleave may use while you use the computer, never "
+            "more than when it is idle. Same: as many as when it is idle."
         )
         self.in_use_threads.valueChanged.connect(lambda v: self._change(in_use_threads=v))
         row = QHBoxLayout()
