@@ -249,14 +249,21 @@ def test_cancel_mid_run_raises_step_cancelled(gpt: Any) -> None:
 def test_cancel_set_from_another_thread_while_waiting(gpt: Any) -> None:
     _, traced, flat, _ = gpt
     cancel = threading.Event()
-    offload = SilentOffload()
-    timer = threading.Timer(0.05, cancel.set)
-    timer.start()
-    try:
-        with pytest.raises(StepCancelled):
-            DataflowExecutor(offload, poll_s=0.01).run(traced, flat, cancel)
-    finally:
-        timer.cancel()
+    offloaded = threading.Event()
+    offload = SilentOffload(on_start=lambda count: offloaded.set())
+
+    def cancel_once_waiting() -> None:
+        # Once a GEMM is out (and never answered) the executor can only wait for it;
+        # a fixed delay instead could fire before the first GEMM on a loaded machine.
+        if offloaded.wait(60):
+            time.sleep(0.05)
+        cancel.set()
+
+    canceller = threading.Thread(target=cancel_once_waiting, daemon=True)
+    canceller.start()
+    with pytest.raises(StepCancelled):
+        DataflowExecutor(offload, poll_s=0.01).run(traced, flat, cancel)
+    canceller.join(5)
     assert offload.count >= 1
 
 

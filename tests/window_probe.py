@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout, uninstalled
@@ -36,7 +37,8 @@ def main() -> int:
     from client_app.gui.main_window import MainWindow
 
     window = MainWindow(WorkerSettings(), Path(os.environ["CLEAVE_CONFIG_DIR"]))
-    window.show_status(JOB_STATUS)
+    # No tile in progress: a busy bar's animation would draw differently in each run.
+    window.show_status(replace(JOB_STATUS, current_tile=""))
     window.show()
     for _ in range(5):
         app.processEvents()
