@@ -15,8 +15,10 @@ from __future__ import annotations
 import enum
 import importlib
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 BUSY_UTILIZATION_PERCENT = 10  # GPU busier than this with other programs' work is "busy"
 
@@ -51,11 +53,30 @@ def classify(
     return GpuUse.FREE
 
 
-def _load_nvml() -> Any | None:
+def load_nvml() -> Any | None:
+    """The ``pynvml`` module, or None where nvidia-ml-py is not installed."""
     try:
         return importlib.import_module("pynvml")
     except ImportError:
         return None
+
+
+def ask_nvml(lib: Any, question: Callable[[Any], T]) -> T | None:
+    """``question(lib)`` between NVML's init and shutdown; None if any NVML call fails
+    (no driver, no NVIDIA GPU, a query the device does not support)."""
+    try:
+        lib.nvmlInit()
+    except Exception:  # NVMLError: the library has no base class to catch
+        return None
+    try:
+        return question(lib)
+    except Exception:  # NVMLError_NotSupported and friends: say so rather than guess
+        return None
+    finally:
+        try:
+            lib.nvmlShutdown()
+        except Exception:  # shutting down a half-initialized library must not mask the answer
+            pass
 
 
 def query_nvidia(
@@ -70,24 +91,20 @@ def query_nvidia(
     Only compute contexts count as other programs' use: graphics contexts include the
     desktop itself, which would make the GPU look busy forever.
     """
-    lib = nvml if nvml is not None else _load_nvml()
+    lib = nvml if nvml is not None else load_nvml()
     if lib is None:
         return GpuUse.UNKNOWN
     me = os.getpid() if own_pid is None else own_pid
-    try:
-        lib.nvmlInit()
-    except Exception:  # NVMLError: no driver, no NVIDIA GPU; the library has no base class
-        return GpuUse.UNKNOWN
-    try:
+
+    def ask(lib: Any) -> tuple[list[int], float]:
         handle = lib.nvmlDeviceGetHandleByIndex(device_index)
         procs = lib.nvmlDeviceGetComputeRunningProcesses(handle)
-        others = [p.pid for p in procs if p.pid != me]
-        utilization = float(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except Exception:  # NVMLError_NotSupported and friends: say so rather than guess
+        return [p.pid for p in procs if p.pid != me], float(
+            lib.nvmlDeviceGetUtilizationRates(handle).gpu
+        )
+
+    answer = ask_nvml(lib, ask)
+    if answer is None:
         return GpuUse.UNKNOWN
-    finally:
-        try:
-            lib.nvmlShutdown()
-        except Exception:  # shutting down a half-initialized library must not mask the answer
-            pass
+    others, utilization = answer
     return classify(others, utilization, own_busy=own_busy)

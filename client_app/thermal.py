@@ -11,13 +11,14 @@ Where no source exists the owner's limit cannot apply: ``cpu_sensor_missing`` an
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psutil
+
+from client_app import gpu_busy
 
 log = logging.getLogger(__name__)
 
@@ -88,36 +89,21 @@ def cpu_sensor_missing(source: Source | None, platform: str | None = None) -> st
     return "no CPU temperature sensor found (on Linux: load the lm-sensors modules)"
 
 
-def _load_nvml() -> Any | None:
-    try:
-        return importlib.import_module("pynvml")
-    except ImportError:
-        return None
-
-
 def gpu_celsius(nvml: Any, device_index: int = 0) -> float | None:
     """NVML's core temperature of GPU ``device_index``; None on any NVML error."""
-    try:
-        nvml.nvmlInit()
-    except Exception:  # NVMLError: no driver, no NVIDIA GPU; the library has no base class
-        return None
-    try:
-        handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
-        celsius = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
-    except Exception:
-        return None
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # shutting down a half-initialized library must not mask the answer
-            pass
-    return celsius if _plausible(celsius) else None
+
+    def ask(lib: Any) -> float:
+        handle = lib.nvmlDeviceGetHandleByIndex(device_index)
+        return float(lib.nvmlDeviceGetTemperature(handle, lib.NVML_TEMPERATURE_GPU))
+
+    celsius = gpu_busy.ask_nvml(nvml, ask)
+    return celsius if celsius is not None and _plausible(celsius) else None
 
 
 def gpu_temperature_source(nvml: Any | None = None, device_index: int = 0) -> Source | None:
     """A callable giving the GPU's temperature in °C, or None without NVML (the
     optional ``nvidia-ml-py`` package) or without a GPU it can read."""
-    lib = nvml if nvml is not None else _load_nvml()
+    lib = nvml if nvml is not None else gpu_busy.load_nvml()
     if lib is None or gpu_celsius(lib, device_index) is None:
         return None
     return lambda: gpu_celsius(lib, device_index)

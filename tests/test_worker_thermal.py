@@ -176,7 +176,7 @@ def test_gpu_source_reads_on_each_call() -> None:
 
 def test_no_gpu_source_without_a_readable_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert thermal.gpu_temperature_source(FakeNvml(fail="init")) is None
-    monkeypatch.setattr(thermal, "_load_nvml", lambda: None)  # nvidia-ml-py not installed
+    monkeypatch.setattr(thermal.gpu_busy, "load_nvml", lambda: None)  # nvidia-ml-py not installed
     assert thermal.gpu_temperature_source() is None
 
 
