@@ -118,6 +118,15 @@ class Coordinator:
             self.proc.kill()
             self.proc.wait()
 
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM (it checkpoints and leaves cleanly), then kill if it is still there."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.wait(timeout)
+        finally:
+            self.kill()
+
 
 class Worker:
     """``cleave-worker`` (or ``program``, a script taking the same arguments) in its own

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -232,9 +231,4 @@ def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path:
     finally:
         if hostile is not None:
             hostile.stop()
-        if coord.proc.poll() is None:
-            coord.proc.send_signal(signal.SIGTERM)
-        try:
-            coord.wait(60)
-        finally:
-            coord.kill()
+        coord.stop()

@@ -3,7 +3,6 @@ who wants the volunteers to compute gets them computing: real processes on 127.0
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,6 @@ def _run(tmp_path: Path, gflops: str) -> tuple[Coordinator, Worker]:
     return coord, Worker(tmp_path, coord.url, "volunteer")
 
 
-def _stop(coord: Coordinator, worker: Worker) -> None:
-    worker.stop()
-    if coord.proc.poll() is None:
-        coord.proc.send_signal(signal.SIGTERM)
-    try:
-        coord.wait(60)
-    finally:
-        coord.kill()
-
-
 def test_a_coordinator_faster_alone_tells_its_idle_worker_why(tmp_path: Path) -> None:
     # A coordinator that believes itself far faster than any tile's round trip.
     coord, worker = _run(tmp_path, "100000")
@@ -47,7 +36,8 @@ def test_a_coordinator_faster_alone_tells_its_idle_worker_why(tmp_path: Path) ->
         assert _tiles_of(coord, "volunteer") == 0
         assert "the coordinator says: " + ALONE_NOTE in worker.output()
     finally:
-        _stop(coord, worker)
+        worker.stop()
+        coord.stop()
 
 
 def test_coordinator_gflops_zero_hands_the_tiles_to_volunteers(tmp_path: Path) -> None:
@@ -58,4 +48,5 @@ def test_coordinator_gflops_zero_hands_the_tiles_to_volunteers(tmp_path: Path) -
         assert coord.status()["note"] != ALONE_NOTE
         assert ALONE_NOTE not in worker.output()
     finally:
-        _stop(coord, worker)
+        worker.stop()
+        coord.stop()
