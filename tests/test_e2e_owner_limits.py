@@ -32,12 +32,19 @@ class Machine:
 
     def __init__(self, **readings: Any) -> None:
         self.readings = Readings(on_battery=False, **readings)
+        self.samples = 0  # ticks that have read the machine
 
     def set(self, **readings: Any) -> None:
         self.readings = Readings(on_battery=False, **readings)
 
     def __call__(self) -> Readings:
+        self.samples += 1
         return self.readings
+
+    def ticks(self, count: int) -> None:
+        """Return once the runner has read the current readings ``count`` more times."""
+        until = self.samples + count
+        wait_until(lambda: self.samples >= until, 30, f"{count} policy ticks")
 
 
 def _worker(coord: Coordinator, name: str) -> dict[str, Any]:
@@ -104,7 +111,7 @@ def test_a_hot_cpu_pauses_at_once_and_resumes_below_the_hysteresis(
         wait_until(lambda: _tiles(coord, "cool-w") > others + 3, 60, "cool-w to take the tiles")
         # Cooler than the limit, not yet by the hysteresis: still paused.
         machine.set(cpu_temp_c=77.0)
-        time.sleep(10 * TICK_S)
+        machine.ticks(5)
         assert _worker(coord, "hot-w")["state"] == "paused" and _tiles(coord, "hot-w") == held
 
         machine.set(cpu_temp_c=74.0)
