@@ -76,3 +76,13 @@ def test_a_registered_thread_reports_its_own_cpu_time_until_it_ends() -> None:
 
 def test_since_is_the_difference_by_name_rounded() -> None:
     assert since({"cut": 1.23456, "sign": 0.5}, {"cut": 1.0}) == {"cut": 0.2346, "sign": 0.5}
+
+
+def test_a_thread_is_gone_as_soon_as_join_returns() -> None:
+    # join() returns a moment before the OS thread exits: its CPU clock still reads.
+    for _ in range(50):
+        costs = CpuCosts()
+        thread = threading.Thread(target=costs.this_thread_is, args=("checks",))
+        thread.start()
+        thread.join()
+        assert costs.snapshot() == {}

@@ -49,7 +49,10 @@ class CpuCosts:
         self._clock = clock
         self._lock = threading.Lock()
         self._stages: dict[str, float] = {}
-        self._threads: dict[int, str] = {}  # OS thread id -> role
+        # OS thread id -> (role, the thread): Python's join() returns a moment before
+        # the OS thread is gone, so whether it has ended is the thread object's word,
+        # which also keeps a reused id from being counted under the old role.
+        self._threads: dict[int, tuple[str, threading.Thread]] = {}
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -66,7 +69,10 @@ class CpuCosts:
     def this_thread_is(self, role: str) -> None:
         """Report the calling thread's whole CPU time as ``thread:<role>``."""
         with self._lock:
-            self._threads[threading.get_native_id()] = f"thread:{role}"
+            self._threads[threading.get_native_id()] = (
+                f"thread:{role}",
+                threading.current_thread(),
+            )
 
     def snapshot(self) -> dict[str, float]:
         """Stage totals so far, and each registered thread's CPU total by role (threads
@@ -74,8 +80,8 @@ class CpuCosts:
         with self._lock:
             out = dict(self._stages)
             threads = list(self._threads.items())
-        for native_id, role in threads:
-            seconds = thread_cpu_seconds(native_id)
+        for native_id, (role, thread) in threads:
+            seconds = thread_cpu_seconds(native_id) if thread.is_alive() else None
             if seconds is None:
                 with self._lock:
                     self._threads.pop(native_id, None)
