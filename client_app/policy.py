@@ -42,6 +42,7 @@ IN_USE = "in_use"
 # Limits.mode values, shown in WorkerStatus.limits_mode.
 MODE_IN_USE = "in use"
 MODE_IDLE = "idle"
+MODE_ALWAYS = "always"  # the same limits either way: saying which would suggest a switch
 
 # How long a missing temperature keeps a hot part paused (ThermalGuard).
 UNKNOWN_TEMP_HOLD_S = 60.0
@@ -384,13 +385,18 @@ class PolicyConfig:
     def limits(self, *, idle: bool) -> Limits:
         """The in-use limits only ever tighten the idle ones: the lower of each applies.
         So the defaults (100%, the same threads) keep an owner's CPU-time limit in force
-        while they use the computer, which is when it matters most."""
-        if idle:
-            return Limits(self.cpu_percent, self.threads, MODE_IDLE)
+        while they use the computer, which is when it matters most. Where both sets come
+        out the same (and being in use does not pause), the mode is "always": the status
+        then names no mode that the owner never set apart."""
         threads = self.in_use_threads or self.threads
         if self.threads:
             threads = min(threads, self.threads)
-        return Limits(min(self.in_use_cpu_percent, self.cpu_percent), threads, MODE_IN_USE)
+        cpu_percent = min(self.in_use_cpu_percent, self.cpu_percent)
+        if not self.idle_only and (cpu_percent, threads) == (self.cpu_percent, self.threads):
+            return Limits(cpu_percent, threads, MODE_ALWAYS)
+        if idle:
+            return Limits(self.cpu_percent, self.threads, MODE_IDLE)
+        return Limits(cpu_percent, threads, MODE_IN_USE)
 
 
 @dataclass(frozen=True)
@@ -401,7 +407,7 @@ class Limits:
 
     cpu_percent: int = 100
     threads: int = 0
-    mode: str = MODE_IDLE
+    mode: str = MODE_ALWAYS
 
 
 @dataclass(frozen=True)

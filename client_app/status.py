@@ -39,7 +39,7 @@ class WorkerStatus:
     threads: int = 0
     device: str = ""  # "cpu" or "cuda"
     cpu_percent: int = 100  # the CPU-time limit in force
-    limits_mode: str = ""  # "in use", "idle", or "" before the policy has decided
+    limits_mode: str = ""  # "in use", "idle", "always", or "" before the policy has decided
     # What the volunteer helps, as the coordinator describes it (plain text, checked
     # lengths: common.messages.JobAbout) and how far its training has come.
     job_name: str = ""

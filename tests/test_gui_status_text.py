@@ -78,7 +78,8 @@ def test_limits_line_names_the_limits_in_force() -> None:
     assert limits_line(in_use) == "Limits while you use the computer: 30% CPU time, 1 thread"
     idle = replace(JOB, limits_mode="idle")
     assert limits_line(idle) == "Limits while the computer is idle: 70% CPU time, 4 threads"
-    assert limits_line(replace(JOB, limits_mode="")) == "Limits: 70% CPU time, 4 threads"
+    for mode in ("", "always"):  # before the policy decides; the same either way
+        assert limits_line(replace(JOB, limits_mode=mode)) == "Limits: 70% CPU time, 4 threads"
     assert limits_line(replace(idle, device="cuda")).endswith("70% CPU time, graphics card")
     assert limits_line(replace(idle, state="waiting")).startswith("Limits while")
     # Paused or not joined, no limit is at work: nothing to say.

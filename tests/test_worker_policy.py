@@ -17,6 +17,7 @@ from client_app.config import ConfigError, WorkerSettings
 from client_app.policy import (
     GPU_BUSY,
     IN_USE,
+    MODE_ALWAYS,
     MODE_IDLE,
     MODE_IN_USE,
     ON_BATTERY,
@@ -638,10 +639,13 @@ def test_limits_follow_the_mode() -> None:
     assert idle.run and idle.limits == Limits(100, 2, MODE_IDLE)
 
 
-def test_limits_show_the_mode_even_when_equal_and_while_paused() -> None:
+def test_limits_name_no_mode_when_both_sets_are_the_same_and_show_it_while_paused() -> None:
     same = PolicyConfig(cpu_percent=50, threads=2, in_use_cpu_percent=50)
-    assert decide(Readings(), NOON, same, idle=False).limits == Limits(50, 2, MODE_IN_USE)
-    assert decide(Readings(), NOON, same, idle=True).limits == Limits(50, 2, MODE_IDLE)
+    assert decide(Readings(), NOON, same, idle=False).limits == Limits(50, 2, MODE_ALWAYS)
+    assert decide(Readings(), NOON, same, idle=True).limits == Limits(50, 2, MODE_ALWAYS)
+    idle_only = replace(same, idle_only=True)  # in use pauses: the two sets differ
+    assert decide(Readings(), NOON, idle_only, idle=True).limits == Limits(50, 2, MODE_IDLE)
+    assert decide(Readings(), NOON, idle_only, idle=False).limits.mode == MODE_IN_USE
     on_battery = decide(Readings(on_battery=True), NOON, SPLIT, idle=False)
     assert not on_battery.run and on_battery.limits == Limits(30, 1, MODE_IN_USE)
 
@@ -664,19 +668,18 @@ def test_policy_config_maps_the_in_use_limits() -> None:
     assert config.limits(idle=True) == Limits(80, 4, MODE_IDLE)
     assert config.limits(idle=False) == Limits(20, 1, MODE_IN_USE)
     same_threads = policy_config(WorkerSettings(threads=3))
-    assert same_threads.limits(idle=False) == Limits(100, 3, MODE_IN_USE)
+    assert same_threads.limits(idle=False) == Limits(100, 3, MODE_ALWAYS)
 
 
 def test_in_use_limits_only_tighten_the_idle_ones() -> None:
     # An owner who limited the CPU time before in-use limits existed keeps that limit
     # while using the computer: the in-use defaults (100%, same threads) loosen nothing.
     older = policy_config(WorkerSettings(cpu_percent=50, threads=2))
-    assert older.limits(idle=False) == Limits(50, 2, MODE_IN_USE)
-    assert older.limits(idle=True) == Limits(50, 2, MODE_IDLE)
+    assert older.limits(idle=False) == older.limits(idle=True) == Limits(50, 2, MODE_ALWAYS)
     looser = policy_config(
         WorkerSettings(cpu_percent=40, threads=2, in_use_cpu_percent=90, in_use_threads=8)
     )
-    assert looser.limits(idle=False) == Limits(40, 2, MODE_IN_USE)
+    assert looser.limits(idle=False) == Limits(40, 2, MODE_ALWAYS)
     tighter = policy_config(
         WorkerSettings(cpu_percent=80, threads=4, in_use_cpu_percent=25, in_use_threads=1)
     )
