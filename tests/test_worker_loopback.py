@@ -8,6 +8,7 @@ fast backoff) and once as a real ``python -m client_app`` process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -155,7 +156,11 @@ class FakeCoordinator:
                 if isinstance(received.message, Heartbeat):
                     link.heartbeats.append(received.message)
                     ack = Ack(received.message.seq, credit_tiles=self.results, credit_gflop=0.5)
-                    await ws.send(encode_message(ack))
+                    # A worker that leaves may close right after its last heartbeat: the
+                    # Ack then fails, and what it sent before closing (its Bye) must
+                    # still be read, as the real coordinator's separate writer does.
+                    with contextlib.suppress(ConnectionClosed):
+                        await ws.send(encode_message(ack))
                     continue
                 if isinstance(received.message, Result):
                     self.results += 1
