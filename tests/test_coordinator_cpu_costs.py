@@ -61,9 +61,13 @@ def test_a_registered_thread_reports_its_own_cpu_time_until_it_ends() -> None:
     thread = threading.Thread(target=busy)
     thread.start()
     assert burned.wait(10)
-    idle = threading.Thread(target=lambda: (costs.this_thread_is("ledger"), leave.wait(10)))
+    registered = threading.Event()
+    idle = threading.Thread(
+        target=lambda: (costs.this_thread_is("ledger"), registered.set(), leave.wait(10))
+    )
     idle.start()
     try:
+        assert registered.wait(10)
         seen = costs.snapshot()
         assert seen["thread:checks"] >= 0.05
         assert seen["thread:ledger"] < 0.05  # waiting is not CPU time

@@ -107,8 +107,10 @@ def test_a_hot_cpu_pauses_at_once_and_resumes_below_the_hysteresis(
         assert core.status.line == "Paused: CPU at 90 °C, limit 80 °C"
 
         # Its work goes on elsewhere while it is paused.
-        held, others = _tiles(coord, "hot-w"), _tiles(coord, "cool-w")
+        others = _tiles(coord, "cool-w")
         wait_until(lambda: _tiles(coord, "cool-w") > others + 3, 60, "cool-w to take the tiles")
+        # Read only now: a result finished before the pause may follow the Pause frame.
+        held = _tiles(coord, "hot-w")
         # Cooler than the limit, not yet by the hysteresis: still paused.
         machine.set(cpu_temp_c=77.0)
         machine.ticks(5)
@@ -142,8 +144,8 @@ def test_computing_only_while_idle_switches_with_its_grace_period(
         assert _worker(coord, "idle-w")["reason"] == "computer in use"
         assert core.status.limits_mode == "in use" and _tiles(coord, "idle-w") == 0
 
+        quiet_at = time.monotonic()  # before the set: the runner may read it at once
         machine.set(other_cpu_percent=2.0)  # quiet from now on
-        quiet_at = time.monotonic()
         wait_until(lambda: _tiles(coord, "idle-w") > 0, 60, "idle-w to compute once idle")
         # Not before the grace period: a quiet moment is not yet an idle computer.
         assert time.monotonic() - quiet_at >= grace_s
