@@ -79,6 +79,7 @@ PROFILE = DeviceProfile("cpu", "bench-load simulated worker", 1, 1 << 30, 1 << 2
 MAX_FRAME = 64 << 20  # far above a 64^3 tile; the coordinator never sends more than a tile
 CONNECT_ATTEMPTS = 30  # per worker; a refused handshake (1013, "retry later") is retried
 PIPE_TIMEOUT_S = 180.0  # no phase of a default run takes this long: something hung
+ACK_WAIT_S = 5.0  # at the stop, how long a worker waits for the acks still owed to it
 
 
 @dataclass(frozen=True)
@@ -388,7 +389,7 @@ class SimWorker:
         if ws is None:
             return
         beating = asyncio.create_task(self._heartbeats(ws))
-        leaving = asyncio.create_task(self._leave_when(stop, ws))
+        leaving = asyncio.create_task(self._leave_when(stop, ws, beating))
         try:
             await self._serve(ws)
         finally:
@@ -492,8 +493,18 @@ class SimWorker:
                 elif isinstance(msg, Error):
                     self.stats.errors.append(msg.code)
 
-    async def _leave_when(self, stop: asyncio.Event, ws: ClientConnection) -> None:
+    async def _leave_when(
+        self, stop: asyncio.Event, ws: ClientConnection, beating: asyncio.Task[None]
+    ) -> None:
         await stop.wait()
+        beating.cancel()
+        # Beats sent before the stop are owed an ack: wait for them (bounded), so that an
+        # unanswered beat is one the coordinator missed, not one the leave cut off.
+        stopped = time.monotonic()
+        while any(sent < stopped for sent in self._beat_sent.values()):
+            if time.monotonic() - stopped > ACK_WAIT_S:
+                break
+            await asyncio.sleep(0.01)
         with contextlib.suppress(ConnectionClosed):
             await ws.send(encode_message(Bye("load test over")))
         # The coordinator closes after a bye; close ourselves if it does not.
