@@ -28,6 +28,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from client_app import worker as worker_module
+from client_app.compute import TileComputer
 from client_app.config import PinStore, WorkerSettings
 from client_app.options import WorkerOptions
 from client_app.status import WorkerStatus
@@ -239,14 +240,27 @@ async def test_worker_computes_refuses_heartbeats_reconnects_and_leaves(
         assert (error.code, error.tile_id) == ("bad_signature", "t-evil")
         await link.send(coord.task("t-after", a, b))
         check_result(await link.expect(Result), "t-after", a, b)
+        # Heartbeats from here on were sent after the last result, when the worker held
+        # nothing; only their Acks carry the fake's credit of 5 (its count of results).
+        n = len(link.heartbeats)
 
-        # Heartbeats arrive on the Welcome's interval, and Acks become credit.
-        deadline = time.monotonic() + 5
-        while len(link.heartbeats) < 3 and time.monotonic() < deadline:
+        # Heartbeats arrive on the Welcome's interval, and Acks become credit. However
+        # long the work above took (many heartbeats may predate result 5), wait for a
+        # heartbeat sent after it, and for the worker to have applied such a one's Ack.
+        def idle_and_credited() -> bool:
+            after = link.heartbeats[n:]
+            return (
+                len(link.heartbeats) >= 3
+                and any(hb.state == "idle" for hb in after)
+                and core.status.credit_tiles == 5
+            )
+
+        deadline = time.monotonic() + 10
+        while not idle_and_credited() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert [hb.seq for hb in link.heartbeats[:3]] == [1, 2, 3]
-        assert link.heartbeats[-1].state == "idle"
-        assert core.status.credit_tiles == 5 and core.status.credit_gflop == 0.5
+        assert any(hb.state == "idle" for hb in link.heartbeats[n:]), link.heartbeats[n:]
+        assert core.status.credit_tiles == 5 and core.status.credit_gflop == 0.5, core.status
 
         # The coordinator drops the connection: the worker comes back by itself.
         await link.ws.close()
@@ -297,21 +311,47 @@ async def test_changed_coordinator_key_is_refused_without_retrying(tmp_path: Pat
     assert "--forget" in statuses[-1].detail
 
 
+class HeldComputer(TileComputer):
+    """Holds its first tile until released: "still computing" for as long as a test
+    needs, however loaded the machine (a big GEMM once finished first under load)."""
+
+    def __init__(self) -> None:
+        super().__init__(1, use_gpu=False)
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def compute(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not self.started.is_set():
+            self.started.set()
+            self.release.wait(30)
+        return super().compute(op, a, b)
+
+
 async def test_cancelled_tile_is_not_answered(tmp_path: Path) -> None:
+    computer = HeldComputer()
     async with FakeCoordinator() as coord:
-        core = make_core(coord.url, tmp_path)
+        core = make_core(coord.url, tmp_path, computer=computer)
         run = asyncio.create_task(core.run())
         link = await coord.next_link()
-        slow = operands(1, (768, 768, 768))  # keeps the compute thread busy a while
-        queued = operands(2)
-        # The cancel follows its task on the same stream, long before "slow" ends,
-        # and even a tile already computing has its result dropped.
-        await link.send(coord.task("t-slow", *slow))
+        held, queued = operands(1), operands(2)
+        # "t-held" keeps the compute thread busy until the Cancel, which follows its
+        # task on the same stream, has been read: "t-cancelled" is still queued then.
+        await link.send(coord.task("t-held", *held))
+        assert await asyncio.to_thread(computer.started.wait, 10)
         await link.send(coord.task("t-cancelled", *queued))
         await link.send(encode_message(Cancel("t-cancelled")))
         a, b = operands(3)
         await link.send(coord.task("t-next", a, b))
-        check_result(await link.expect(Result), "t-slow", *slow)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if core.session is not None and core.session.stats.tiles_cancelled:
+                    break
+                await asyncio.sleep(0.01)
+            assert core.session is not None and core.session.stats.tiles_cancelled == 1
+        finally:
+            computer.release.set()
+        check_result(await link.expect(Result), "t-held", *held)
         check_result(await link.expect(Result), "t-next", a, b)
         assert await stop(core, run) is RunResult.STOPPED
         await link.expect(Bye)
