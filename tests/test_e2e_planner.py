@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from procs import Coordinator, Worker, assert_losses_match
+from procs import TESTS, Coordinator, Worker, assert_losses_match
 
 from coordinator import train_locally
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
@@ -56,7 +56,18 @@ def test_a_coordinator_share_and_two_workers_train_together(tmp_path: Path) -> N
         "--min-workers",
         "2",
     )
-    workers = [Worker(tmp_path, coord.url, name) for name in ("w1", "w2")]
+    # Fast enough to be sent tiles whatever this machine measures: the planner's first
+    # plans rest on the speed a worker reports.
+    workers = [
+        Worker(
+            tmp_path,
+            coord.url,
+            name,
+            program=TESTS / "fixed_speed_worker.py",
+            env={"CLEAVE_GFLOPS": "200"},
+        )
+        for name in ("w1", "w2")
+    ]
     try:
         assert coord.wait(180) == 0, coord.output()
     finally:
