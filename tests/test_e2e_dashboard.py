@@ -172,7 +172,7 @@ def _metrics(coord: Coordinator) -> Any:
 def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path: Path) -> None:
     coord = Coordinator(
         tmp_path,
-        *("--steps", "400", "--local-workers", "2", "--checkpoint-every", "1000"),
+        *("--steps", "100000", "--local-workers", "2", "--checkpoint-every", "100000"),
         *("--job-description", DESCRIPTION, "--job-operator", "Lab 7"),
     )
     hostile: Worker | None = None

@@ -21,7 +21,7 @@ def _run(tmp_path: Path, gflops: str) -> tuple[Coordinator, Worker]:
     coord = Coordinator(
         tmp_path,
         *("--planner", "cost", "--coordinator-gflops", gflops),
-        *("--steps", "400", "--checkpoint-every", "1000"),
+        *("--steps", "100000", "--checkpoint-every", "100000"),  # stopped by the test
     )
     return coord, Worker(tmp_path, coord.url, "volunteer")
 
