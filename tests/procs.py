@@ -94,13 +94,17 @@ class Coordinator:
         return self.log.read_text(errors="replace")
 
     def status(self, context: ssl.SSLContext | None = None) -> dict[str, Any]:
-        with urllib.request.urlopen(self.http + "/api/status", timeout=5, context=context) as resp:
+        # A generous timeout: a loaded machine can keep the coordinator's loop from
+        # answering for seconds (a checkpoint, a big step), and a timeout fails a test.
+        with urllib.request.urlopen(self.http + "/api/status", timeout=30, context=context) as resp:
             return json.load(resp)
 
     def steps(self) -> list[dict[str, Any]]:
         if not self.metrics.exists():
             return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
+        # Only whole lines: the coordinator may be writing the next one as this reads.
+        lines = self.metrics.read_text().split("\n")[:-1]
+        return [json.loads(line) for line in lines if line]
 
     def wait(self, timeout: float) -> int:
         try:
