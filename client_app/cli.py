@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from client_app import readings, thermal
 from client_app.config import (
@@ -41,6 +41,8 @@ TOKEN_ENV = "CLEAVE_JOIN_TOKEN"  # keeps the token out of `ps` listings
 
 log = logging.getLogger("client_app.cli")
 
+_N = TypeVar("_N", int, float)
+
 
 def _integer(text: str) -> int:
     try:
@@ -56,28 +58,16 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
-def _int_in(lo: int, hi: int) -> Callable[[str], int]:
-    """An argparse type: a whole number in [lo, hi]."""
+def _in_range(parse: Callable[[str], _N], lo: _N, hi: _N) -> Callable[[str], _N]:
+    """An argparse type: what ``parse`` (``_integer``, ``_number``) reads, in [lo, hi]."""
 
-    def parse(text: str) -> int:
-        value = _integer(text)
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], not {value}")
-        return value
-
-    return parse
-
-
-def _float_in(lo: float, hi: float) -> Callable[[str], float]:
-    """An argparse type: a number in [lo, hi]."""
-
-    def parse(text: str) -> float:
-        value = _number(text)
+    def checked(text: str) -> _N:
+        value = parse(text)
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}], not {text}")
         return value
 
-    return parse
+    return checked
 
 
 def _positive_int(text: str) -> int:
@@ -137,7 +127,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cpu-percent",
-        type=_int_in(1, 100),
+        type=_in_range(_integer, 1, 100),
         metavar="P",
         help="compute at most P%% of the time, resting between tiles (1-100; default 100)",
     )
@@ -163,7 +153,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--window",
-        type=_int_in(1, MAX_WINDOW),
+        type=_in_range(_integer, 1, MAX_WINDOW),
         metavar="N",
         help="tiles to hold at once (default 2: one computing while the next arrives)",
     )
@@ -178,7 +168,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--idle-threshold",
-        type=_float_in(0, 100),
+        type=_in_range(_number, 0, 100),
         metavar="PERCENT",
         help="other programs' CPU below this counts as idle (default 25)",
     )
@@ -201,7 +191,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--in-use-cpu-percent",
-        type=_int_in(0, 100),
+        type=_in_range(_integer, 0, 100),
         metavar="P",
         help="while someone uses this machine (see --idle-threshold/--idle-minutes), "
         "compute at most P%% of the time, never more than --cpu-percent "
@@ -229,7 +219,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument(
         "--temp-hysteresis",
-        type=_float_in(1, 30),
+        type=_in_range(_number, 1, 30),
         metavar="C",
         help="after a temperature pause, resume C °C below the limit (1-30; default 5)",
     )
