@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from sample_status import JOB_STATUS
 
 from client_app.gui.status_text import (
     MAX_DESCRIPTION_CHARS,
@@ -22,21 +23,9 @@ from client_app.gui.status_text import (
 from client_app.gui.units import format_count, format_parameters
 from client_app.status import WorkerStatus
 
-FP = "3f9a-c1e2-77b0-94d5-0a6e-51b8-d2f4-8c03"
-JOB = WorkerStatus(
-    state="computing",
-    line="Computing tile t-9",
-    coordinator_fingerprint=FP,
-    job_name="tiny_gpt",
-    job_description="A small GPT on Shakespeare's sonnets.",
-    job_operator="Ada's lab",
-    job_link="https://example.org/tiny",
-    job_parameters=124_000_000,
-    job_step=1_204,
-    job_steps=5_000,
-    threads=4,
-    cpu_percent=70,
-)
+# The window tests' status, with limits of its own for the limits line.
+JOB = replace(JOB_STATUS, threads=4, cpu_percent=70, limits_mode="")
+FP = JOB.coordinator_fingerprint
 
 
 @pytest.mark.parametrize(
