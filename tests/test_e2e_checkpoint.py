@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +90,13 @@ def test_a_resumed_trainer_continues_like_an_uninterrupted_run(tmp_path: Path) -
     first = Trainer(_mlp_job(), None, checkpoint_path=path, checkpoint_every=2)
     assert not first.resume()
     steps = [first.train_step() for _ in range(3)]  # checkpoint at step 2; step 3's lost
-    # The checkpoint's time and CPU are reported with the step that wrote it, not in
-    # the step's own seconds.
-    assert [r.checkpoint_s > 0 for r in steps] == [False, True, False]
-    assert [r.cpu is not None and r.cpu.get("checkpoint", 0.0) > 0 for r in steps] == [
-        False,
-        True,
-        False,
-    ]
+    first.close()
+    # The snapshot's time is reported with the step that took it; the write's CPU with
+    # the steps it ran beside (its own thread): the first step has neither.
+    assert [r.checkpoint_s > 0 for r in steps[:2]] == [False, True]
+    assert steps[0].cpu is not None and steps[0].cpu.get("checkpoint", 0.0) == 0
+    assert sum((r.cpu or {}).get("checkpoint", 0.0) for r in steps) > 0
+    assert first.checkpointed_step == 2
     torch.manual_seed(123)  # a new process starts with some other RNG state
     second = Trainer(_mlp_job(), None, checkpoint_path=path, checkpoint_every=2)
     assert second.resume()
@@ -107,6 +107,89 @@ def test_a_resumed_trainer_continues_like_an_uninterrupted_run(tmp_path: Path) -
     assert_losses_match(got, want, rel=1e-6)
     ckpt = load_checkpoint(path)
     assert ckpt is not None and ckpt.step == 5  # the clean end is checkpointed too
+
+
+@pytest.mark.timeout(60)
+def test_the_next_step_computes_while_the_checkpoint_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The write is held on its thread: the next step's forward and backward run, its
+    # optimizer step waits for the write, and the file holds the step boundary's state.
+    path = tmp_path / "checkpoint.pt"
+    trainer = Trainer(_mlp_job(), None, checkpoint_path=path)
+    release, writing = threading.Event(), threading.Event()
+    writer_threads: list[str] = []
+    real_save = checkpoint.torch.save
+
+    def held_save(obj: object, fh: Any) -> None:
+        writer_threads.append(threading.current_thread().name)
+        writing.set()
+        assert release.wait(30)
+        real_save(obj, fh)
+
+    monkeypatch.setattr(checkpoint.torch, "save", held_save)
+    trainer.train_step()  # returns with its checkpoint still being written
+    assert writing.wait(10) and not path.exists()
+    at_boundary = {k: v.clone() for k, v in trainer.job.model.state_dict().items()}
+    computed = threading.Event()
+    writer = trainer._writer
+    assert writer is not None
+    real_wait = writer.wait
+
+    def wait_after_compute() -> None:
+        computed.set()  # the gradients are in: only the optimizer step is left
+        real_wait()
+
+    monkeypatch.setattr(writer, "wait", wait_after_compute)
+    second = threading.Thread(target=trainer.train_step)
+    second.start()
+    assert computed.wait(30)  # the second step's GEMMs ran beside the write
+    second.join(0.3)
+    assert second.is_alive()  # ... and its optimizer step waits for it
+    assert all(torch.equal(v, at_boundary[k]) for k, v in trainer.job.model.state_dict().items())
+    release.set()
+    second.join(30)
+    assert not second.is_alive()
+    trainer.close()
+    assert writer_threads[0] == "cleave-checkpoint"
+    ckpt = load_checkpoint(path)
+    assert ckpt is not None and ckpt.step == 2  # the second step's own checkpoint, last
+    monkeypatch.undo()
+    first = Trainer(_mlp_job(), None, checkpoint_path=tmp_path / "again.pt")
+    first.train_step()
+    first.close()
+    ckpt = load_checkpoint(tmp_path / "again.pt")
+    assert ckpt is not None
+    for name, value in ckpt.model.items():
+        assert torch.equal(value, at_boundary[name]), name
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_background_write_stops_training_at_the_next_optimizer_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = Trainer(_mlp_job(), None, checkpoint_path=tmp_path / "checkpoint.pt")
+
+    def full_disk(obj: object, fh: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    trainer.train_step()
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train_step()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_resume_removes_writes_a_kill_cut_short(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    trainer = Trainer(_mlp_job(), None, checkpoint_path=path)
+    trainer.run(1)
+    torn = tmp_path / ".checkpoint.pt.abc123.tmp"
+    torn.write_bytes(b"half a checkpoint")
+    again = Trainer(_mlp_job(), None, checkpoint_path=path)
+    assert again.resume() and again.step == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
 
 @pytest.mark.e2e

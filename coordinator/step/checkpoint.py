@@ -33,15 +33,32 @@ def save_checkpoint(
     batches_consumed: int,
     rng_state: torch.Tensor,
 ) -> None:
+    write_checkpoint(
+        path,
+        Checkpoint(step, batches_consumed, model.state_dict(), optimizer.state_dict(), rng_state),
+    )
+
+
+def write_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     payload = {
         "version": 1,
-        "step": step,
-        "batches_consumed": batches_consumed,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "rng_state": rng_state,
+        "step": ckpt.step,
+        "batches_consumed": ckpt.batches_consumed,
+        "model": ckpt.model,
+        "optimizer": ckpt.optimizer,
+        "rng_state": ckpt.rng_state,
     }
     atomic_write(path, lambda fh: torch.save(payload, fh))
+
+
+def remove_torn_writes(path: Path) -> list[Path]:
+    """Delete what writes of ``path`` killed half-way left behind (``atomic_write``'s
+    temporary files, each as large as a checkpoint), so kills do not fill the disk."""
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:

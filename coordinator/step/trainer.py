@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from coordinator.step.checkpoint import load_checkpoint, save_checkpoint
+from coordinator.step.checkpoint import load_checkpoint, remove_torn_writes
+from coordinator.step.checkpoint_writer import CheckpointWriter, take_snapshot
 from coordinator.step.cpu_costs import COSTS, since
 from coordinator.step.eager import run_eager_step
 from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
@@ -49,8 +50,11 @@ class StepRecord:
     # The coordinator's CPU seconds in this step, by stage and by thread (cpu_costs),
     # its checkpoint included.
     cpu: dict[str, float] | None = None
-    # Seconds spent writing the checkpoint after the step (0 when none was due): not in
-    # ``seconds``, which is the training alone.
+    # Seconds the training thread spent on checkpoints in this step: waiting at the
+    # optimizer step for the previous write, if it was still in flight (also part of
+    # ``seconds``), and taking the snapshot after the step (0 when none was due). The
+    # write runs on a thread of its own (coordinator.step.checkpoint_writer); its CPU is
+    # in ``cpu["checkpoint"]`` of the steps it ran beside.
     checkpoint_s: float = 0.0
 
 
@@ -86,6 +90,7 @@ class Trainer:
         self.cancel = cancel or threading.Event()
         self.checkpoint_path = checkpoint_path
         self.checkpoint_every = checkpoint_every
+        self._writer = CheckpointWriter(checkpoint_path) if checkpoint_path is not None else None
         self.step = 0
         self.batches_consumed = 0
         self._checkpointed_step = -1
@@ -103,6 +108,8 @@ class Trainer:
         step counter. True if training resumes from it."""
         if self.checkpoint_path is None:
             return False
+        for torn in remove_torn_writes(self.checkpoint_path):
+            log.info("removed %s: a checkpoint write that was cut short", torn.name)
         ckpt = load_checkpoint(self.checkpoint_path)
         if ckpt is None:
             return False
@@ -118,24 +125,39 @@ class Trainer:
 
     @property
     def checkpointed_step(self) -> int | None:
-        """The step of the last checkpoint written or resumed from, if any."""
+        """The step of the last complete checkpoint, written or resumed from, if any."""
+        if self._writer is not None and (written := self._writer.written_step) is not None:
+            return written
         return self._checkpointed_step if self._checkpointed_step >= 0 else None
 
     def save_checkpoint(self) -> None:
-        """Checkpoint the last completed step (not a step abandoned half-way)."""
-        if self.checkpoint_path is None or self._checkpointed_step == self.step:
+        """Checkpoint the last completed step (not a step abandoned half-way) and wait
+        until it is on disk."""
+        self._start_checkpoint()
+        if self._writer is not None:
+            self._writer.wait()
+
+    def close(self) -> None:
+        """Finish the checkpoint write in flight and end the writer's thread."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def _start_checkpoint(self) -> None:
+        """Snapshot the last completed step and hand it to the writer."""
+        if self._writer is None or self._checkpointed_step == self.step:
             return
         batches_consumed, rng_state = self._step_start or (
             self.batches_consumed,
             torch.get_rng_state(),
         )
-        save_checkpoint(
-            self.checkpoint_path,
-            model=self.job.model,
-            optimizer=self.job.optimizer,
-            step=self.step,
-            batches_consumed=batches_consumed,
-            rng_state=rng_state,
+        self._writer.submit(
+            take_snapshot(
+                self.job.model,
+                self.job.optimizer,
+                step=self.step,
+                batches_consumed=batches_consumed,
+                rng_state=rng_state,
+            )
         )
         self._checkpointed_step = self.step
 
@@ -146,7 +168,19 @@ class Trainer:
 
         When ``cancel`` is set the step in progress is abandoned, the last completed step
         is checkpointed (a stop loses no finished work) and ``StepCancelled`` raised."""
-        records = []
+        records: list[StepRecord] = []
+        try:
+            self._run_steps(steps, records, on_step)
+        finally:
+            self.close()
+        return records
+
+    def _run_steps(
+        self,
+        steps: int,
+        records: list[StepRecord],
+        on_step: Callable[[StepRecord], None] | None,
+    ) -> None:
         for _ in range(steps):
             try:
                 if self.cancel.is_set():
@@ -163,7 +197,6 @@ class Trainer:
             if on_step is not None:
                 on_step(record)
         self.save_checkpoint()  # a clean end: nothing is lost whatever N is
-        return records
 
     def train_step(self) -> StepRecord:
         COSTS.this_thread_is("training")
@@ -198,6 +231,11 @@ class Trainer:
             grads, loss = outputs[:-1], outputs[-1]
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
+        checkpoint_s = 0.0
+        if self._writer is not None and self._writer.in_flight:
+            waited = time.perf_counter()
+            self._writer.wait()  # the snapshot in flight holds the parameters by reference
+            checkpoint_s = time.perf_counter() - waited
         self.job.optimizer.step()
         self.job.optimizer.zero_grad(set_to_none=True)
         after = self.pool_counters()
@@ -211,12 +249,11 @@ class Trainer:
         self.step += 1
         self._step_start = None
         self.losses.append(loss_value)
-        checkpoint_s = 0.0
         if self.step % self.checkpoint_every == 0:
-            written = time.perf_counter()
+            snapped = time.perf_counter()
             with COSTS.timed("checkpoint"):
-                self.save_checkpoint()
-            checkpoint_s = time.perf_counter() - written
+                self._start_checkpoint()
+            checkpoint_s += time.perf_counter() - snapped
         record = StepRecord(
             step=step,
             loss=loss_value,
