@@ -282,7 +282,7 @@ BREAKDOWN_ROWS = [
     ("cut", "coordinator: copy each operand block out of its matrix and hash it"),
     ("sign", "coordinator: frame and sign each task"),
     ("training rest", "coordinator: non-GEMM ops, optimizer, tracing, GEMM setup"),
-    ("checkpoint", "coordinator: writing the checkpoint after the step (not in its wall)"),
+    ("checkpoint", "coordinator: the checkpoint's snapshot, and its write on its own thread"),
     ("kept tiles", "coordinator: the GEMM tiles the planner kept here"),
     ("event loop", "coordinator: WebSocket send and receive, scheduling, credit"),
     ("decode", "coordinator: result frames into tensors"),
@@ -320,7 +320,7 @@ def step_breakdown(served: Served, skip: int) -> dict[str, float]:
             - cpu["sign"]
             - cpu["kept_tiles"]
             - cpu["checkpoint"],
-            "checkpoint": cpu["checkpoint"],
+            "checkpoint": cpu["checkpoint"] + cpu["checkpoint_write"],
             "kept tiles": cpu["kept_tiles"],
             "event loop": cpu["thread:event_loop"] - cpu["sign_variant"] - cpu["check_on_loop"],
             "decode": cpu["decode"],
@@ -329,7 +329,7 @@ def step_breakdown(served: Served, skip: int) -> dict[str, float]:
             "checks rest": cpu["thread:checks"] - cpu["decode"] - cpu["check"] - cpu["assemble"],
             "small checks": cpu["check_on_loop"],
             "ledger": cpu["thread:ledger"],
-            "other threads": process_cpu - threads,
+            "other threads": process_cpu - threads - cpu["checkpoint_write"],
         }
         used = sum(v for k, v in got.items() if k not in ("wall", "cores x wall"))
         got["idle"] = got["cores x wall"] - used

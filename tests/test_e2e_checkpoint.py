@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -95,7 +97,9 @@ def test_a_resumed_trainer_continues_like_an_uninterrupted_run(tmp_path: Path) -
     # the steps it ran beside (its own thread): the first step has neither.
     assert [r.checkpoint_s > 0 for r in steps[:2]] == [False, True]
     assert steps[0].cpu is not None and steps[0].cpu.get("checkpoint", 0.0) == 0
+    assert steps[0].cpu.get("checkpoint_write", 0.0) == 0
     assert sum((r.cpu or {}).get("checkpoint", 0.0) for r in steps) > 0
+    assert sum((r.cpu or {}).get("checkpoint_write", 0.0) for r in steps) > 0
     assert first.checkpointed_step == 2
     torch.manual_seed(123)  # a new process starts with some other RNG state
     second = Trainer(_mlp_job(), None, checkpoint_path=path, checkpoint_every=2)
@@ -178,6 +182,32 @@ def test_a_failed_background_write_stops_training_at_the_next_optimizer_step(
     with pytest.raises(OSError, match="disk full"):
         trainer.train_step()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_process_whose_trainer_was_never_closed_exits_after_its_last_write(
+    tmp_path: Path,
+) -> None:
+    # No idle writer thread may outlive the trainer: a test or a script that steps a
+    # trainer by hand and never closes it must still exit (with its checkpoint whole).
+    path = tmp_path / "checkpoint.pt"
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from pathlib import Path\n"
+        "from test_e2e_checkpoint import _mlp_job\n"
+        "from coordinator.step.trainer import Trainer\n"
+        "t = Trainer(_mlp_job(), None, checkpoint_path=Path(sys.argv[1]))\n"
+        "t.train_step(); t.train_step()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(Path(__file__).parent)],
+        timeout=90,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    ckpt = load_checkpoint(path)
+    assert ckpt is not None and ckpt.step == 2
 
 
 @pytest.mark.timeout(60)

@@ -46,7 +46,11 @@ def take_snapshot(
 
 
 class CheckpointWriter:
-    """Writes snapshots to ``path`` on a thread of its own, one at a time.
+    """Writes snapshots to ``path`` off the training thread, one at a time.
+
+    Each write runs on a thread of its own that ends with it, so no idle thread outlives
+    the trainer: a process whose trainer was never closed still exits. The thread is not
+    a daemon: an interpreter that exits normally finishes the write in flight first.
 
     ``submit`` starts a write once the previous one has finished; ``wait`` returns once
     no write is in flight and raises what a failed write raised, so a full disk stops
@@ -55,12 +59,10 @@ class CheckpointWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock = threading.Condition()
-        self._pending: Checkpoint | None = None
-        self._busy = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._written: int | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def written_step(self) -> int | None:
@@ -70,57 +72,37 @@ class CheckpointWriter:
 
     @property
     def in_flight(self) -> bool:
-        with self._lock:
-            return self._busy
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def submit(self, snapshot: Checkpoint) -> None:
         self.wait()
-        with self._lock:
-            self._pending, self._busy = snapshot, True
-            if self._thread is None:
-                # Not a daemon: an interpreter that exits normally finishes the write.
-                self._thread = threading.Thread(
-                    target=self._run, name="cleave-checkpoint", daemon=False
-                )
-                self._thread.start()
-            self._lock.notify_all()
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot,), name="cleave-checkpoint", daemon=False
+        )
+        self._thread.start()
 
     def wait(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
         with self._lock:
-            while self._busy:
-                self._lock.wait()
             error, self._error = self._error, None
         if error is not None:
             raise error
 
-    def close(self) -> None:
-        """Finish the write in flight and end the thread."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._lock.notify_all()
-        if thread is not None:
-            thread.join()
-        self.wait()
+    close = wait
 
-    def _run(self) -> None:
-        COSTS.this_thread_is("checkpoint")
-        me = threading.current_thread()
-        while True:
+    def _write(self, snapshot: Checkpoint) -> None:
+        try:
+            # A stage of its own, not a thread role: each write's thread ends with it,
+            # and an ended thread's clock can no longer be read.
+            with COSTS.timed("checkpoint_write"):
+                write_checkpoint(self.path, snapshot)
+        except BaseException as exc:  # handed to the training thread at its next wait
+            log.error("checkpoint of step %d failed: %s", snapshot.step, exc)
             with self._lock:
-                while self._pending is None and self._thread is me:
-                    self._lock.wait()
-                snapshot, self._pending = self._pending, None
-                if snapshot is None:
-                    return
-            try:
-                with COSTS.timed("checkpoint"):
-                    write_checkpoint(self.path, snapshot)
-            except BaseException as exc:  # handed to the training thread at its next wait
-                log.error("checkpoint of step %d failed: %s", snapshot.step, exc)
-                with self._lock:
-                    self._error, self._busy = exc, False
-                    self._lock.notify_all()
-                continue
-            with self._lock:
-                self._written, self._busy = snapshot.step, False
-                self._lock.notify_all()
+                self._error = exc
+            return
+        with self._lock:
+            self._written = snapshot.step

@@ -53,8 +53,9 @@ class StepRecord:
     # Seconds the training thread spent on checkpoints in this step: waiting at the
     # optimizer step for the previous write, if it was still in flight (also part of
     # ``seconds``), and taking the snapshot after the step (0 when none was due). The
-    # write runs on a thread of its own (coordinator.step.checkpoint_writer); its CPU is
-    # in ``cpu["checkpoint"]`` of the steps it ran beside.
+    # snapshot's CPU is ``cpu["checkpoint"]``; the write runs on a thread of its own
+    # (coordinator.step.checkpoint_writer) and its CPU is ``cpu["checkpoint_write"]`` of
+    # the steps it ran beside.
     checkpoint_s: float = 0.0
 
 
