@@ -7,12 +7,14 @@ worker computed), both on the same thread count:
 - *single*: one tile on its own, every operand summary computed for it;
 - *in a grid*: the tiles of a 4 x 4 grid checked one after another with the server's
   ``CheckCache``, so each row block's and column block's summaries (row norms, ``b ρ``)
-  are computed once and shared by the four tiles it is part of, as in a run.
+  are computed once and shared by the four tiles it is part of, as in a run;
+- *batched*: the same 16 tiles in one ``check_products`` call, as the server checks the
+  results that arrived together (tiles of one shape are stacked); time per tile.
 
 Also: the check's arithmetic over the GEMM's (FLOP ratio), and result bytes checked per
 second of one thread in a grid, to set against the coordinator's result ingress. DESIGN's
-goals: at most 2% of the GEMM at 1024³ fp32 and 10% at 256³ (see the README for what the
-detection floor costs against them).
+goals: at most 8% of the GEMM at 1024³ fp32 (grid) and 30% at 256³ with small tiles
+checked in batches.
 
 Run: ``python bench/bench_verify.py [--threads N]``. Profile: ``python -m cProfile -s
 tottime bench/bench_verify.py``; or torch.profiler around ``check_product``.
@@ -30,7 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from coordinator.tiles.verify import CheckCache, CheckPlan, check_product, new_generator  # noqa: E402
+from coordinator.tiles.verify import (  # noqa: E402
+    CheckCache,
+    CheckPlan,
+    check_product,
+    check_products,
+    new_generator,
+)
 
 SHAPES = [  # (batch or None, m, k, n, dtype)
     (None, 256, 256, 256, torch.float32),
@@ -63,8 +71,9 @@ def check_flops(batch: int, m: int, k: int, n: int) -> int:
 
 def grid_seconds(
     lead: tuple[int, ...], m: int, k: int, n: int, dtype: torch.dtype, repeat: int
-) -> float:
-    """Seconds per tile to check every tile of a GRID x GRID grid, sharing summaries."""
+) -> tuple[float, float]:
+    """Seconds per tile to check every tile of a GRID x GRID grid, sharing summaries: one
+    tile after another, and all in one batch."""
     a = torch.randn(*lead, GRID * m, k).to(dtype)
     b = torch.randn(*lead, k, GRID * n).to(dtype)
     rows = [a[..., i * m : (i + 1) * m, :].contiguous() for i in range(GRID)]
@@ -77,7 +86,17 @@ def grid_seconds(
         for i, j, c in tiles:
             assert check_product(rows[i], cols[j], c, gen, cache=cache, blocks=(i, j)).ok
 
-    return _best_seconds(check_all, repeat) / len(tiles)
+    def check_batch() -> None:
+        verdicts = check_products(
+            [(rows[i], cols[j], c) for i, j, c in tiles],
+            gen,
+            cache=CheckCache(),
+            blocks=[(i, j) for i, j, _ in tiles],
+        )
+        assert all(v.ok for v in verdicts)
+
+    count = len(tiles)
+    return _best_seconds(check_all, repeat) / count, _best_seconds(check_batch, repeat) / count
 
 
 def main() -> None:
@@ -89,7 +108,8 @@ def main() -> None:
     gen = new_generator()
     print(
         f"{'tile (batch x) m x k x n':>26} {'dtype':>9} {'gemm ms':>8} {'single ms':>9} "
-        f"{'ratio':>6} {'grid ms':>8} {'ratio':>6} {'flop ratio':>10} {'grid GB/s':>9}"
+        f"{'ratio':>6} {'grid ms':>8} {'ratio':>6} {'batch ms':>8} {'ratio':>6} "
+        f"{'flop ratio':>10} {'grid GB/s':>9}"
     )
     for batch, m, k, n, dtype in SHAPES:
         lead = () if batch is None else (batch,)
@@ -99,18 +119,20 @@ def main() -> None:
         assert check_product(a, b, c, gen).ok
         gemm_s = _best_seconds(lambda: torch.matmul(a, b), args.repeat)  # noqa: B023
         single_s = _best_seconds(lambda: check_product(a, b, c, gen), args.repeat)  # noqa: B023
-        grid_s = grid_seconds(lead, m, k, n, dtype, max(1, args.repeat // 2))
+        grid_s, batch_s = grid_seconds(lead, m, k, n, dtype, max(1, args.repeat // 2))
         flop_ratio = check_flops(batch or 1, m, k, n) / (2 * (batch or 1) * m * k * n)
         result_gb = c.numel() * c.element_size() / 1e9
         label = ("" if batch is None else f"{batch} x ") + f"{m} x {k} x {n}"
         print(
             f"{label:>26} {str(dtype).removeprefix('torch.'):>9} {gemm_s * 1e3:>8.2f} "
             f"{single_s * 1e3:>9.2f} {single_s / gemm_s:>6.3f} {grid_s * 1e3:>8.2f} "
-            f"{grid_s / gemm_s:>6.3f} {flop_ratio:>10.4f} {result_gb / grid_s:>9.2f}"
+            f"{grid_s / gemm_s:>6.3f} {batch_s * 1e3:>8.2f} {batch_s / gemm_s:>6.3f} "
+            f"{flop_ratio:>10.4f} {result_gb / grid_s:>9.2f}"
         )
     print(
         f"(best of {args.repeat}; {args.threads} torch thread(s); the check includes its "
-        f"threshold; grid: {GRID}x{GRID} tiles sharing operand summaries)"
+        f"threshold; grid: {GRID}x{GRID} tiles sharing operand summaries; batch: the same "
+        f"tiles in one check_products call)"
     )
 
 

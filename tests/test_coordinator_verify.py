@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from coordinator.tiles.honest_error import threshold
-from coordinator.tiles.verify import CheckCache, CheckPlan, check_product, new_generator
+from coordinator.tiles.verify import (
+    CheckCache,
+    CheckPlan,
+    check_product,
+    check_products,
+    new_generator,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Largest |value| used per dtype: fp16 overflows at 65504, so its products stay small.
@@ -370,3 +376,27 @@ def test_the_margin_reports_how_close_a_result_came() -> None:
     poisoned = c.clone()
     poisoned[0, 0] = math.nan
     assert check_product(a, b, poisoned, gen(1)).reason == "non-finite"
+
+
+@pytest.mark.parametrize(
+    "batch, m, k, n", [(None, 64, 64, 64), (None, 48, 1024, 300), (3, 16, 40, 8)]
+)
+def test_a_batch_of_tiles_sharing_operand_blocks_gets_each_tile_its_own_verdict(
+    batch: int | None, m: int, k: int, n: int
+) -> None:
+    # The tiles of a grid share their row and column blocks (the same tensors, or the
+    # same content ids): each block is summarised once and each a read once for all
+    # its tiles, and every tile must still be paired with its own blocks.
+    rows = [operands(batch, m, k, n, torch.float32, 1.0, seed)[0] for seed in range(3)]
+    cols = [operands(batch, m, k, n, torch.float32, 1.0, 10 + seed)[1] for seed in range(3)]
+    tiles = [(rows[i], cols[j], honest(rows[i], cols[j])) for i in range(3) for j in range(3)]
+    wrong = tiles[5][2].clone()
+    wrong.view(-1)[7] += 1e-3 * float(wrong.abs().max())
+    tiles[5] = (tiles[5][0], tiles[5][1], wrong)
+    blocks = [(i, j) for i in range(3) for j in range(3)]
+    for keys in (None, blocks):
+        verdicts = check_products(tiles, gen(1), blocks=keys)
+        assert [v.ok for v in verdicts] == [i != 5 for i in range(9)]
+        assert all(
+            v.statistics == CheckPlan.for_shape(batch or 1, m, k, n).statistics for v in verdicts
+        )

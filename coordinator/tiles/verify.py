@@ -327,12 +327,21 @@ def _statistics(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each statistic's honest variance and its squared excess over it (in units of the
     variance), ``[batch, m, chunks, 1]`` and ``[batch, m, chunks, V]``."""
+    claimed, c_sq = _claimed(c3, right.vectors, plan)
+    reference = _reference(a3, right.projected, plan).view(claimed.shape)
+    variance = _honest_variance(a3, c_sq, left, right, plan, dtype)
+    return variance, claimed.sub_(reference).square_().div_(variance)
+
+
+def _claimed(
+    c3: torch.Tensor, vectors: torch.Tensor, plan: CheckPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``c ρ`` in float64, ``[batch, m, chunks, V]``, and the squared norms of c's row
+    chunks, ``[batch, m, chunks]`` float64."""
     batch, m, _ = c3.shape
     c4 = c3.reshape(batch, m, plan.chunks, plan.width)
-    claimed = (c4 @ right.vectors).to(torch.float64)  # [batch, m, chunks, V]
-    reference = _reference(a3, right.projected, plan).view(claimed.shape)
-    variance = _honest_variance(a3, c4, left, right, plan, dtype)
-    return variance, claimed.sub_(reference).square_().div_(variance)
+    claimed = (c4 @ vectors).to(torch.float64)
+    return claimed, torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()
 
 
 def _verdict(worst: float, plan: CheckPlan) -> CheckResult | None:
@@ -354,13 +363,13 @@ def check_products(
     """``check_product`` of many ``(a, b, c)`` tiles, with the same verdicts in a few
     torch calls for all of them instead of a few dozen for each.
 
-    Tiles of one shape and dtype are stacked along their batch and checked together.
-    Each keeps its own plan (that of its shape alone), statistics, unevenness and
-    threshold, so its verdict is the one a check of it alone would give with the same
-    check vectors; the tiles of a stack share those vectors, which is as sound as fresh
-    ones for each: workers never see them. A tile alone in its shape, one that is
-    malformed or empty, and one whose statistics are not finite are checked on their
-    own (``cache`` and ``blocks`` as for ``check_product``).
+    Tiles of one shape and dtype are checked together. Each keeps its own plan (that of
+    its shape alone), statistics, unevenness and threshold, so its verdict is the one a
+    check of it alone would give with the same check vectors; the tiles of a stack share
+    those vectors, which is as sound as fresh ones for each: workers never see them. A
+    tile alone in its shape, one that is malformed or empty, and one whose statistics
+    are not finite are checked on their own (``cache`` and ``blocks`` as for
+    ``check_product``).
     """
     verdicts: list[CheckResult | None] = [None] * len(tiles)
     stacks: dict[tuple[torch.Size, torch.Size, torch.dtype], list[int]] = {}
@@ -369,7 +378,8 @@ def check_products(
             stacks.setdefault((a.shape, b.shape, a.dtype), []).append(i)
     for members in stacks.values():
         if len(members) > 1:
-            stacked = _check_stack([tiles[i] for i in members], generator)
+            keys = [blocks[i] if blocks is not None else None for i in members]
+            stacked = _check_stack([tiles[i] for i in members], generator, keys)
             for i, verdict in zip(members, stacked, strict=True):
                 verdicts[i] = verdict
     return [
@@ -381,10 +391,130 @@ def check_products(
     ]
 
 
+# Results at least this large have c ρ and c's norms taken tile by tile, from the tiles
+# as they are: stacking them would copy every result once more, and a call's fixed cost
+# is small next to a pass over them.
+STACK_C_BELOW = 1 << 18
+
+
+def _distinct(
+    operands: list[torch.Tensor], keys: list[Hashable | None]
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct operand blocks among ``operands`` and the index of each one's block.
+
+    Blocks are the same where their content ids are (``keys``) or where they are the
+    very same memory (a row block shared by the tiles of a grid): equal content either
+    way, so a summary of one is the summary of the other."""
+    found: dict[Hashable, int] = {}
+    distinct: list[torch.Tensor] = []
+    index: list[int] = []
+    for operand, key in zip(operands, keys, strict=True):
+        identity: Hashable = (
+            ("id", key)
+            if key is not None
+            else ("memory", operand.data_ptr(), operand.shape, operand.stride())
+        )
+        if identity not in found:
+            found[identity] = len(distinct)
+            distinct.append(operand)
+        index.append(found[identity])
+    return distinct, index
+
+
 def _check_stack(
+    tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    generator: torch.Generator,
+    keys: list[tuple[Hashable, Hashable] | None],
+) -> list[CheckResult | None]:
+    """Tiles of one shape and dtype, checked together; None for a tile to check alone.
+
+    Each distinct ``a`` and ``b`` block is summarised once, and each distinct ``a`` is
+    read once for the references of all its tiles (one product against the ``b ρ`` of
+    every distinct ``b``), as in a grid the tiles of a row block share their ``a``."""
+    a0, _, c0 = tiles[0]
+    count = len(tiles)
+    work = accumulation_dtype(a0.dtype)
+    tile_batch = 1 if a0.dim() == 2 else a0.shape[0]
+    plan = CheckPlan.for_shape(tile_batch, c0.shape[-2], a0.shape[-1], c0.shape[-1])
+    a_blocks, a_index = _distinct([t[0] for t in tiles], [k[0] if k else None for k in keys])
+    b_blocks, b_index = _distinct([t[1] for t in tiles], [k[1] if k else None for k in keys])
+    a3 = _joined(a_blocks, work)  # [A * tile_batch, m, k]
+    b3 = _joined(b_blocks, work)  # [B * tile_batch, k, n]
+    if len(a_blocks) * len(b_blocks) > 2 * count:
+        # Few tiles share their blocks: the products of every a against every b would
+        # cost more than pairing the operands tile by tile.
+        return _check_stack_copied(tiles, generator)
+    right = summarize_right(b3, plan, generator, tiles=len(b_blocks))
+    if right.uneven_row_sq is not None:
+        # The exact sums of terms pair each a with its b: that rare case stacks the
+        # operands tile by tile.
+        return _check_stack_copied(tiles, generator)
+    left = summarize_left(a3)
+    m, cv = c0.shape[-2], plan.chunks * plan.vectors
+    a_at = torch.tensor(a_index)
+    b_at = torch.tensor(b_index)
+    # Per tile: the summaries of its own blocks, [count * tile_batch, ...].
+    row_sq = left.row_sq.view(len(a_blocks), tile_batch, m)[a_at].view(-1, m)
+    largest = right.largest_row_sq.view(len(b_blocks), tile_batch, -1)[b_at]
+    tile_left = LeftSummary(row_sq)
+    tile_right = RightSummary(
+        right.vectors, right.projected, largest.view(count * tile_batch, -1), None
+    )
+    reference = _cross_reference(a3, right.projected, plan, len(a_blocks), len(b_blocks))
+    # [A, tile_batch, m, B, cv] -> [count, tile_batch, m, cv]
+    reference = reference.view(len(a_blocks), tile_batch, m, len(b_blocks), cv)[a_at, :, :, b_at]
+    if c0.numel() < STACK_C_BELOW:
+        claimed, c_sq = _claimed(_joined([t[2] for t in tiles], work), right.vectors, plan)
+    else:
+        parts = [_claimed(_joined([t[2]], work), right.vectors, plan) for t in tiles]
+        claimed = torch.cat([p[0] for p in parts])
+        c_sq = torch.cat([p[1] for p in parts])
+    variance = _honest_variance(a3, c_sq, tile_left, tile_right, plan, a0.dtype)
+    excess = claimed.sub_(reference.reshape(claimed.shape)).square_().div_(variance)
+    finite = variance.view(count, -1).amax(dim=1).isfinite().tolist()
+    worst = excess.view(count, -1).amax(dim=1).tolist()
+    return [_verdict(w, plan) if ok else None for w, ok in zip(worst, finite, strict=True)]
+
+
+def _joined(operands: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
+    """Operands of one shape along one batch dimension, in ``work``: no copy for one."""
+    if len(operands) == 1:
+        joined = operands[0] if operands[0].dim() == 3 else operands[0].unsqueeze(0)
+    else:
+        joined = (torch.stack if operands[0].dim() == 2 else torch.cat)(operands)
+    return joined if joined.dtype == work else joined.to(work)
+
+
+def _cross_reference(
+    a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan, a_count: int, b_count: int
+) -> torch.Tensor:
+    """``a (b ρ)`` in float64 for every distinct ``a`` against every distinct ``b``,
+    ``[A, batch, m, B * chunks * V]``: each ``a`` read once, in the same chains as
+    ``_reference`` (the columns of one product are independent sums)."""
+    batch_a, m, k = a3.shape
+    tile_batch = batch_a // a_count
+    a4 = a3.view(a_count, tile_batch, m, k)
+    # [B * tile_batch, k, cv] -> [tile_batch, k, B * cv]: a small copy of b ρ.
+    across = projected.view(b_count, tile_batch, k, -1).permute(1, 2, 0, 3)
+    across = across.reshape(tile_batch, k, -1)
+    if plan.k_blocks == 1:
+        return (a4 @ across).to(torch.float64)
+    block = k // plan.k_blocks
+    total: torch.Tensor | None = None
+    for start in range(0, k, block):
+        # A column slice of a is a strided view that the product reads in place.
+        partial = (a4[..., start : start + block] @ across[:, start : start + block]).to(
+            torch.float64
+        )
+        total = partial if total is None else total.add_(partial)
+    assert total is not None
+    return total
+
+
+def _check_stack_copied(
     tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], generator: torch.Generator
 ) -> list[CheckResult | None]:
-    """Tiles of one shape and dtype, checked together; None for a tile to check alone."""
+    """``_check_stack`` with every tile's operands stacked as they come."""
     a0, _, c0 = tiles[0]
     count = len(tiles)
     joined = torch.stack if a0.dim() == 2 else torch.cat  # along a (new) batch dimension
@@ -431,7 +561,7 @@ def _terms(a3: torch.Tensor, left: LeftSummary, right: RightSummary) -> torch.Te
 
 def _honest_variance(
     a3: torch.Tensor,
-    c4: torch.Tensor,
+    c_sq: torch.Tensor,
     left: LeftSummary,
     right: RightSummary,
     plan: CheckPlan,
@@ -452,7 +582,6 @@ def _honest_variance(
     k = a3.shape[-1]
     u2 = UNIT_ROUNDOFF[a3.dtype] ** 2 / 3.0
     rho_sq = RHO_SQ
-    c_sq = torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()  # [batch, m, chunks]
     terms = _terms(a3, left, right)
     rounding = EntryRounding.of(dtype)
     width, block = plan.width, k // plan.k_blocks
