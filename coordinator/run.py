@@ -331,6 +331,8 @@ class CoordinatorRun:
                 server.pool.workers,
                 server.counters.flops_computed_here,
                 server.counters.compute_s,
+                server.counters.bytes_down,
+                server.counters.bytes_up,
             ),
             metrics_out=options.metrics_out,
             cancel=self.cancel,

@@ -31,6 +31,7 @@ from coordinator.pool.effects import CloseCode
 from coordinator.pool.ledger import Contribution
 from coordinator.schedule.scheduler import SchedulerConfig
 from coordinator.serve.offload import TileOffload
+from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import DataflowExecutor
 from coordinator.step.job import Job
 from coordinator.step.tracing import trace_step
@@ -241,13 +242,22 @@ def traced_step(
     return traced, flat, want
 
 
-def record_submissions(pool: MemoryPool) -> list[str]:
-    """The ids of the tiles the offload hands to ``pool`` from now on."""
+def record_submissions(pool: MemoryPool, blocks: dict[Any, int] | None = None) -> list[str]:
+    """The ids of the tiles the offload hands to ``pool`` from now on; ``blocks`` gets
+    the bytes of each distinct operand block of each GEMM."""
     submitted: list[str] = []
     submit = pool.submit
 
     def recording_submit(jobs: list[Any]) -> None:
         submitted.extend(job.tile_id for job in jobs)
+        if blocks is not None:
+            for job in jobs:
+                blocks[(job.gemm.gemm_id, "a", job.region.index[:2], job.region.index[3])] = (
+                    job.a_block.nbytes
+                )
+                blocks[(job.gemm.gemm_id, "b", job.region.index[0], job.region.index[2:])] = (
+                    job.b_block.nbytes
+                )
         submit(jobs)
 
     pool.submit = recording_submit  # type: ignore[method-assign]
@@ -286,9 +296,13 @@ async def test_a_training_step_offloaded_to_the_pool_matches_eager(pool: MemoryP
     traced, flat, want = traced_step(MLP(), torch.randn(32, 48), torch.randint(0, 6, (32,)))
     pool.join("w1")
     pool.join("w2")
-    submitted = record_submissions(pool)
+    blocks: dict[Any, int] = {}
+    submitted = record_submissions(pool, blocks)
+    cut_before = COSTS.bytes_so_far("cut")
     got, stats = await run_offloaded(pool, LivePlanning(cost_model=False), traced, flat, "s3")
     assert stats.gemms_offloaded == len(traced.gemm_nodes()) and stats.gemms_local == 0
+    # Each GEMM's row and column blocks are cut and hashed once, whatever shares them.
+    assert COSTS.bytes_so_far("cut") - cut_before == sum(blocks.values())
     assert_outputs_match(got, want)
     counters = pool.core.counters
     assert counters.tiles_verified > stats.gemms_offloaded  # several per GEMM

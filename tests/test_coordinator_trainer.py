@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job
+from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import GemmDone, StepCancelled
 from coordinator.step.job import Job, train_locally
 from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
@@ -28,12 +29,14 @@ GPT_GEMMS = 39
 class InThreadOffload:
     """Every GEMM goes to one worker thread, which answers in arrival order.
 
-    Counts a tile per GEMM, like the server's counters, for ``pool_counters``.
+    Counts a tile per GEMM and its bytes each way, like the server's counters, for
+    ``pool_counters``.
     """
 
     def __init__(self) -> None:
         self.steps_seen: list[int] = []  # from the "s{step}:" label the trainer gives
         self.tiles = 0
+        self.bytes_down = self.bytes_up = 0
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue[tuple[torch.Tensor, torch.Tensor, GemmDone] | None] = (
             queue.SimpleQueue()
@@ -56,11 +59,19 @@ class InThreadOffload:
             c = torch.matmul(a, b)
             with self._lock:
                 self.tiles += 1
+                self.bytes_down += a.nbytes + b.nbytes
+                self.bytes_up += c.nbytes
             done(c)
 
     def counters(self) -> PoolCounters:
         with self._lock:
-            return PoolCounters(tiles_verified=self.tiles, reissued=0, workers=2)
+            return PoolCounters(
+                tiles_verified=self.tiles,
+                reissued=0,
+                workers=2,
+                bytes_down=self.bytes_down,
+                bytes_up=self.bytes_up,
+            )
 
     def close(self) -> None:
         self._inbox.put(None)
@@ -101,6 +112,10 @@ def test_three_steps_through_an_offload_match_local_training(tmp_path: Path) -> 
         assert row["seconds"] > 0
         # The training thread's CPU for the step, by its role (coordinator.step.cpu_costs).
         assert 0 < row["cpu"]["thread:training"] <= row["seconds"] * 2
+        # The whole process's CPU, which holds the training thread's; the pool's bytes.
+        assert row["process_cpu_s"] >= row["cpu"]["thread:training"] - 0.01
+        assert 0 < row["orchestration_cpu_s"] <= row["process_cpu_s"]
+        assert row["bytes_down"] > row["bytes_up"] > 0
 
 
 def test_without_an_offload_training_is_bit_identical_to_local(tmp_path: Path) -> None:
@@ -151,3 +166,23 @@ def test_a_dropout_model_matches_local_training() -> None:
     want = train_locally(_mlp_job(batches=3, dropout=0.5), 3)
     got = [r.loss for r in Trainer(_mlp_job(batches=3, dropout=0.5), None).run(3)]
     assert_losses_match(got, want)
+
+
+class KeptHereOffload:
+    """Every GEMM multiplied at once on the training thread, as the planner's own share
+    of a GEMM is (timed as the ``kept_tiles`` stage)."""
+
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, done: GemmDone) -> int:
+        with COSTS.timed("kept_tiles"):
+            c = torch.matmul(a, b)
+        done(c)
+        return 1
+
+
+def test_the_tiles_the_coordinator_multiplies_itself_are_not_orchestration() -> None:
+    records = Trainer(make_job(seed=0), KeptHereOffload()).run(2)
+    for record in records:
+        assert record.cpu is not None
+        kept = record.cpu["kept_tiles"]
+        assert kept > 0
+        assert record.orchestration_cpu_s == pytest.approx(record.process_cpu_s - kept, abs=2e-4)

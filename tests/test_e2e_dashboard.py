@@ -216,6 +216,7 @@ def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path:
         assert after.value("cleave_workers_connected") == 2
         assert 0 < after.value("cleave_step_workers_flop_share") <= 1
         assert after.value("cleave_step_gflop") > 0
+        assert after.value("cleave_step_orchestration_cpu_seconds") > 0
         names = {dict(labels)["worker"] for labels in after.series("cleave_worker_in_flight")}
         assert names == {"local-0", "local-1"}
 

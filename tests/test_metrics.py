@@ -59,7 +59,13 @@ def _status(**overrides: Any) -> dict[str, Any]:
         "checkpoint_step": 10,
         "history": [
             {"step": 10, "loss": 3.5, "seconds": 0.5, "tiles": 170},
-            {"step": 11, "loss": 3.25, "seconds": 0.25, "tiles": 168},
+            {
+                "step": 11,
+                "loss": 3.25,
+                "seconds": 0.25,
+                "tiles": 168,
+                "orchestration_cpu_s": 0.125,
+            },
         ],
         "job": "tiny_gpt",
         "coordinator_key": "d211-8e0c",
@@ -132,6 +138,7 @@ def test_a_full_status_parses_strictly_with_the_values_it_holds() -> None:
     assert parsed.value("cleave_bytes_half_precision_total") == 300_000
     assert parsed.value("cleave_step_gflop") == 2.5
     assert parsed.value("cleave_step_workers_flop_share") == 0.9
+    assert parsed.value("cleave_step_orchestration_cpu_seconds") == 0.125
     assert parsed.value("cleave_step_kept_here_gflop", op="convolution") == 0.2
     assert parsed.value("cleave_step_kept_here_gflop", op="mm") == 0.05
     assert parsed.value("cleave_steps_total") == 12

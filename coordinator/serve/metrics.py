@@ -179,6 +179,13 @@ def _training(out: _Families, status: Mapping[str, Any]) -> None:
     out.gauge("cleave_loss", "Loss of the last completed step.", last.get("loss"))
     out.gauge("cleave_step_seconds", "Wall time of the last completed step.", last.get("seconds"))
     out.gauge("cleave_step_tiles", "Tiles verified in the last step.", last.get("tiles"))
+    out.gauge(
+        "cleave_step_orchestration_cpu_seconds",
+        "CPU seconds the coordinator process spent handing the last step out (every "
+        "thread, the checkpoint's write included; not the tiles it multiplied itself). "
+        "Over eager torch's CPU seconds for the step: the orchestration ratio.",
+        last.get("orchestration_cpu_s"),
+    )
     flops = status.get("flops") or {}
     out.gauge(
         "cleave_step_gflop",

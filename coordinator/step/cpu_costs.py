@@ -53,6 +53,8 @@ class CpuCosts:
         # the OS thread is gone, so whether it has ended is the thread object's word,
         # which also keeps a reused id from being counted under the old role.
         self._threads: dict[int, tuple[str, threading.Thread]] = {}
+        # Bytes a stage passed over (the blocks cut and hashed): what its seconds bought.
+        self._bytes: dict[str, int] = {}
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -65,6 +67,14 @@ class CpuCosts:
     def add(self, stage: str, seconds: float) -> None:
         with self._lock:
             self._stages[stage] = self._stages.get(stage, 0.0) + seconds
+
+    def add_bytes(self, stage: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[stage] = self._bytes.get(stage, 0) + nbytes
+
+    def bytes_so_far(self, stage: str) -> int:
+        with self._lock:
+            return self._bytes.get(stage, 0)
 
     def this_thread_is(self, role: str) -> None:
         """Report the calling thread's whole CPU time as ``thread:<role>``."""
@@ -88,6 +98,16 @@ class CpuCosts:
             else:
                 out[role] = out.get(role, 0.0) + seconds
         return out
+
+
+# Stages in which the coordinator multiplies tiles itself (its planned share, and tiles
+# no worker could take): computing the step, not orchestrating it.
+COMPUTING_STAGES = ("kept_tiles", "stranded_tiles")
+
+
+def process_cpu_seconds() -> float:
+    """CPU seconds this process has used so far, all its threads (not its children)."""
+    return time.process_time()
 
 
 def since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:

@@ -79,6 +79,7 @@ class Progress:
             "reissued": record.reissued,
             "workers": record.workers,
             "workers_flop_share": record.workers_flop_share,
+            "orchestration_cpu_s": record.orchestration_cpu_s,
         }
         with self._lock:
             self._history.append(entry)

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from coordinator.step.checkpoint import load_checkpoint, remove_torn_writes
 from coordinator.step.checkpoint_writer import CheckpointWriter, take_snapshot
-from coordinator.step.cpu_costs import COSTS, since
+from coordinator.step.cpu_costs import COMPUTING_STAGES, COSTS, process_cpu_seconds, since
 from coordinator.step.eager import run_eager_step
 from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
 from coordinator.step.flops import describe
@@ -57,6 +57,19 @@ class StepRecord:
     # (coordinator.step.checkpoint_writer) and its CPU is ``cpu["checkpoint_write"]`` of
     # the steps it ran beside.
     checkpoint_s: float = 0.0
+    # CPU seconds of the coordinator's whole process in this step (every thread, the
+    # checkpoint's write included; local workers are processes of their own), and of
+    # that, what orchestrating the step cost: all of it but the tiles the coordinator
+    # multiplied itself (the planner's share and stranded tiles), which are computing,
+    # not handing out. Over eager torch's CPU for the same step this is the
+    # orchestration ratio (bench/bench_step.py).
+    process_cpu_s: float = 0.0
+    orchestration_cpu_s: float = 0.0
+    # Tile bytes sent to workers and results received in this step, and the bytes of
+    # the operand blocks cut and hashed for it (each block once, however often sent).
+    bytes_down: int = 0
+    bytes_up: int = 0
+    bytes_cut: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,8 @@ class PoolCounters:
     workers: int
     flops_computed_here: int = 0  # offloaded tiles the server computed itself (stranded)
     compute_s: float = 0.0  # GEMM seconds workers reported for their verified tiles
+    bytes_down: int = 0  # tile bytes sent to workers
+    bytes_up: int = 0  # result bytes received
 
 
 class Trainer:
@@ -207,6 +222,8 @@ class Trainer:
         started = time.perf_counter()
         before = self.pool_counters()
         cpu_before = COSTS.snapshot()
+        process_before = process_cpu_seconds()
+        cut_before = COSTS.bytes_so_far("cut")
         traced = self.tracer.get(inputs, targets)
         if traced is not None and not self.dag:
             self.dag = dag_summary(gemm_dag(traced))
@@ -255,6 +272,9 @@ class Trainer:
             with COSTS.timed("checkpoint"):
                 self._start_checkpoint()
             checkpoint_s += time.perf_counter() - snapped
+        cpu = since(COSTS.snapshot(), cpu_before)
+        process_cpu = process_cpu_seconds() - process_before
+        computing = sum(cpu.get(stage, 0.0) for stage in COMPUTING_STAGES)
         record = StepRecord(
             step=step,
             loss=loss_value,
@@ -267,8 +287,13 @@ class Trainer:
             workers_flop_share=self.flops["workers_share"],
             captured=traced is not None,
             worker_compute_s=round(after.compute_s - before.compute_s, 4),
-            cpu=since(COSTS.snapshot(), cpu_before),
+            cpu=cpu,
             checkpoint_s=round(checkpoint_s, 4),
+            process_cpu_s=round(process_cpu, 4),
+            orchestration_cpu_s=round(max(0.0, process_cpu - computing), 4),
+            bytes_down=after.bytes_down - before.bytes_down,
+            bytes_up=after.bytes_up - before.bytes_up,
+            bytes_cut=COSTS.bytes_so_far("cut") - cut_before,
         )
         if self.metrics_out is not None:
             with self.metrics_out.open("a") as fh:

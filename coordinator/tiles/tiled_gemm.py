@@ -179,6 +179,7 @@ class TiledGemm:
             if at not in blocks:
                 with COSTS.timed("cut"):
                     blocks[at] = encode_block(view)
+                COSTS.add_bytes("cut", blocks[at].nbytes)
             return blocks[at]
 
         for region in self.plan.tiles:
