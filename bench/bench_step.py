@@ -7,10 +7,20 @@ reports per-step seconds through ``--metrics-out``; the first steps (tracing, wa
 are left out of both medians. Memory is each process's peak RSS: the eager process
 against the coordinator's (its workers are processes of their own).
 
-Models: ``mlp`` (a wide MLP: nine large GEMMs a step and little else) and ``gpt`` (a
+Models: ``mlp`` (a wide MLP: nine large GEMMs a step and little else), ``gpt`` (a
 GPT-style model, 12 layers 768 wide, 12 heads, 128-token context, batch 8, on the
-character text of the built-in job: 85M parameters).
-Run: ``python bench/bench_step.py [--model mlp|gpt|both] [--steps 8] [--workers 2]``.
+character text of the built-in job: 85M parameters) and ``gpt-wide`` (2 layers 2048 wide,
+16 heads, 512-token context, batch 8: 4,096 tokens a step).
+
+The measure that decides whether a pool is worth having is the **orchestration ratio**:
+the coordinator process's CPU seconds per step (every thread, but not the tiles it
+multiplies itself) over eager torch's CPU seconds per step. Beside it the bench prints
+its **floor**, measured in the same run: the step's own frames through a bare websockets
+server, BLAKE3 over the blocks cut, three passes of the check over blocks and results at
+one thread's memory speed, and eager's non-GEMM CPU. ``--pinned`` instead runs one core
+each (coordinator on core 0, one 1-thread worker on core 1) against eager on core 0.
+Run: ``python bench/bench_step.py [--model mlp|gpt|gpt-wide|all] [--planner
+cost|grid|both] [--steps 8] [--workers 2] [--pinned]``.
 Profile the coordinator with ``py-spy record --subprocesses -o step.svg -- python -m
 coordinator serve --job bench_step:make_job --steps 8 --local-workers 2 --port 0``
 (one worker alone: ``py-spy record --threads -p <its pid>``).
@@ -25,10 +35,14 @@ idle.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
+import math
 import os
 import resource
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,16 +50,19 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import blake3  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_egress import WORKERS, bare  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from coordinator.jobs.tiny_gpt import GPTConfig  # noqa: E402
@@ -86,36 +103,100 @@ def make_gpt_job() -> Job:
     return make_tiny_gpt(cfg=cfg)
 
 
+def make_wide_gpt_job() -> Job:
+    """A GPT-style model with 2048-wide layers and 4,096 tokens a step (8 x 512): the
+    size at which a pool can be several times faster than its coordinator alone."""
+    cfg = GPTConfig(block_size=512, n_layer=2, n_head=16, n_embd=2048, batch_size=8, lr=3e-4)
+    return make_tiny_gpt(cfg=cfg)
+
+
 MODELS: dict[str, tuple[str, Callable[[], Job]]] = {
     "mlp": ("bench_step:make_job", make_job),
     "gpt": ("bench_step:make_gpt_job", make_gpt_job),
+    "gpt-wide": ("bench_step:make_wide_gpt_job", make_wide_gpt_job),
 }
+LABELS = {
+    "mlp": f"MLP {WIDTH}x{WIDTH}, batch {BATCH}",
+    "gpt": "GPT 12x768, 8x128 tok",
+    "gpt-wide": "GPT 2x2048, 8x512 tok",
+}
+# The ops whose CPU eager spends multiplying (what workers take over); the rest of an
+# eager step is the non-GEMM work the coordinator does in any case.
+GEMM_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
 
 
 def eager_seconds(steps: int, make: Callable[[], Job] = make_job) -> list[float]:
     """Seconds of each plain torch step of ``make()``'s job (the baseline)."""
+    return eager_run(steps, make, profile=False).seconds
+
+
+@dataclass
+class EagerRun:
+    """Plain torch steps: wall and process CPU seconds of each, and the CPU seconds of a
+    step spent outside its GEMMs (measured on one more step)."""
+
+    seconds: list[float]
+    cpu_seconds: list[float]
+    non_gemm_cpu_s: float
+
+
+class _GemmCpu(TorchDispatchMode):
+    """Process CPU seconds spent in GEMM ops (all of torch's threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func not in GEMM_OPS:
+            return func(*args, **(kwargs or {}))
+        start = time.process_time()
+        out = func(*args, **(kwargs or {}))
+        self.seconds += time.process_time() - start
+        return out
+
+
+def eager_run(steps: int, make: Callable[[], Job], *, profile: bool = True) -> EagerRun:
     job = make()
-    times = []
-    for _ in range(steps):
+
+    def step() -> None:
         x, y = job.next_batch()
-        start = time.perf_counter()
         job.optimizer.zero_grad()
         job.loss_fn(job.model(x), y).backward()
         job.optimizer.step()
-        times.append(time.perf_counter() - start)
-    return times
+
+    seconds, cpu = [], []
+    for _ in range(steps):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        step()
+        seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)
+    non_gemm = 0.0
+    if profile:
+        gemms = _GemmCpu()
+        cpu_start = time.process_time()
+        with gemms:
+            step()
+        non_gemm = time.process_time() - cpu_start - gemms.seconds
+    return EagerRun(seconds, cpu, non_gemm)
 
 
-def eager_process(model: str, steps: int) -> tuple[list[float], int]:
-    """Eager steps of ``model`` in a process of its own: seconds per step, peak RSS."""
+def eager_process(
+    model: str, steps: int, *, threads: int = 0, core: int | None = None
+) -> tuple[EagerRun, int]:
+    """Eager steps of ``model`` in a process of its own (``threads`` torch threads, on
+    ``core`` alone if given): what ``eager_run`` measured, and its peak RSS."""
+    cmd = [sys.executable, __file__, "--eager-only", model, "--steps", str(steps)]
     out = subprocess.run(
-        [sys.executable, __file__, "--eager-only", model, "--steps", str(steps)],
+        [*cmd, "--eager-threads", str(threads)],
         check=True,
         capture_output=True,
         text=True,
+        preexec_fn=None if core is None else (lambda: os.sched_setaffinity(0, {core})),
     )
     doc = json.loads(out.stdout.strip().splitlines()[-1])
-    return doc["seconds"], doc["peak_rss"]
+    rss = doc.pop("peak_rss")
+    return EagerRun(**doc), rss
 
 
 def _peak_rss_self() -> int:
@@ -227,51 +308,171 @@ def serve_job_measured(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=[*MODELS, "both"], default="mlp")
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="mlp")
+    parser.add_argument("--planner", choices=["cost", "grid", "both"], default="cost")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--pinned",
+        action="store_true",
+        help="one core each: coordinator on core 0 and one 1-thread worker on core 1, "
+        "against eager with 1 thread on core 0",
+    )
     parser.add_argument("--eager-only", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--eager-threads", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.eager_only:  # the baseline's own process (eager_process)
-        seconds = eager_seconds(args.steps, MODELS[args.eager_only][1])
-        print(json.dumps({"seconds": seconds, "peak_rss": _peak_rss_self()}))
+        if args.eager_threads:
+            torch.set_num_threads(args.eager_threads)
+        run = eager_run(args.steps, MODELS[args.eager_only][1])
+        print(json.dumps({**asdict(run), "peak_rss": _peak_rss_self()}))
         return
+    models = list(MODELS) if args.model == "all" else [args.model]
+    if args.pinned:
+        pinned_table(models, args.steps)
+        return
+    planners = ["cost", "grid"] if args.planner == "both" else [args.planner]
     skip = 2
     sizes = {"CLEAVE_BENCH_WIDTH": str(WIDTH), "CLEAVE_BENCH_BATCH": str(BATCH)}
     print(
-        f"{'model':>28} {'GFLOP/step':>11} {'planner':>8} {'eager s':>8} {'cleave s':>9} "
-        f"{'ratio':>6} {'memory':>7} {'ckpt s':>7}"
+        f"{'model':>30} {'GFLOP/step':>11} {'planner':>8} {'eager s':>8} {'cleave s':>9} "
+        f"{'ratio':>6} {'memory':>7} {'orch':>6} {'no ckpt':>8} {'floor':>6} "
+        f"{'orch/floor':>11} {'workers':>8}"
     )
     breakdowns: dict[str, dict[str, float]] = {}
-    for model in MODELS if args.model == "both" else [args.model]:
+    floors: dict[str, Floor] = {}
+    for model in models:
         spec, make = MODELS[model]
-        eager_times, eager_rss = eager_process(model, args.steps)
-        eager = statistics.median(eager_times[skip:])
+        eager, eager_rss = eager_process(model, args.steps)
+        eager_s = statistics.median(eager.seconds[skip:])
+        eager_cpu = statistics.median(eager.cpu_seconds[skip:])
         gflop = step_gflop(make)
-        label = f"MLP {WIDTH}x{WIDTH}, batch {BATCH}" if model == "mlp" else "GPT 12x768, 8x128 tok"
-        for planner in ("cost", "grid"):
+        for planner in planners:
             served = serve_job_measured(
                 spec, args.steps, args.workers, "--planner", planner, env=sizes
             )
+            records = served.records[skip:]
             ours = statistics.median(served.seconds[skip:])
-            ckpt = statistics.median(r["checkpoint_s"] for r in served.records[skip:])
+            orch = statistics.median(r["orchestration_cpu_s"] for r in records)
+            no_ckpt = statistics.median(
+                r["orchestration_cpu_s"]
+                - r["cpu"].get("checkpoint", 0.0)
+                - r["cpu"].get("checkpoint_write", 0.0)
+                for r in records
+            )
+            share = statistics.median(r["workers_flop_share"] or 0.0 for r in records)
+            floor = measure_floor(records, eager.non_gemm_cpu_s)
+            floors[f"{model} {planner}"] = floor
             print(
-                f"{label:>28} {gflop:>11.1f} {planner:>8} {eager:>8.3f} {ours:>9.3f} "
-                f"{ours / eager:>6.2f} {served.peak_rss / eager_rss:>7.2f} "
-                f"{ckpt:>7.3f}"
+                f"{LABELS[model]:>30} {gflop:>11.1f} {planner:>8} {eager_s:>8.3f} {ours:>9.3f} "
+                f"{ours / eager_s:>6.2f} {served.peak_rss / eager_rss:>7.2f} "
+                f"{orch / eager_cpu:>6.2f} {no_ckpt / eager_cpu:>8.2f} "
+                f"{floor.seconds / eager_cpu:>6.2f} {orch / floor.seconds:>11.2f} {share:>8.1%}"
             )
             breakdowns[f"{model} {planner}"] = step_breakdown(served, skip)
-        breakdowns[f"{model} eager"] = {"wall": eager, "cores x wall": eager * CORES}
+        breakdowns[f"{model} eager"] = {"wall": eager_s, "cores x wall": eager_s * CORES}
     print(
         f"(cleave: coordinator + {args.workers} local workers on {CORES} cores; "
         f"medians of steps {skip}..{args.steps - 1}; memory: the coordinator's peak RSS "
-        "over the eager process's; ckpt s: writing the checkpoint after each step, not in "
-        "cleave s)"
+        "over the eager process's; orch: the orchestration ratio, the coordinator "
+        "process's CPU seconds per step but for tiles it multiplied itself, over eager "
+        "torch's CPU seconds per step; no ckpt: the same without the checkpoint's snapshot "
+        "and write; floor: what the step's bytes cost at least (below), over eager's CPU; "
+        "workers: the share of the step's FLOPs that workers computed)"
     )
+    print_floors(floors)
     print_breakdown(breakdowns, skip, args.steps)
 
 
 CORES = os.cpu_count() or 1
+
+
+@dataclass
+class Floor:
+    """What a step's bytes cost a coordinator at least, in CPU seconds per step: its
+    tiles through bare websockets (the same frames each way), hashing each block once,
+    three passes of the check over the blocks and results at one thread's memory speed,
+    and eager torch's own non-GEMM work, which the coordinator does in any case."""
+
+    mb_down: float
+    mb_up: float
+    mb_cut: float
+    websockets_s: float
+    hash_s: float
+    check_s: float
+    non_gemm_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.websockets_s + self.hash_s + self.check_s + self.non_gemm_s
+
+
+def _best(fn: Callable[[], object], repeat: int = 3) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _hash_seconds_per_byte() -> float:
+    data = bytes(64 << 20)
+    return _best(lambda: blake3.blake3(data).digest()) / len(data)
+
+
+def _read_seconds_per_byte() -> float:
+    """One thread reading memory as the check does: a matrix-vector product."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        matrix, vector = torch.rand(1 << 14, 1 << 12), torch.rand(1 << 12)
+        return _best(lambda: torch.mv(matrix, vector)) / (matrix.numel() * 4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_floor(records: list[dict[str, Any]], non_gemm_s: float) -> Floor:
+    """The floor of the steps ``records`` describe (medians), measured now."""
+    down = statistics.median(r["bytes_down"] for r in records)
+    up = statistics.median(r["bytes_up"] for r in records)
+    cut = statistics.median(r["bytes_cut"] for r in records)
+    tiles = max(1, int(statistics.median(r["tiles"] for r in records)))
+    # As many frames of the step's mean sizes, at most 256 MB of them, scaled to a step.
+    frames = max(16, min(tiles, int((256 << 20) // max(1, (down + up) // tiles))))
+    frames -= frames % WORKERS
+    sent, cpu = asyncio.run(bare(int(down // tiles), int(up // tiles), frames))
+    return Floor(
+        mb_down=down / 1e6,
+        mb_up=up / 1e6,
+        mb_cut=cut / 1e6,
+        websockets_s=cpu * tiles / frames,
+        hash_s=cut * _hash_seconds_per_byte(),
+        check_s=3 * (cut + up) * _read_seconds_per_byte(),
+        non_gemm_s=non_gemm_s,
+    )
+
+
+def print_floors(floors: dict[str, Floor]) -> None:
+    print("\nThe floor: CPU seconds per step a coordinator spends at least on these bytes")
+    print(
+        f"{'run':>14} {'MB down':>8} {'MB up':>7} {'MB cut':>7} {'websockets':>11} "
+        f"{'hash':>6} {'check':>6} {'non-GEMM':>9} {'floor s':>8}"
+    )
+    for name, f in floors.items():
+        print(
+            f"{name:>14} {f.mb_down:>8.1f} {f.mb_up:>7.1f} {f.mb_cut:>7.1f} "
+            f"{f.websockets_s:>11.3f} {f.hash_s:>6.3f} {f.check_s:>6.3f} {f.non_gemm_s:>9.3f} "
+            f"{f.seconds:>8.3f}"
+        )
+    print(
+        f"(websockets: the step's frames through a bare websockets server and {WORKERS} "
+        "receivers, each answered with a frame of the result's mean size, in this run; "
+        "hash: BLAKE3 of the blocks cut; check: three passes over the blocks cut and the "
+        "results at one thread's memory speed; non-GEMM: eager torch's CPU outside its "
+        "GEMMs)"
+    )
+
 
 # The rows of the per-step breakdown, in order: (row, what it is made of).
 BREAKDOWN_ROWS = [
@@ -294,6 +495,76 @@ BREAKDOWN_ROWS = [
     ("other threads", "coordinator: everything else in its process"),
     ("idle", "cores x wall minus all of the above: nobody had work"),
 ]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _on_core(core: int) -> Callable[[], None]:
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def pinned_steps(model: str, steps: int) -> list[float]:
+    """Seconds of each step of ``model`` through Cleave with the coordinator on core 0
+    and one 1-thread worker on core 1."""
+    spec, _ = MODELS[model]
+    port = _free_port()
+    path = os.pathsep.join([str(ROOT), str(ROOT / "bench")])
+    env = {**os.environ, "PYTHONPATH": path, "CLEAVE_BENCH_WIDTH": str(WIDTH)}
+    env["CLEAVE_BENCH_BATCH"] = str(BATCH)
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        serve = [sys.executable, "-m", "coordinator", "serve", "--job", spec]
+        serve += ["--steps", str(steps), "--local-workers", "0", "--min-workers", "1"]
+        serve += ["--port", str(port), "--state-dir", str(Path(tmp) / "state")]
+        serve += ["--metrics-out", str(metrics)]
+        work = [sys.executable, "-m", "client_app", "--coordinator"]
+        work += [f"ws://127.0.0.1:{port}/ws", "--name", "pinned", "--threads", "1"]
+        with (Path(tmp) / "serve.log").open("w") as log:
+            coordinator = subprocess.Popen(
+                serve,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp,
+                preexec_fn=_on_core(0),
+            )
+            worker = subprocess.Popen(
+                work,
+                env={**env, "CLEAVE_CONFIG_DIR": str(Path(tmp) / "worker")},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_on_core(1),
+            )
+            try:
+                code = coordinator.wait(3600)
+            finally:
+                worker.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.wait(10)
+                worker.kill()
+        if code != 0:
+            raise subprocess.CalledProcessError(code, serve, (Path(tmp) / "serve.log").read_text())
+        return [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()]
+
+
+def pinned_table(models: list[str], steps: int) -> None:
+    if CORES < 2:
+        raise SystemExit("--pinned needs two cores")
+    skip = 2
+    print(f"{'model':>30} {'eager s (1 core)':>17} {'cleave s (1 + 1)':>17} {'ratio':>6}")
+    for model in models:
+        eager, _ = eager_process(model, steps, threads=1, core=0)
+        eager_s = statistics.median(eager.seconds[skip:])
+        ours = statistics.median(pinned_steps(model, steps)[skip:])
+        print(f"{LABELS[model]:>30} {eager_s:>17.3f} {ours:>17.3f} {ours / eager_s:>6.2f}")
+    print(
+        "(eager: 1 torch thread pinned to core 0; cleave: the coordinator pinned to core "
+        f"0, one 1-thread worker pinned to core 1; medians of steps {skip}..{steps - 1})"
+    )
 
 
 def step_breakdown(served: Served, skip: int) -> dict[str, float]:
