@@ -77,6 +77,20 @@ def test_small_tiles_are_checked_on_the_loop_and_large_ones_on_the_thread(side: 
     assert (COSTS.snapshot().get("check_on_loop", 0.0) > before) is on_loop
 
 
+def test_the_check_thread_multiplies_with_one_torch_thread() -> None:
+    # Its own setting: the rest of the process keeps torch's default team.
+    async def main() -> int:
+        checks = CheckThread()
+        try:
+            return await checks._run(torch.get_num_threads)
+        finally:
+            checks.shutdown()
+
+    default = torch.get_num_threads()
+    assert asyncio.run(main()) == 1
+    assert torch.get_num_threads() == default
+
+
 def test_small_results_of_one_turn_are_checked_together(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = checks_module.check_products

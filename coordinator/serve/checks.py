@@ -104,13 +104,19 @@ class Checker:
         return job.gemm.deliver(job.region, product)
 
 
+def _check_thread_started() -> None:
+    COSTS.this_thread_is("checks")
+    # One torch thread for the checks (OpenMP's setting is per calling thread): a check
+    # reads memory at the speed one core gets, and a team of helpers only adds their
+    # spinning and hand-offs to the coordinator's CPU while they take cores from the
+    # event loop and the training thread.
+    torch.set_num_threads(1)
+
+
 class CheckThread:
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
         self._pool = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="cleave-verify",
-            initializer=COSTS.this_thread_is,
-            initargs=("checks",),
+            1, thread_name_prefix="cleave-verify", initializer=_check_thread_started
         )
         cache = CheckCache()  # shared: a block's summaries serve both checkers
         self._checker = Checker(limits, cache)
