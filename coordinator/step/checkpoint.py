@@ -62,7 +62,7 @@ def _without_crc32() -> contextlib.AbstractContextManager[object]:
         from torch.utils.serialization import config
     except ImportError:
         return contextlib.nullcontext()
-    return config.patch({"save.compute_crc32": False})
+    return config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined,no-any-return]
 
 
 def remove_torn_writes(path: Path) -> list[Path]:
