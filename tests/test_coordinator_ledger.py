@@ -294,3 +294,33 @@ def test_rows_read_from_memory_match_the_file(tmp_path: Path) -> None:
         assert (in_memory["bob"].tiles, in_memory["bob"].rejected) == (1, 1)
     finally:
         fresh.close()
+
+
+def test_a_flush_writes_each_worker_once_with_all_its_credits_and_rejections(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.sqlite"
+    led = Ledger(path)
+    statements: list[str] = []
+    led._db.set_trace_callback(statements.append)
+    try:
+        for i in range(50):
+            credit(led, "alice", 10, now=1.0 + i, reputation=0.9, down=100, up=10, s=0.5)
+        reject(led, "alice", now=60.0, reputation=0.4, ban="wrong results")
+        credit(led, "alice", 1, now=61.0, reputation=0.3)
+        credit(led, "bob", 7, now=2.0)
+        assert led.queued == 53
+        led.flush()
+        assert led.queued == 0
+    finally:
+        led.close()
+    assert sum(s.lstrip().startswith("INSERT") for s in statements) == 2
+    with sqlite3.connect(path) as db:
+        rows = db.execute(
+            "SELECT worker, tiles, flops, bytes_down, bytes_up, compute_s, rejected, reputation,"
+            " banned_reason, banned_at, first_seen, last_seen FROM contributions ORDER BY worker"
+        ).fetchall()
+    assert rows == [
+        ("alice", 51, 501, 5100, 510, 25.5, 1, 0.3, "wrong results", 60.0, 1.0, 61.0),
+        ("bob", 1, 7, 100, 10, 0.5, 0, 1.0, "", None, 2.0, 2.0),
+    ]

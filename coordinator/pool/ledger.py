@@ -85,6 +85,80 @@ class Contribution:
         }
 
 
+# One worker's gathered writes, added to its row (or making it).
+UPSERT = """INSERT INTO contributions
+    (worker, name, tiles, flops, bytes_down, bytes_up, compute_s, rejected, reputation,
+     banned_reason, banned_at, first_seen, last_seen)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    ON CONFLICT(worker) DO UPDATE SET
+        name = excluded.name,
+        tiles = tiles + excluded.tiles,
+        flops = flops + excluded.flops,
+        bytes_down = bytes_down + excluded.bytes_down,
+        bytes_up = bytes_up + excluded.bytes_up,
+        compute_s = compute_s + excluded.compute_s,
+        rejected = rejected + excluded.rejected,
+        reputation = excluded.reputation,
+        banned_reason = CASE WHEN banned_reason = ''
+            THEN excluded.banned_reason ELSE banned_reason END,
+        banned_at = COALESCE(banned_at, excluded.banned_at),
+        last_seen = excluded.last_seen"""
+
+
+@dataclass
+class _Pending:
+    """What a worker's uncommitted credits and rejections add to its row."""
+
+    first_seen: float
+    last_seen: float = 0.0
+    name: str = ""
+    tiles: int = 0
+    flops: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    compute_s: float = 0.0
+    rejected: int = 0
+    reputation: float = FULL
+    banned_reason: str = ""
+    banned_at: float | None = None
+
+    def add(
+        self,
+        *,
+        reputation: float,
+        tiles: int = 0,
+        flops: int = 0,
+        bytes_down: int = 0,
+        bytes_up: int = 0,
+        compute_s: float = 0.0,
+        rejected: int = 0,
+    ) -> None:
+        self.tiles += tiles
+        self.flops += flops
+        self.bytes_down += bytes_down
+        self.bytes_up += bytes_up
+        self.compute_s += compute_s
+        self.rejected += rejected
+        self.reputation = reputation  # the latest
+
+    def params(self, worker: str) -> tuple[object, ...]:
+        return (
+            worker,
+            self.name,
+            self.tiles,
+            self.flops,
+            self.bytes_down,
+            self.bytes_up,
+            self.compute_s,
+            self.rejected,
+            self.reputation,
+            self.banned_reason,
+            self.banned_at,
+            self.first_seen,
+            self.last_seen,
+        )
+
+
 class Ledger:
     """Each worker's credit, in SQLite, with the rows also kept in memory.
 
@@ -109,7 +183,10 @@ class Ledger:
         self._lock = threading.Lock()
         self._rows: dict[str, Contribution] = {}  # worker key -> its row, as in the memory
         self._absent: set[str] = set()  # keys the file has no row for (a read cache)
-        self._queued: list[tuple[str, tuple[object, ...]]] = []  # writes not yet committed
+        # Writes not yet committed, one change per worker: the credits of a turn of the
+        # loop are one row update each worker, not one per tile.
+        self._queued: dict[str, _Pending] = {}
+        self._writes = 0  # the credits and rejections gathered in ``_queued``
         self._committing = 0  # writes taken from the queue by the commit under way
         with self._db_lock:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -139,22 +216,13 @@ class Ledger:
         loaded = self._row(worker)
         with self._lock:
             before = self._rows.get(worker, loaded)  # read first: the write below changes it
-            self._queued.append(
-                (
-                    """INSERT INTO contributions
-                   (worker, name, tiles, flops, bytes_down, bytes_up, compute_s, reputation,
-                    first_seen, last_seen)
-                   VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?)
-                   ON CONFLICT(worker) DO UPDATE SET
-                       name = excluded.name,
-                       tiles = tiles + 1, flops = flops + excluded.flops,
-                       bytes_down = bytes_down + excluded.bytes_down,
-                       bytes_up = bytes_up + excluded.bytes_up,
-                       compute_s = compute_s + excluded.compute_s,
-                       reputation = excluded.reputation,
-                       last_seen = excluded.last_seen""",
-                    (worker, name, flops, bytes_down, bytes_up, compute_s, reputation, now, now),
-                )
+            self._pending(worker, name, now).add(
+                tiles=1,
+                flops=flops,
+                bytes_down=bytes_down,
+                bytes_up=bytes_up,
+                compute_s=compute_s,
+                reputation=reputation,
             )
             self._rows[worker] = replace(
                 before,
@@ -174,31 +242,10 @@ class Ledger:
         loaded = self._row(worker)
         with self._lock:
             before = self._rows.get(worker, loaded)  # read first: the write below changes it
-            self._queued.append(
-                (
-                    """INSERT INTO contributions
-                   (worker, name, rejected, reputation, banned_reason, banned_at,
-                    first_seen, last_seen)
-                   VALUES (?, ?, 1, ?, ?, ?, ?, ?)
-                   ON CONFLICT(worker) DO UPDATE SET
-                       name = excluded.name,
-                       rejected = rejected + 1,
-                       reputation = excluded.reputation,
-                       banned_reason = CASE WHEN banned_reason = ''
-                           THEN excluded.banned_reason ELSE banned_reason END,
-                       banned_at = COALESCE(banned_at, excluded.banned_at),
-                       last_seen = excluded.last_seen""",
-                    (
-                        worker,
-                        name,
-                        reputation,
-                        banned_reason,
-                        now if banned_reason else None,
-                        now,
-                        now,
-                    ),
-                )
-            )
+            pending = self._pending(worker, name, now)
+            pending.add(rejected=1, reputation=reputation)
+            if banned_reason and not pending.banned_reason:
+                pending.banned_reason, pending.banned_at = banned_reason, now
             self._rows[worker] = replace(
                 before,
                 name=name,
@@ -207,11 +254,21 @@ class Ledger:
                 banned_reason=before.banned_reason or banned_reason,
             )
 
+    def _pending(self, worker: str, name: str, now: float) -> _Pending:
+        """The worker's writes not yet committed, gathered into one row's change.
+        (The caller holds ``_lock``.)"""
+        pending = self._queued.get(worker)
+        if pending is None:
+            pending = self._queued[worker] = _Pending(first_seen=now)
+        pending.name, pending.last_seen = name, now
+        self._writes += 1
+        return pending
+
     @property
     def queued(self) -> int:
         """Writes made but not yet committed (queued, or in the commit under way)."""
         with self._lock:
-            return len(self._queued) + self._committing
+            return self._writes + self._committing
 
     def flush(self) -> None:
         """Commit the queued writes, in the order they were made, in one transaction."""
@@ -221,15 +278,15 @@ class Ledger:
     def _flush(self) -> None:
         """(The caller holds the connection's lock.)"""
         with self._lock:
-            queued, self._queued = self._queued, []
-            self._committing = len(queued)
+            queued, self._queued = self._queued, {}
+            self._committing, self._writes = self._writes, 0
         if not queued:
             return
         try:
             self._db.execute("BEGIN")
             try:
-                for sql, params in queued:
-                    self._db.execute(sql, params)
+                for worker, pending in queued.items():
+                    self._db.execute(UPSERT, pending.params(worker))
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
