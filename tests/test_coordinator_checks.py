@@ -123,14 +123,61 @@ def test_small_results_of_one_turn_are_checked_together(monkeypatch: pytest.Monk
     assert calls == [4, 4, 3]  # one turn's results, a stack's worth at a time
 
 
-def test_a_failing_stack_fails_each_waiter_instead_of_leaving_it_waiting(
+def test_large_results_that_queue_while_the_thread_is_busy_are_checked_together(
     monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    real = checks_module.check_products
+
+    def counting(tiles: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(tiles))
+        return real(tiles, *args, **kwargs)
+
+    monkeypatch.setattr(checks_module, "check_products", counting)
+    monkeypatch.setattr(checks_module, "ON_THREAD_MAX_BATCH", 3)
+    jobs = [one_tile(192) for _ in range(4)]
+    results = []
+    for i, job in enumerate(jobs):
+        a, b = job.matrices()
+        c = a @ b
+        if i == 2:
+            c[1, 1] += 1.0
+        results.append(check_of(job, c))
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        assert release.wait(30)
+
+    async def main() -> list[Any]:
+        checks = CheckThread()
+        try:
+            held = asyncio.ensure_future(checks._run(hold))
+            assert await asyncio.to_thread(busy.wait, 30)
+            first = asyncio.ensure_future(checks.run(results[0]))  # the thread's next batch
+            await asyncio.sleep(0)
+            rest = [asyncio.ensure_future(checks.run(r)) for r in results[1:]]
+            await asyncio.sleep(0)
+            release.set()
+            await held
+            return await asyncio.wait_for(asyncio.gather(first, *rest), 30)
+        finally:
+            checks.shutdown()
+
+    outcomes = asyncio.run(main())
+    assert [o.verdict.ok for o in outcomes] == [True, True, False, True]
+    assert calls == [3, 1]  # all four queued behind the held job: a batch's worth at a time
+
+
+@pytest.mark.parametrize("side", [64, 192])  # on the loop, on the thread
+def test_a_failing_stack_fails_each_waiter_instead_of_leaving_it_waiting(
+    monkeypatch: pytest.MonkeyPatch, side: int
 ) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("bug")
 
     monkeypatch.setattr(checks_module, "check_products", broken)
-    job = one_tile(64)
+    job = one_tile(side)
     a, b = job.matrices()
 
     async def main() -> list[Any]:

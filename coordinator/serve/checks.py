@@ -3,10 +3,11 @@ GEMMs, and computing here the tiles no worker may take: ``Checker`` does each on
 ``CheckThread`` runs it off the event loop.
 
 A result goes to the thread once: decoded, checked and, if it passes, placed in one
-visit, so the event loop spends one hand-off per tile and none of its own time on the
-result's bytes. One thread, so the checker's private generator of check vectors needs
-no lock, and the operand blocks' row norms are cached across the tiles that share a
-block.
+visit, so the event loop spends none of its own time on the result's bytes. The results
+that queued up while the thread was busy are checked together, in one ``check_products``
+call, and their verdicts come back to the loop in one hand-off. One thread, so the
+checker's private generator of check vectors needs no lock, and the operand blocks'
+summaries are cached across the tiles that share a block.
 
 Small tiles are the exception: they are checked on the event loop itself, together.
 A check is a few dozen torch calls whatever the tile's size, and each one releases the
@@ -21,6 +22,8 @@ a few calls for all of them (``bench/bench_load.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -41,6 +44,7 @@ T = TypeVar("T")
 # check takes about as long as handing it to the thread and back.
 ON_LOOP_MAX_MACS = 128**3
 ON_LOOP_MAX_STACK = 256  # small results checked in one turn of the loop; the rest next turn
+ON_THREAD_MAX_BATCH = 64  # large results the thread checks in one call
 
 
 class Checker:
@@ -123,11 +127,15 @@ class CheckThread:
         # Its own generator: each checker's is used by one thread only.
         self._on_loop = Checker(limits, cache, stages=("check_on_loop",) * 3)
         self._waiting: list[tuple[Check, asyncio.Future[Checked]]] = []
+        # Large results waiting for the thread, and whether it is draining them.
+        self._lock = threading.Lock()
+        self._queued: list[tuple[Check, asyncio.Future[Checked]]] = []
+        self._draining = False
 
     async def run(self, check: Check) -> Checked:
         if check.job.flops <= 2 * ON_LOOP_MAX_MACS:
             return await self._on_loop_soon(check)  # small: cheaper here (above)
-        return await self._run(self._checker.run, check)
+        return await self._on_thread_soon(check)
 
     def _on_loop_soon(self, check: Check) -> asyncio.Future[Checked]:
         loop = asyncio.get_running_loop()
@@ -142,16 +150,33 @@ class CheckThread:
         now, self._waiting = self._waiting[:ON_LOOP_MAX_STACK], self._waiting[ON_LOOP_MAX_STACK:]
         if self._waiting:
             asyncio.get_running_loop().call_soon(self._check_waiting)
-        try:
-            outcomes = self._on_loop.run_many([check for check, _ in now])
-        except Exception as exc:  # noqa: BLE001 - each waiter gets it, none hangs
-            for _, waiter in now:
-                if not waiter.done():
-                    waiter.set_exception(exc)
-            return
-        for (_, waiter), outcome in zip(now, outcomes, strict=True):
-            if not waiter.done():
-                waiter.set_result(outcome)
+        _hand_back(_outcomes(now, self._on_loop.run_many))
+
+    def _on_thread_soon(self, check: Check) -> asyncio.Future[Checked]:
+        """Queue a result for the thread, which checks what is queued together (the
+        tiles of one GEMM share their blocks' summaries and reads of a) and hands
+        the verdicts back in one call: one hand-off each way per batch, not per tile."""
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[Checked] = loop.create_future()
+        with self._lock:
+            self._queued.append((check, outcome))
+            start, self._draining = not self._draining, True
+        if start:
+            self._pool.submit(self._drain, loop)
+        return outcome
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(On the thread.) Check what is queued, a batch at a time, until nothing is."""
+        while True:
+            with self._lock:
+                batch = self._queued[:ON_THREAD_MAX_BATCH]
+                del self._queued[:ON_THREAD_MAX_BATCH]
+                if not batch:
+                    self._draining = False
+                    return
+            settled = _outcomes(batch, self._checker.run_many)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_hand_back, settled)
 
     async def compute_here(self, job: SignedTile) -> bool:
         return await self._run(self._checker.compute_here, job)
@@ -161,3 +186,30 @@ class CheckThread:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_Settled = list[tuple[asyncio.Future[Checked], Checked | BaseException]]
+
+
+def _outcomes(
+    waiting: list[tuple[Check, asyncio.Future[Checked]]],
+    run_many: Callable[[Sequence[Check]], list[Checked]],
+) -> _Settled:
+    """Each waiter with its outcome from ``run_many``, or with what it raised: a failing
+    batch fails each of its waiters rather than leaving any waiting."""
+    try:
+        outcomes = run_many([check for check, _ in waiting])
+    except Exception as exc:  # noqa: BLE001 - each waiter gets it, none hangs
+        return [(waiter, exc) for _, waiter in waiting]
+    return [(waiter, o) for (_, waiter), o in zip(waiting, outcomes, strict=True)]
+
+
+def _hand_back(settled: _Settled) -> None:
+    """(On the loop.) Each waiter's outcome, unless it stopped waiting."""
+    for waiter, outcome in settled:
+        if waiter.done():
+            continue
+        if isinstance(outcome, BaseException):
+            waiter.set_exception(outcome)
+        else:
+            waiter.set_result(outcome)
