@@ -92,6 +92,27 @@ def _fewest_parts(size: int, longest: int, most: int) -> int:
     return next(p for p in range(min(size, most), 0, -1) if size % p == 0)
 
 
+def times_skinny(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``x @ v`` for a tall ``x [..., r, w]`` and a skinny ``v [..., w, V]`` (V a few
+    columns), as ``(vᵀ xᵀ)ᵀ``: BLAS packs the left operand of a product, and in ``x @ v``
+    that is all of ``x``, which made these products several times slower than a pass
+    over ``x``; with ``vᵀ`` on the left only the small one is packed and ``x`` is read
+    once, in place (``xᵀ`` is a view). The sums are the same dot products: each still a
+    chain over ``w`` at most, which is what the rounding model assumes."""
+    return (v.transpose(-1, -2) @ x.transpose(-1, -2)).transpose(-1, -2)
+
+
+def _float64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, laid out in order (``times_skinny`` answers a transposed view)."""
+    return t.to(torch.float64, memory_format=torch.contiguous_format)
+
+
+def _rows_times(x: torch.Tensor, width: int, v: torch.Tensor) -> torch.Tensor:
+    """``x`` cut into rows of ``width`` (its last dim a whole number of them), each times
+    ``v [width, V]``: ``[rows, V]`` for every row of every chunk, one product."""
+    return times_skinny(x.reshape(-1, width), v)
+
+
 @dataclass(frozen=True)
 class CheckPlan:
     """How the check cuts one tile shape: ``rows`` output rows (all batches), each cut
@@ -178,7 +199,8 @@ def summarize_right(
     batch, k, _ = b3.shape
     rho = check_vectors(plan.width, plan.vectors, b3.dtype, generator)
     b4 = b3.reshape(batch, k, plan.chunks, plan.width)
-    projected = (b4 @ rho).reshape(batch, k, plan.chunks * plan.vectors)  # chains of a chunk
+    # Chains of a chunk: [batch, k, chunks * V].
+    projected = _rows_times(b3, plan.width, rho).reshape(batch, k, plan.chunks * plan.vectors)
     norms = torch.linalg.vector_norm(b4, dim=-1)  # [batch, k, chunks]
     largest = norms.amax(dim=1)
     # The mean square over l is the norm of the norms over sqrt(k).
@@ -328,7 +350,7 @@ def _statistics(
     """Each statistic's honest variance and its squared excess over it (in units of the
     variance), ``[batch, m, chunks, 1]`` and ``[batch, m, chunks, V]``."""
     claimed, c_sq = _claimed(c3, right.vectors, plan)
-    reference = _reference(a3, right.projected, plan).view(claimed.shape)
+    reference = _reference(a3, right.projected, plan).reshape(claimed.shape)
     variance = _honest_variance(a3, c_sq, left, right, plan, dtype)
     return variance, claimed.sub_(reference).square_().div_(variance)
 
@@ -340,7 +362,7 @@ def _claimed(
     chunks, ``[batch, m, chunks]`` float64."""
     batch, m, _ = c3.shape
     c4 = c3.reshape(batch, m, plan.chunks, plan.width)
-    claimed = (c4 @ vectors).to(torch.float64)
+    claimed = _float64(_rows_times(c3, plan.width, vectors)).view(*c4.shape[:-1], -1)
     return claimed, torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()
 
 
@@ -363,7 +385,9 @@ def check_products(
     """``check_product`` of many ``(a, b, c)`` tiles, with the same verdicts in a few
     torch calls for all of them instead of a few dozen for each.
 
-    Tiles of one shape and dtype are checked together. Each keeps its own plan (that of
+    Small tiles of one shape and dtype (``STACK_MAX_MACS``) are checked together,
+    where a check's few dozen calls cost more than its passes over the tile; larger
+    ones one at a time, where stacking them would only add copies. Each keeps its own plan (that of
     its shape alone), statistics, unevenness and threshold, so its verdict is the one a
     check of it alone would give with the same check vectors; the tiles of a stack share
     those vectors, which is as sound as fresh ones for each: workers never see them. A
@@ -374,7 +398,7 @@ def check_products(
     verdicts: list[CheckResult | None] = [None] * len(tiles)
     stacks: dict[tuple[torch.Size, torch.Size, torch.dtype], list[int]] = {}
     for i, (a, b, c) in enumerate(tiles):
-        if _without_arithmetic(a, b, c) is None:
+        if c.numel() * a.shape[-1] <= STACK_MAX_MACS and _without_arithmetic(a, b, c) is None:
             stacks.setdefault((a.shape, b.shape, a.dtype), []).append(i)
     for members in stacks.values():
         if len(members) > 1:
@@ -391,6 +415,8 @@ def check_products(
     ]
 
 
+# Tiles of at most this many multiply-adds are checked in stacks (check_products).
+STACK_MAX_MACS = 128**3
 # Results at least this large have c ρ and c's norms taken tile by tile, from the tiles
 # as they are: stacking them would copy every result once more, and a call's fixed cost
 # is small next to a pass over them.
@@ -462,7 +488,7 @@ def _check_stack(
     )
     reference = _cross_reference(a3, right.projected, plan, len(a_blocks), len(b_blocks))
     # [A, tile_batch, m, B, cv] -> [count, tile_batch, m, cv]
-    reference = reference.view(len(a_blocks), tile_batch, m, len(b_blocks), cv)[a_at, :, :, b_at]
+    reference = reference.reshape(len(a_blocks), tile_batch, m, len(b_blocks), cv)[a_at, :, :, b_at]
     if c0.numel() < STACK_C_BELOW:
         claimed, c_sq = _claimed(_joined([t[2] for t in tiles], work), right.vectors, plan)
     else:
@@ -498,15 +524,12 @@ def _cross_reference(
     across = projected.view(b_count, tile_batch, k, -1).permute(1, 2, 0, 3)
     across = across.reshape(tile_batch, k, -1)
     if plan.k_blocks == 1:
-        return (a4 @ across).to(torch.float64)
+        return _float64(times_skinny(a4, across))
     block = k // plan.k_blocks
     total: torch.Tensor | None = None
     for start in range(0, k, block):
-        # A column slice of a is a strided view that the product reads in place.
-        partial = (a4[..., start : start + block] @ across[:, start : start + block]).to(
-            torch.float64
-        )
-        total = partial if total is None else total.add_(partial)
+        partial = times_skinny(a4[..., start : start + block], across[:, start : start + block])
+        total = _float64(partial) if total is None else total.add_(partial)
     assert total is not None
     return total
 
@@ -536,13 +559,16 @@ def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> to
     """``a (b ρ)`` in float64, ``[batch, m, chunks * V]``: one fp32 product, or partial
     products over K blocks (short chains) added in float64."""
     if plan.k_blocks == 1:
-        return (a3 @ projected).to(torch.float64)
-    batch, m, k = a3.shape
+        return _float64(times_skinny(a3, projected))
+    k = a3.shape[-1]
     block = k // plan.k_blocks
-    # [batch, blocks, m, block]: strided views of a, so nothing is copied for mm tiles.
-    a_blocks = a3.reshape(batch, m, plan.k_blocks, block).transpose(1, 2)
-    partials = a_blocks @ projected.reshape(batch, plan.k_blocks, block, -1)
-    return partials.to(torch.float64).sum(dim=1)
+    total: torch.Tensor | None = None
+    for start in range(0, k, block):
+        # A column slice of a is a strided view that the product reads in place.
+        partial = times_skinny(a3[..., start : start + block], projected[:, start : start + block])
+        total = _float64(partial) if total is None else total.add_(partial)
+    assert total is not None
+    return total
 
 
 def _terms(a3: torch.Tensor, left: LeftSummary, right: RightSummary) -> torch.Tensor:
