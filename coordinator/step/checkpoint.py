@@ -1,7 +1,9 @@
 """Checkpoints of a training run: model, optimizer, step, data position and RNG.
 
 A checkpoint replaces the previous one atomically (``common.atomic_file``): a crash at
-any moment leaves either the previous checkpoint or the new one, never a torn file.
+any moment leaves either the previous checkpoint or the new one, never a torn file. Each
+write reuses the disk space of the checkpoint before the previous one (a spare file
+beside it), so the state directory holds two checkpoints' worth of disk.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from common.atomic_file import atomic_write
+from common.atomic_file import write_recycling
 
 
 @dataclass(frozen=True)
@@ -50,29 +52,19 @@ def write_checkpoint(path: Path, ckpt: Checkpoint) -> None:
         "rng_state": ckpt.rng_state,
     }
     with _without_crc32():
-        atomic_write(path, lambda fh: torch.save(payload, fh))
+        write_recycling(path, lambda fh: torch.save(payload, fh))
 
 
 def _without_crc32() -> contextlib.AbstractContextManager[object]:
     """torch.save without the zip records' CRC32, which cost most of a large
     checkpoint's CPU (miniz's checksum runs far below memory speed). Nothing is lost by
-    it: ``atomic_write`` already makes a torn file impossible, and torch.load does not
+    it: ``write_recycling`` already makes a torn file impossible, and torch.load does not
     verify the checksums. Older torch without the option writes them."""
     try:
         from torch.utils.serialization import config
     except ImportError:
         return contextlib.nullcontext()
     return config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined,no-any-return]
-
-
-def remove_torn_writes(path: Path) -> list[Path]:
-    """Delete what writes of ``path`` killed half-way left behind (``atomic_write``'s
-    temporary files, each as large as a checkpoint), so kills do not fill the disk."""
-    removed = []
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        tmp.unlink(missing_ok=True)
-        removed.append(tmp)
-    return removed
 
 
 def load_checkpoint(path: Path) -> Checkpoint | None:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from coordinator.step.checkpoint import load_checkpoint, remove_torn_writes
+from common.atomic_file import recover_recycling
+from coordinator.step.checkpoint import load_checkpoint
 from coordinator.step.checkpoint_writer import CheckpointWriter, take_snapshot
 from coordinator.step.cpu_costs import COMPUTING_STAGES, COSTS, process_cpu_seconds, since
 from coordinator.step.eager import run_eager_step
@@ -124,7 +125,7 @@ class Trainer:
         step counter. True if training resumes from it."""
         if self.checkpoint_path is None:
             return False
-        for torn in remove_torn_writes(self.checkpoint_path):
+        for torn in recover_recycling(self.checkpoint_path):
             log.info("removed %s: a checkpoint write that was cut short", torn.name)
         ckpt = load_checkpoint(self.checkpoint_path)
         if ckpt is None:
