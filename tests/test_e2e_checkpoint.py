@@ -4,11 +4,13 @@ every verified tile still in the ledger."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +253,119 @@ def test_a_killed_coordinator_resumes_from_its_checkpoint(tmp_path: Path) -> Non
     assert sorted(kept) == list(range(8))
     got = [kept[step]["loss"] for step in range(8)]
     assert_losses_match(got, train_locally(make_job(), 8))
+    with sqlite3.connect(state / "ledger.sqlite") as db:
+        (credited,) = db.execute(
+            "SELECT tiles FROM contributions WHERE name = 'steadfast'"
+        ).fetchone()
+    assert credited >= sum(r["tiles"] for r in kept.values()) > 0
+
+
+# ---- a kill while a large checkpoint is being written ----------------------------------
+
+TORN_STEPS = 6
+
+
+def make_large_checkpoint_job() -> Job:
+    """A small step with a large checkpoint: a 25.6M-parameter embedding table and Adam
+    make a ~300 MB file, long enough to write that a kill lands in the middle of one."""
+    torch.manual_seed(7)
+    vocab, dim, context = 200_000, 128, 8
+    model = nn.Sequential(
+        nn.Embedding(vocab, dim),
+        nn.Flatten(),
+        nn.Linear(context * dim, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+    g = torch.Generator().manual_seed(8)
+    data = [
+        (
+            torch.randint(0, vocab, (16, context), generator=g),
+            torch.randint(0, 10, (16,), generator=g),
+        )
+        for _ in range(TORN_STEPS)
+    ]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return Job(model=model, loss_fn=F.cross_entropy, optimizer=opt, batches=data, name="big_ckpt")
+
+
+def _torn_writes(state: Path) -> list[Path]:
+    return sorted(state.glob(".checkpoint.pt.*.tmp"))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_coordinator_killed_mid_checkpoint_write_resumes_from_the_previous_one(
+    tmp_path: Path,
+) -> None:
+    port, state = _free_port(), tmp_path / "shared-state"
+    path = state / "checkpoint.pt"
+    args = (
+        *("--port", str(port), "--state-dir", str(state), "--min-workers", "1"),
+        *("--steps", str(TORN_STEPS), "--job", "test_e2e_checkpoint:make_large_checkpoint_job"),
+    )
+    runs: list[Coordinator] = []
+    worker: Worker | None = None
+    torn: list[Path] = []
+    try:
+        # A kill can land just after a write's rename (nothing torn): then the run is
+        # restarted and the next write is tried, a few times at most.
+        for attempt in range(3):
+            (tmp_path / f"run{attempt}").mkdir()
+            coord = Coordinator(tmp_path / f"run{attempt}", *args)
+            runs.append(coord)
+            if worker is None:
+                worker = Worker(tmp_path, coord.url, "steadfast", "--backoff-base", "0.2")
+            deadline, killed = time.monotonic() + 150, False
+            # A write in flight after a complete checkpoint: the kill must leave that one.
+            while not killed and coord.proc.poll() is None:
+                assert time.monotonic() < deadline, f"no write seen in 150 s:\n{coord.output()}"
+                if path.exists() and _torn_writes(state):
+                    coord.proc.kill()
+                    killed = True
+                time.sleep(0.005)
+            assert killed, f"run {attempt} ended before a kill caught a write:\n{coord.output()}"
+            coord.kill()
+            coord.wait(10)
+            torn = _torn_writes(state)
+            if torn:
+                break
+        assert torn, "three kills in a row missed the checkpoint writes in flight"
+        ckpt = load_checkpoint(path)  # the last complete checkpoint, untouched by the kill
+        assert ckpt is not None and 0 < ckpt.step < TORN_STEPS, ckpt and ckpt.step
+        # The worker is held until the restarted coordinator has resumed: no step, so no
+        # checkpoint write, can start before the torn write's removal is checked.
+        assert worker is not None
+        worker.proc.send_signal(signal.SIGSTOP)
+        (tmp_path / "last").mkdir()
+        last = Coordinator(tmp_path / "last", *args)
+        runs.append(last)
+        wait_until(lambda: "waiting for workers" in last.output(), 60, "the resume")
+        assert _torn_writes(state) == [], last.output()
+        for cut in torn:
+            assert f"discarded {cut.name}: a checkpoint write that was cut short" in last.output()
+        worker.proc.send_signal(signal.SIGCONT)
+        assert last.wait(180) == 0, last.output()
+    finally:
+        for coord in runs:
+            coord.kill()
+        if worker is not None:
+            worker.proc.send_signal(signal.SIGCONT)
+            worker.stop()
+    assert worker is not None and worker.proc.returncode == 0, worker.output()
+    assert f"resuming from step {ckpt.step} of {TORN_STEPS}" in last.output(), last.output()
+    assert _torn_writes(state) == []
+    resumed = last.steps()
+    assert resumed and resumed[0]["step"] == ckpt.step, resumed
+    kept: dict[int, dict[str, Any]] = {}
+    for coord in runs:
+        for record in coord.steps():
+            kept[record["step"]] = record  # a step lost with a kill is recomputed: keep the last
+    assert sorted(kept) == list(range(TORN_STEPS))
+    got = [kept[step]["loss"] for step in range(TORN_STEPS)]
+    assert_losses_match(got, train_locally(make_large_checkpoint_job(), TORN_STEPS))
+    final = load_checkpoint(path)
+    assert final is not None and final.step == TORN_STEPS
     with sqlite3.connect(state / "ledger.sqlite") as db:
         (credited,) = db.execute(
             "SELECT tiles FROM contributions WHERE name = 'steadfast'"

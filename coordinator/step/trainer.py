@@ -126,7 +126,7 @@ class Trainer:
         if self.checkpoint_path is None:
             return False
         for torn in recover_recycling(self.checkpoint_path):
-            log.info("removed %s: a checkpoint write that was cut short", torn.name)
+            log.info("discarded %s: a checkpoint write that was cut short", torn.name)
         ckpt = load_checkpoint(self.checkpoint_path)
         if ckpt is None:
             return False
