@@ -38,6 +38,7 @@ from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
 from coordinator.step.flops import describe
 from coordinator.step.job import Job
 from coordinator.step.progress import Progress
+from coordinator.step.torch_threads import orchestrate_on_one_thread
 from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
 from coordinator.structured_log import PROGRESS_LOGGER
 
@@ -403,7 +404,11 @@ class CoordinatorRun:
                 **asdict(record),
             )
 
-        await asyncio.to_thread(trainer.run, steps, on_step)
+        def train() -> None:
+            orchestrate_on_one_thread()  # coordinator.step.torch_threads says why
+            trainer.run(steps, on_step)
+
+        await asyncio.to_thread(train)
         self.progress.state = "done"
 
     def _on_signal(self, sig: signal.Signals) -> None:

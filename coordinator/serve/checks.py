@@ -35,6 +35,7 @@ from common.limits import DEFAULT_LIMITS, WireLimits
 from common.ops import TileOp
 from coordinator.pool.effects import Check, Checked
 from coordinator.step.cpu_costs import COSTS
+from coordinator.step.torch_threads import computing, orchestrate_on_one_thread
 from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import CheckCache, check_products, new_generator
 
@@ -103,18 +104,14 @@ class Checker:
     def compute_here(job: SignedTile) -> bool:
         """Compute and place a tile here; True when that completed its GEMM."""
         a, b = job.matrices()
-        with COSTS.timed("stranded_tiles"):
+        with COSTS.timed("stranded_tiles"), computing():
             product = torch.bmm(a, b) if job.gemm.op == TileOp.BMM else torch.mm(a, b)
         return job.gemm.deliver(job.region, product)
 
 
 def _check_thread_started() -> None:
     COSTS.this_thread_is("checks")
-    # One torch thread for the checks (OpenMP's setting is per calling thread): a check
-    # reads memory at the speed one core gets, and a team of helpers only adds their
-    # spinning and hand-offs to the coordinator's CPU while they take cores from the
-    # event loop and the training thread.
-    torch.set_num_threads(1)
+    orchestrate_on_one_thread()  # a check reads memory at the speed one core gets
 
 
 class CheckThread:

@@ -25,6 +25,7 @@ from common.unfold import Unfold
 from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
 from coordinator.schedule.scheduler import TileTicket
 from coordinator.step.cpu_costs import COSTS
+from coordinator.step.torch_threads import computing
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class TiledGemm:
                 a, b = self._operands(region)
                 if self.unfold is not None:
                     a, b = self.unfold.matrices(a, b)
-                with COSTS.timed("kept_tiles"):
+                with COSTS.timed("kept_tiles"), computing():
                     c = torch.bmm(a, b) if self.op == TileOp.BMM else a @ b
                 finished |= self.deliver(region, c)
         self._a = self._b = torch.empty(0)
