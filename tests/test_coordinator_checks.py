@@ -39,6 +39,19 @@ def check_of(job: SignedTile, c: torch.Tensor) -> Check:
     return Check("w1", job.tile_id, job, parse_message(frame), len(frame), 0.01)
 
 
+def count_check_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tiles of each ``check_products`` call from now on."""
+    calls: list[int] = []
+    real = checks_module.check_products
+
+    def counting(tiles: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(tiles))
+        return real(tiles, *args, **kwargs)
+
+    monkeypatch.setattr(checks_module, "check_products", counting)
+    return calls
+
+
 def placed_on(job: SignedTile) -> list[int]:
     """The threads that place the tile into its GEMM, as it happens."""
     threads: list[int] = []
@@ -92,14 +105,7 @@ def test_the_check_thread_multiplies_with_one_torch_thread() -> None:
 
 
 def test_small_results_of_one_turn_are_checked_together(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = checks_module.check_products
-
-    def counting(tiles: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(tiles))
-        return real(tiles, *args, **kwargs)
-
-    monkeypatch.setattr(checks_module, "check_products", counting)
+    calls = count_check_products(monkeypatch)
     monkeypatch.setattr(checks_module, "ON_LOOP_MAX_STACK", 4)
     jobs = [one_tile(32 + i) for i in range(6)]  # one shape each: check_product alone
     jobs += [one_tile(64) for _ in range(5)]  # one stack
@@ -126,14 +132,7 @@ def test_small_results_of_one_turn_are_checked_together(monkeypatch: pytest.Monk
 def test_large_results_that_queue_while_the_thread_is_busy_are_checked_together(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[int] = []
-    real = checks_module.check_products
-
-    def counting(tiles: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(tiles))
-        return real(tiles, *args, **kwargs)
-
-    monkeypatch.setattr(checks_module, "check_products", counting)
+    calls = count_check_products(monkeypatch)
     monkeypatch.setattr(checks_module, "ON_THREAD_MAX_BATCH", 3)
     jobs = [one_tile(192) for _ in range(4)]
     results = []

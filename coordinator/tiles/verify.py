@@ -522,16 +522,7 @@ def _cross_reference(
     a4 = a3.view(a_count, tile_batch, m, k)
     # [B * tile_batch, k, cv] -> [tile_batch, k, B * cv]: a small copy of b ρ.
     across = projected.view(b_count, tile_batch, k, -1).permute(1, 2, 0, 3)
-    across = across.reshape(tile_batch, k, -1)
-    if plan.k_blocks == 1:
-        return _float64(times_skinny(a4, across))
-    block = k // plan.k_blocks
-    total: torch.Tensor | None = None
-    for start in range(0, k, block):
-        partial = times_skinny(a4[..., start : start + block], across[:, start : start + block])
-        total = _float64(partial) if total is None else total.add_(partial)
-    assert total is not None
-    return total
+    return _reference(a4, across.reshape(tile_batch, k, -1), plan)
 
 
 def _check_stack_copied(
@@ -556,8 +547,9 @@ def _check_stack_copied(
 
 
 def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
-    """``a (b ρ)`` in float64, ``[batch, m, chunks * V]``: one fp32 product, or partial
-    products over K blocks (short chains) added in float64."""
+    """``a (b ρ)`` in float64, ``[..., batch, m, chunks * V]`` (``a3`` may have a leading
+    dim of its own): one fp32 product, or partial products over K blocks (short chains)
+    added in float64."""
     if plan.k_blocks == 1:
         return _float64(times_skinny(a3, projected))
     k = a3.shape[-1]
