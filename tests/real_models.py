@@ -9,7 +9,16 @@ Each factory builds the same job from the same seed every time, so a distributed
   batch norm, max pooling, a residual add, global average pooling;
 - ``make_data_dependent_job``: a padded-sequence model whose forward decides in Python
   on the data (``.any()`` on the padding, ``.item()`` for the longest sequence), as
-  library mask helpers do, and whose loss divides by ``.item()`` of the token count.
+  library mask helpers do, and whose loss divides by ``.item()`` of the token count;
+- ``make_moe_job``: a mixture-of-experts transformer (top-2 routing over 4 experts), its
+  experts either stacked weights run with ``torch._grouped_mm`` (transformers' default
+  experts implementation) or a Python loop over per-expert ``nn.Linear`` layers that skips
+  experts no token chose (its eager one);
+- ``make_resnext_job``: ResNeXt bottleneck blocks (1x1, grouped 3x3 with 16 channels a
+  group, 1x1, batch norm, residual);
+- ``make_convnext_job``: ConvNeXt blocks (depthwise 7x7, LayerNorm over channels, an
+  inverted bottleneck MLP, layer scale, stochastic depth) with a patchify stem and a
+  downsampling layer.
 """
 
 from __future__ import annotations
@@ -213,4 +222,198 @@ def make_data_dependent_job(batch: int = 8, seq: int = 64) -> Job:
         optimizer=torch.optim.Adam(model.parameters(), lr=3e-3),
         batches=_padded_batches(batch, seq, seed=3),
         name="padded_transformer",
+    )
+
+
+# ---- mixture of experts ------------------------------------------------------------------
+
+
+class GroupedExperts(nn.Module):
+    """Experts as stacked weights, run as transformers' default experts implementation
+    runs them: the (token, expert) pairs sorted by expert, one grouped GEMM a projection."""
+
+    def __init__(self, d: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.experts = experts
+        self.w_in = nn.Parameter(torch.randn(experts, d, hidden) * d**-0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, d) * hidden**-0.5)
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k = chosen.shape[1]
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        tokens = order // top_k
+        per_expert = torch.histc(flat.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offs = per_expert.cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x[tokens], self.w_in, offs=offs))
+        y = torch._grouped_mm(h, self.w_out, offs=offs) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add(0, tokens, y)
+
+
+class LoopExperts(nn.Module):
+    """Experts as a Python loop, as transformers' eager experts implementation: experts
+    that no token chose are skipped, a decision on the data."""
+
+    def __init__(self, d: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, hidden, bias=False), nn.SiLU(), nn.Linear(hidden, d))
+            for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel() == 0:
+                continue
+            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+class MoeBlock(nn.Module):
+    def __init__(self, d: int, heads: int, experts: int, top_k: int, grouped: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = SdpaAttention(d, heads)
+        self.router = nn.Linear(d, experts, bias=False)
+        kind = GroupedExperts if grouped else LoopExperts
+        self.experts = kind(d, 2 * d, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        b, t, d = x.shape
+        h = self.norm2(x).reshape(b * t, d)
+        weights, chosen = self.router(h).softmax(dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return x + self.experts(h, chosen, weights).reshape(b, t, d)
+
+
+class MoeTransformer(nn.Module):
+    def __init__(self, grouped: bool, d: int = 64, layers: int = 2, seq: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(MoeBlock(d, 4, 4, 2, grouped) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_moe_job(grouped: bool = True, seq: int = 64, batch: int = 4) -> Job:
+    torch.manual_seed(0)
+    model = MoeTransformer(grouped, seq=seq)
+    return Job(
+        model=model,
+        loss_fn=_lm_loss,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
+        batches=_token_batches(batch, seq, seed=4),
+        name="moe_grouped" if grouped else "moe_loop",
+    )
+
+
+def make_moe_loop_job(seq: int = 64, batch: int = 4) -> Job:
+    return make_moe_job(grouped=False, seq=seq, batch=batch)
+
+
+# ---- grouped and depthwise convolutions --------------------------------------------------
+
+
+class Bottleneck(nn.Module):
+    """A ResNeXt block: 1x1 down, a grouped 3x3, 1x1 up, each with batch norm."""
+
+    def __init__(self, c: int, width: int, groups: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(c, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.grouped = nn.Conv2d(width, width, 3, padding=1, groups=groups, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.expand = nn.Conv2d(width, c, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.reduce(x)))
+        y = F.relu(self.bn2(self.grouped(y)))
+        return F.relu(x + self.bn3(self.expand(y)))
+
+
+class ResNeXt(nn.Module):
+    def __init__(self, c: int = 64, width: int = 64, groups: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+        self.blocks = nn.Sequential(Bottleneck(c, width, groups), Bottleneck(c, width, groups))
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(F.relu(self.stem(x))).mean(dim=(2, 3)))
+
+
+def make_resnext_job(batch: int = 8, size: int = 16) -> Job:
+    torch.manual_seed(0)
+    model = ResNeXt()
+    return Job(
+        model=model,
+        loss_fn=F.cross_entropy,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9),
+        batches=_image_batches(batch, size, seed=5),
+        name="resnext",
+    )
+
+
+class ChannelsLastNorm(nn.LayerNorm):
+    """LayerNorm over the channels of an (N, C, H, W) image, as ConvNeXt's downsampling."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, c: int, drop_path: float) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
+        self.scale = nn.Parameter(torch.full((c,), 0.1))
+        self.drop_path = drop_path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.depthwise(x).permute(0, 2, 3, 1)
+        y = (self.scale * self.mlp(self.norm(y))).permute(0, 3, 1, 2)
+        if self.training and self.drop_path > 0:  # stochastic depth, per sample
+            keep = 1 - self.drop_path
+            y = y * torch.empty(y.shape[0], 1, 1, 1).bernoulli_(keep) / keep
+        return x + y
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, dims: tuple[int, int] = (64, 128), classes: int = 10) -> None:
+        super().__init__()
+        c0, c1 = dims
+        self.stem = nn.Sequential(nn.Conv2d(3, c0, 4, stride=4), ChannelsLastNorm(c0, eps=1e-6))
+        self.stage1 = nn.Sequential(ConvNeXtBlock(c0, 0.0), ConvNeXtBlock(c0, 0.1))
+        self.down = nn.Sequential(ChannelsLastNorm(c0, eps=1e-6), nn.Conv2d(c0, c1, 2, stride=2))
+        self.stage2 = nn.Sequential(ConvNeXtBlock(c1, 0.1), ConvNeXtBlock(c1, 0.2))
+        self.norm = nn.LayerNorm(c1, eps=1e-6)
+        self.head = nn.Linear(c1, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stage2(self.down(self.stage1(self.stem(x))))
+        return self.head(self.norm(x.mean(dim=(2, 3))))
+
+
+def make_convnext_job(batch: int = 8, size: int = 32) -> Job:
+    torch.manual_seed(0)
+    model = ConvNeXt()
+    return Job(
+        model=model,
+        loss_fn=F.cross_entropy,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        batches=_image_batches(batch, size, seed=6),
+        name="convnext",
     )

@@ -1,8 +1,10 @@
 """Models as outsiders write them, trained by a real coordinator with two local workers
-over loopback: fused attention at sequence 256, a CNN, data-dependent Python, and the
-built-in job under bf16 autocast. Each trains 10 steps; per-step losses equal local torch
-(1e-5 relative; bf16: see test_real_models.BF16_REL), and the share of each step's FLOPs
-that workers computed is read from /api/status while the run goes on."""
+over loopback: fused attention at sequence 256, a CNN, data-dependent Python, the
+built-in job under bf16 autocast, mixture-of-experts models (grouped GEMMs and an expert
+loop), grouped convolutions (ResNeXt) and depthwise ones (ConvNeXt). Each trains 10
+steps; per-step losses equal local torch (1e-5 relative; bf16: see
+test_real_models.BF16_REL), and the share of each step's FLOPs that workers computed is
+read from /api/status while the run goes on."""
 
 from __future__ import annotations
 
@@ -13,7 +15,15 @@ from typing import Any
 
 import pytest
 from procs import Coordinator, assert_losses_match
-from real_models import make_cnn_job, make_data_dependent_job, make_sdpa_job
+from real_models import (
+    make_cnn_job,
+    make_convnext_job,
+    make_data_dependent_job,
+    make_moe_job,
+    make_moe_loop_job,
+    make_resnext_job,
+    make_sdpa_job,
+)
 from test_real_models import BF16_REL
 
 from coordinator.jobs.tiny_gpt import make_bf16_job
@@ -75,3 +85,34 @@ def test_builtin_job_under_bf16_autocast(tmp_path: Path) -> None:
     assert_losses_match(_losses(coord), train_locally(make_bf16_job(), STEPS), rel=BF16_REL)
     assert flops["workers_share"] >= 0.90, flops
     assert "bf16/fp16 tiles:" in coord.output() and "MB saved" in coord.output()
+
+
+def test_mixture_of_experts_with_grouped_gemms(tmp_path: Path) -> None:
+    coord, flops = _train(tmp_path, "real_models:make_moe_job")
+    assert_losses_match(_losses(coord), train_locally(make_moe_job(), STEPS))
+    assert flops["workers_share"] >= 0.95 and flops["uncounted"] == [], flops
+    assert all(r["captured"] for r in coord.steps())
+
+
+def test_mixture_of_experts_as_a_python_loop(tmp_path: Path) -> None:
+    coord, flops = _train(tmp_path, "real_models:make_moe_loop_job")
+    assert_losses_match(_losses(coord), train_locally(make_moe_loop_job(), STEPS))
+    assert flops["workers_share"] >= 0.95, flops
+    assert "torch.where(cond)" in coord.output()
+
+
+def test_grouped_convolutions(tmp_path: Path) -> None:
+    coord, flops = _train(tmp_path, "real_models:make_resnext_job")
+    assert_losses_match(_losses(coord), train_locally(make_resnext_job(), STEPS))
+    assert flops["workers_share"] >= 0.95, flops
+
+
+def test_depthwise_convolutions_stay_here_and_the_share_says_so(tmp_path: Path) -> None:
+    coord, flops = _train(tmp_path, "real_models:make_convnext_job")
+    assert_losses_match(_losses(coord), train_locally(make_convnext_job(), STEPS))
+    assert flops["workers_share"] >= 0.90, flops
+    kept = {k["op"]: k["why"] for k in flops["kept_here"]}
+    assert "no check cheaper than computing it" in kept["depthwise convolution"], flops
+    assert "convolution" not in kept and "convolution_backward" not in kept, flops
+    summary = coord.output().split("FLOPs of the last step:")[-1]
+    assert "depthwise convolution" in summary and "no check cheaper" in summary, summary[:600]

@@ -78,6 +78,7 @@ def _status(**overrides: Any) -> dict[str, Any]:
                 {"op": "convolution", "gflop": 0.2, "share": 0.08, "why": "no GEMM lowering"},
                 {"op": "mm", "gflop": 0.05, "share": 0.02, "why": "the planner kept it"},
             ],
+            "uncounted": ["_fft_r2c"],
         },
         "workers": [
             {
@@ -141,6 +142,7 @@ def test_a_full_status_parses_strictly_with_the_values_it_holds() -> None:
     assert parsed.value("cleave_step_orchestration_cpu_seconds") == 0.125
     assert parsed.value("cleave_step_kept_here_gflop", op="convolution") == 0.2
     assert parsed.value("cleave_step_kept_here_gflop", op="mm") == 0.05
+    assert parsed.value("cleave_step_uncounted_op", op="_fft_r2c") == 1
     assert parsed.value("cleave_steps_total") == 12
     assert parsed.value("cleave_step") == 12
     assert parsed.value("cleave_steps_target") == 40

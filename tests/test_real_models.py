@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 import torch
-from real_models import make_cnn_job, make_data_dependent_job, make_sdpa_job
+from real_models import (
+    make_cnn_job,
+    make_convnext_job,
+    make_data_dependent_job,
+    make_moe_job,
+    make_moe_loop_job,
+    make_resnext_job,
+    make_sdpa_job,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.unfold import Unfold
@@ -37,6 +45,7 @@ class RecordingOffload:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, torch.dtype]] = []
+        self.flops = 0  # of every GEMM handed here, from the shapes it saw
 
     def start(
         self,
@@ -51,7 +60,9 @@ class RecordingOffload:
         if unfold is not None:
             a, b = unfold.matrices(a, b)
         done(torch.bmm(a, b) if op == "bmm" else a @ b)
-        return 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if op == "bmm" else 1)
+        flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if op == "bmm" else 1)
+        self.flops += flops
+        return flops
 
 
 def _distributed(make: Any, steps: int) -> tuple[Trainer, RecordingOffload, list[float]]:
@@ -145,3 +156,31 @@ def test_tiles_the_server_computed_itself_count_as_kept_here() -> None:
     tally.computed_here_after_all(250)
     assert tally.workers == 750 and tally.kept == {"stranded tiles": 250}
     assert tally.summary()["kept_here"][0]["why"].startswith("no connected worker")
+
+
+@pytest.mark.parametrize("make", [make_moe_job, make_moe_loop_job, make_resnext_job])
+def test_experts_and_grouped_convolutions_train_with_every_flop_offloaded(make: Any) -> None:
+    trainer, offload, losses = _distributed(make, 4)
+    _assert_close(losses, train_locally(make(), 4), 1e-5)
+    assert trainer.flops["workers_share"] == 1.0, trainer.flops
+    if make is make_moe_job:  # one graph; each grouped GEMM went out as its groups' mm
+        assert trainer.tracer.failures == {}
+        assert any(".g" in name for name, _, _ in offload.calls), offload.calls[:5]
+
+
+def test_a_shape_taken_from_data_is_named_and_the_step_runs_eagerly() -> None:
+    job = make_moe_loop_job()
+    x, y = job.next_batch()
+    with pytest.raises(CaptureError) as caught:
+        trace_step(job, x, y)
+    reason = caught.value.reason
+    assert "torch.where(cond)" in reason and "real_models.py:" in reason, reason
+
+
+def test_depthwise_convolutions_stay_here_and_say_why() -> None:
+    trainer, _, losses = _distributed(make_convnext_job, 3)
+    _assert_close(losses, train_locally(make_convnext_job(), 3), 1e-5)
+    kept = {k["op"]: k for k in trainer.flops["kept_here"]}
+    assert set(kept) == {"depthwise convolution"}, kept  # forward and backward
+    assert "no check cheaper than computing it" in kept["depthwise convolution"]["why"]
+    assert trainer.flops["workers_share"] >= 0.90, trainer.flops

@@ -197,6 +197,14 @@ def _training(out: _Families, status: Mapping[str, Any]) -> None:
         "Share of the last step's FLOPs that workers computed (0 to 1).",
         flops.get("workers_share"),
     )
+    for op in flops.get("uncounted") or []:
+        out.gauge(
+            "cleave_step_uncounted_op",
+            "1 for each heavy op that ran at the coordinator in the last step with no FLOP "
+            "formula: the workers' share is then an upper bound.",
+            1,
+            {"op": str(op)},
+        )
     for kept in flops.get("kept_here") or []:
         out.gauge(
             "cleave_step_kept_here_gflop",

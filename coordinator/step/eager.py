@@ -6,7 +6,8 @@ step runs here as plain eager torch under a dispatch mode that sits below autogr
 sees every aten op of the forward and the backward exactly as local training runs them:
 
 - each GEMM (``mm``, ``bmm``, ``addmm``) is handed to the offload and waited for, so its
-  tiles go to workers and are checked like any other;
+  tiles go to workers and are checked like any other; a grouped GEMM (``_grouped_mm``)
+  goes out as its groups' products, all in flight together;
 - fused attention and convolutions are lowered to GEMMs first (``coordinator.step.lowering``);
 - everything else runs here.
 
@@ -26,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.ops import TileOp
 from coordinator.step.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
-from coordinator.step.flops import op_flops, op_name
+from coordinator.step.flops import op_flops, op_label, op_name
+from coordinator.step.grouped_mm import GROUPED_MM, split_grouped_mm, start_pieces
 from coordinator.step.job import Job
 from coordinator.step.lowering import LOWERINGS
 from coordinator.step.tracing import GEMM_OPS, gemm_operands
@@ -65,9 +67,45 @@ class EagerOffloadMode(TorchDispatchMode):
             if out is not None:
                 return out
             self.stats.gemms_local += 1
+        if func is GROUPED_MM and (out := self._grouped(func, args, kwargs)) is not None:
+            return out
         out = func(*args, **kwargs)
-        self.stats.flops.keep(op_name(func), op_flops(func, args, kwargs, out))
+        self.stats.flops.ran_here(func, op_flops(func, args, kwargs, out), op_label(func, args))
         return out
+
+    def _wait(self, results: queue.SimpleQueue[Any]) -> Any:
+        while True:
+            if self._cancel.is_set():
+                raise StepCancelled("step cancelled")
+            try:
+                value = results.get(timeout=self._poll_s)
+            except queue.Empty:
+                continue
+            if isinstance(value, BaseException):
+                raise value
+            return value
+
+    def _grouped(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> torch.Tensor | None:
+        call = split_grouped_mm(*args, **kwargs)
+        if call is None or not call.pieces:
+            return None
+        results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        name = f"{self._label}:eager_grouped_mm_{self._count}"
+        self._count += 1
+        sent = start_pieces(call, self._offload, name, lambda i, v: results.put((i, v)))
+        while call.left:
+            index, value = self._wait(results)
+            if isinstance(value, BaseException):
+                raise value
+            call.put(index, value)
+        if sent:
+            self.stats.gemms_offloaded += 1
+            self.stats.max_gemms_in_flight = 1
+        else:
+            self.stats.gemms_local += 1
+        self.stats.flops.workers += sent
+        self.stats.flops.keep(op_name(func), call.flops - sent)
+        return call.out
 
     def _gemm(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> torch.Tensor | None:
         if self._offload is None:
@@ -87,16 +125,7 @@ class EagerOffloadMode(TorchDispatchMode):
             return None
         self.stats.gemms_offloaded += 1
         self.stats.max_gemms_in_flight = 1
-        while True:
-            if self._cancel.is_set():
-                raise StepCancelled("step cancelled")
-            try:
-                value = results.get(timeout=self._poll_s)
-                break
-            except queue.Empty:
-                continue
-        if isinstance(value, BaseException):
-            raise value
+        value = self._wait(results)
         out = finish_addmm(value, args[0], kwargs) if op == "addmm" else value
         self.stats.flops.workers += sent
         self.stats.flops.keep(op_name(func), op_flops(func, args, kwargs, out) - sent)

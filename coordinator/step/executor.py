@@ -22,6 +22,7 @@ from torch.fx.node import map_arg
 from common.ops import TileOp
 from common.unfold import Unfold
 from coordinator.step.flops import FlopTally, op_name
+from coordinator.step.grouped_mm import GROUPED_MM, GroupedCall, split_grouped_mm, start_pieces
 from coordinator.step.tracing import GEMM_OPS, TracedStep, gemm_operands
 
 # torch.fx names the nodes that stand for the graph's inputs by this op; the executor
@@ -50,6 +51,14 @@ class GemmOffload(Protocol):
 
 class StepCancelled(Exception):
     """The step was abandoned (shutdown) before it finished."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One group's product of a grouped GEMM node, as it comes back."""
+
+    index: int
+    value: torch.Tensor | BaseException
 
 
 @dataclass
@@ -112,12 +121,11 @@ class DataflowExecutor:
         """Run one step. ``label`` prefixes the names the offload sees ("s3:mm_12"), so
         every GEMM of a run has its own name."""
         flow = _Dataflow(list(traced.graph.nodes))
-        node_flops = traced.flops()
+        node_flops, labels = traced.flops(), traced.labels()
         graph_inputs = iter(flat_args)  # fed to the graph's input nodes, in order
         env = flow.env
-        completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]] = (
-            queue.SimpleQueue()
-        )
+        completions: queue.SimpleQueue[tuple[Node, Any]] = queue.SimpleQueue()
+        grouped: dict[Node, GroupedCall] = {}  # grouped GEMMs whose groups are out
         in_flight = 0
         stats = StepStats()
         result: list[Any] | None = None
@@ -140,10 +148,16 @@ class DataflowExecutor:
                     stats.max_gemms_in_flight = max(stats.max_gemms_in_flight, in_flight)
                     stats.flops.workers += sent
                     stats.flops.keep(op_name(node.target), node_flops[node] - sent)
+                elif node.target is GROUPED_MM and (
+                    call := self._start_grouped(node, env, completions, label, stats)
+                ):
+                    grouped[node] = call
+                    in_flight += 1
+                    stats.max_gemms_in_flight = max(stats.max_gemms_in_flight, in_flight)
                 else:
                     if node.target in GEMM_OPS:
                         stats.gemms_local += 1
-                    stats.flops.keep(op_name(node.target), node_flops[node])
+                    stats.flops.ran_here(node.target, node_flops[node], labels.get(node))
                     args = map_arg(node.args, lambda n: env[n])
                     kwargs = map_arg(node.kwargs, lambda n: env[n])
                     flow.complete(node, node.target(*args, **kwargs))  # type: ignore[operator]
@@ -156,6 +170,14 @@ class DataflowExecutor:
                 node, value = completions.get(timeout=self._poll_s)
             except queue.Empty:
                 continue
+            if isinstance(value, _Piece):
+                if isinstance(value.value, BaseException):
+                    raise value.value
+                call = grouped[node]
+                call.put(value.index, value.value)
+                if call.left:
+                    continue
+                value = grouped.pop(node).out
             in_flight -= 1
             if isinstance(value, BaseException):
                 raise value
@@ -164,11 +186,40 @@ class DataflowExecutor:
         assert result is not None
         return result, stats
 
+    def _start_grouped(
+        self,
+        node: Node,
+        env: dict[Node, Any],
+        completions: queue.SimpleQueue[tuple[Node, Any]],
+        label: str,
+        stats: StepStats,
+    ) -> GroupedCall | None:
+        """Split a grouped GEMM by its offsets, now that they are known, and send its groups
+        out; None: it runs here as it is."""
+        args = map_arg(node.args, lambda n: env[n])
+        kwargs = map_arg(node.kwargs, lambda n: env[n])
+        call = split_grouped_mm(*args, **kwargs)  # type: ignore[arg-type]
+        if call is None or not call.pieces:
+            return None
+
+        def done(index: int, value: torch.Tensor | BaseException) -> None:
+            completions.put((node, _Piece(index, value)))
+
+        name = f"{label}:{node.name}" if label else node.name
+        sent = start_pieces(call, self._offload, name, done)
+        if sent:
+            stats.gemms_offloaded += 1
+        else:
+            stats.gemms_local += 1
+        stats.flops.workers += sent
+        stats.flops.keep(op_name(node.target), call.flops - sent)
+        return call
+
     def _start_gemm(
         self,
         node: Node,
         env: dict[Node, Any],
-        completions: queue.SimpleQueue[tuple[Node, torch.Tensor | BaseException]],
+        completions: queue.SimpleQueue[tuple[Node, Any]],
         label: str,
     ) -> int:
         if self._offload is None:
@@ -228,7 +279,7 @@ class _Dataflow:
 
 
 def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> torch.Tensor:
-    if GEMM_OPS[node.target] != "addmm":  # type: ignore[index]
+    if GEMM_OPS.get(node.target) != "addmm":  # type: ignore[call-overload]
         return product
     return finish_addmm(product, env[node.args[0]], node.kwargs)  # type: ignore[index]
 

@@ -2,12 +2,19 @@
 
 Counts follow ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs; GEMMs,
 convolutions and attention count, elementwise ops count 0), so the figures read like
-torch's own ``FlopCounterMode``. What stays at the coordinator is tallied by op, with the
-reason in words, so an operator sees what keeps the workers' share below 100%.
+torch's own ``FlopCounterMode``, with the formulas torch lacks or gets wrong added: the CPU
+flash-attention kernels, grouped GEMMs, Cleave's convolution GEMM, and a grouped
+convolution's backward (torch counts its weight gradient ``groups`` times over). What stays
+at the coordinator is tallied by op, with the reason in words, so an operator sees what
+keeps the workers' share below 100%. An op that does heavy arithmetic but has no formula
+is named as uncounted, and the workers' share is then only an upper bound: it is never
+shown as a figure that quietly leaves such work out.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +24,7 @@ from torch.fx import Node
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 import coordinator.step.lowering  # noqa: F401  (registers cleave::unfold_mm, counted here)
+from coordinator.step.grouped_mm import grouped_mm_flops
 
 aten = torch.ops.aten
 
@@ -36,13 +44,52 @@ def _unfold_mm(a: Any, b: Any, operand: str, *args: Any, out_val: Any = None, **
     return 2 * rows * cols * depth
 
 
-# torch's registry lacks the CPU flash kernels, the ones a CPU coordinator meets, and
-# Cleave's own convolution GEMM.
+def _convolution_backward(
+    grad_out: Any,
+    x: Any,
+    w: Any,
+    bias: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    transposed: bool,
+    output_padding: Any,
+    groups: int,
+    output_mask: Any,
+    *args: Any,
+    out_val: Any = None,
+    **kwargs: Any,
+) -> int:
+    """Each gradient asked for costs what the forward does: one multiply-add per pair of
+    an output position and a weight element (the weight's shape already holds C/groups).
+    Output positions are the output's for a convolution, the input's for a transposed one."""
+    positions = math.prod((x if transposed else grad_out).shape[2:])
+    forward = 2 * x.shape[0] * positions * math.prod(w.shape)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+# Formulas torch's registry lacks (the CPU flash kernels, the ones a CPU coordinator meets;
+# grouped GEMMs; Cleave's own convolution GEMM) or overstates (grouped convolutions'
+# backward); these take precedence over torch's.
 _EXTRA = {
     aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_cpu_backward,
+    aten._grouped_mm: grouped_mm_flops,
+    aten.convolution_backward: _convolution_backward,
     torch.ops.cleave.unfold_mm: _unfold_mm,
 }
+FORMULAS: dict[Any, Any] = {**flop_registry, **_EXTRA}
+
+# Words in an aten op's name that mark heavy arithmetic (products, convolutions,
+# attention, decompositions, transforms, recurrent cells). One of these without a formula
+# is named as uncounted rather than silently counted as 0.
+_HEAVY_WORDS = frozenset(
+    "mm bmm addmm baddbmm addbmm mv addmv dot vdot addr ger matmul einsum tensordot bilinear "
+    "attention linalg fft rfft irfft ifft hfft cdist cholesky triangular lu qr svd eig eigh "
+    "inverse solve lstm gru rnn".split()
+)
+
+DEPTHWISE = "depthwise convolution"  # forward and backward, tallied under one name
 
 # Why an op's FLOPs stayed at the coordinator, by op name.
 _PLANNER = "the planner kept it here: too small to tile, or faster here than as tiles"
@@ -51,6 +98,15 @@ KEPT_WHY = {
     "addmm": _PLANNER,
     "bmm": _PLANNER,
     "unfold_mm": _PLANNER,
+    "_grouped_mm": (
+        "the planner kept its groups here (too small to tile, or faster here than as tiles),"
+        " or the call has a bias or an output dtype unlike its operands'"
+    ),
+    DEPTHWISE: (
+        "one input channel a group: its weight gradient, most of its work, has no check"
+        " cheaper than computing it, so sending it out would cost the coordinator about as"
+        " much as computing it here (bench/bench_depthwise.py)"
+    ),
     "convolution": (
         "transposed, 3-D, or grouped with fewer than 8 output channels per group: no GEMM lowering"
     ),
@@ -68,7 +124,7 @@ DEFAULT_WHY = "no tile kind for this op: it runs at the coordinator"
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> int:
     """FLOPs of one aten call, from its arguments' and result's shapes (tensors or fx meta)."""
     packet = getattr(func, "overloadpacket", None)
-    formula: Any = flop_registry.get(packet) or _EXTRA.get(packet)  # type: ignore[arg-type]
+    formula: Any = FORMULAS.get(packet)
     if formula is None:
         return 0
     # torch's formulas take the call's own arguments and read the shapes themselves.
@@ -93,16 +149,55 @@ def op_name(func: Any) -> str:
     return str(getattr(packet, "__name__", packet))
 
 
+def op_label(func: Any, args: tuple[Any, ...]) -> str:
+    """The name an op's FLOPs are tallied under when they stay here: its aten name, but
+    forward and backward of a depthwise convolution as one, since its reason differs."""
+    name = op_name(func)
+    if name not in ("convolution", "convolution_backward"):
+        return name
+    x, transposed, groups = (
+        (args[0], args[6], args[8]) if name == "convolution" else (args[1], args[7], args[9])
+    )
+    depthwise = not transposed and int(groups) > 1 and x.shape[1] == int(groups)
+    return DEPTHWISE if depthwise else name
+
+
+def node_label(node: Node) -> str:
+    """``op_label`` of a traced node, from the shapes make_fx recorded."""
+    if node.op != "call_function":
+        return node.name
+    args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+    return op_label(node.target, args)  # type: ignore[arg-type]
+
+
+@functools.cache
+def uncounted(func: Any) -> bool:
+    """Whether ``func`` does heavy arithmetic that no formula here counts."""
+    if getattr(func, "overloadpacket", None) in FORMULAS:
+        return False
+    words = [w for w in op_name(func).lower().split("_") if w]
+    return any(w in _HEAVY_WORDS or w.startswith("conv") or w.endswith("mm") for w in words)
+
+
 @dataclass
 class FlopTally:
     """One step's FLOPs: those handed to workers and those computed here, by op."""
 
     workers: int = 0
     kept: dict[str, int] = field(default_factory=dict)
+    uncounted: set[str] = field(default_factory=set)  # heavy ops run here with no formula
 
     def keep(self, op: str, flops: int) -> None:
         if flops > 0:
             self.kept[op] = self.kept.get(op, 0) + flops
+
+    def ran_here(self, func: Any, flops: int, label: str | None = None) -> None:
+        """An aten call computed at the coordinator, with its FLOPs from ``op_flops`` and,
+        where it differs from the op's name, its ``op_label``."""
+        if flops > 0:
+            self.keep(label or op_name(func), flops)
+        elif uncounted(func):
+            self.uncounted.add(op_name(func))
 
     def computed_here_after_all(self, flops: int) -> None:
         """Offloaded tiles that the server had to compute itself (stranded)."""
@@ -116,15 +211,18 @@ class FlopTally:
 
     @property
     def workers_share(self) -> float | None:
+        """Of the FLOPs counted; with ``uncounted`` ops, an upper bound on the true share."""
         return self.workers / self.total if self.total else None
 
     def summary(self) -> dict[str, Any]:
-        """What ``/api/status`` and the run summary show."""
+        """What ``/api/status`` and the run summary show. ``uncounted`` names heavy ops
+        with no formula that ran here: ``workers_share`` is then at most the true share."""
         return {
             "gflop": round(self.total / 1e9, 4),
             "workers_gflop": round(self.workers / 1e9, 4),
             "workers_share": None if self.workers_share is None else round(self.workers_share, 4),
             "kept_here": kept_here(self.kept.items(), self.total),
+            "uncounted": sorted(self.uncounted),
         }
 
 
@@ -144,13 +242,22 @@ def kept_here(kept: Iterable[tuple[str, int]], total: int) -> list[dict[str, Any
 def describe(summary: Mapping[str, Any]) -> str:
     """One sentence for logs and the run summary."""
     share = summary.get("workers_share")
-    if share is None:
+    uncounted_ops = summary.get("uncounted") or []
+    if share is None and not uncounted_ops:
         return "this step has no FLOPs to count"
-    text = f"workers computed {share:.1%} of this step's {summary['gflop']:.2f} GFLOP"
+    if share is None:
+        text = "workers computed none of this step's counted FLOPs"
+    else:
+        at_most = "at most " if uncounted_ops else ""
+        text = f"workers computed {at_most}{share:.1%} of this step's {summary['gflop']:.2f} GFLOP"
     kept = summary.get("kept_here") or []
     if kept:
         text += "; kept here: " + ", ".join(
             f"{k['op']} {_percent(k['share'])} ({k['why']})" for k in kept[:4]
+        )
+    if uncounted_ops:
+        text += "; also ran here, heavy and not counted (no FLOP formula): " + ", ".join(
+            uncounted_ops
         )
     return text
 

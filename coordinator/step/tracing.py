@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from common.unfold import Unfold
-from coordinator.step.flops import node_flops
+from coordinator.step.flops import node_flops, node_label, op_name
 from coordinator.step.job import Job
 from coordinator.step.lowering import LOWERINGS, unfold_spec
 
@@ -81,6 +81,18 @@ class TracedStep:
             self.graph_module.meta["cleave_flops"] = cached
         return cached
 
+    def labels(self) -> dict[Node, str]:
+        """The nodes whose FLOPs are tallied under another name than their op's (a
+        depthwise convolution), computed once."""
+        cached: dict[Node, str] | None = self.graph_module.meta.get("cleave_labels")
+        if cached is None:
+            cached = {}
+            for n in self.graph.nodes:
+                if n.op == "call_function" and (label := node_label(n)) != op_name(n.target):
+                    cached[n] = label
+            self.graph_module.meta["cleave_labels"] = cached
+        return cached
+
 
 class CaptureError(Exception):
     """The step cannot be traced into one graph; ``reason`` says why, in words."""
@@ -110,12 +122,47 @@ def capture_reason(exc: BaseException) -> str:
     if "_local_scalar_dense" in text or "data-dependent" in text or "data dependent" in text:
         return (
             f"the model or loss reads a tensor's value in Python{at}: .item(), .tolist(), "
-            "`if tensor:`, .any()/.all() in a condition or a shape taken from data. One graph "
+            "`if tensor:`, .any()/.all() in a condition, or a shape taken from data "
+            "(torch.where(cond), x[mask], unique, bincount). One graph "
             "cannot hold a decision that depends on the data. To capture the whole step, "
             "compute it with tensor ops instead (torch.where, masks)"
         )
     first = text.strip().splitlines()[0] if text.strip() else ""
     return f"tracing stopped with {type(exc).__name__}{at}: {first[:300]}"
+
+
+class DataDependentShape(RuntimeError):
+    """An op whose result's shape comes from the data, met while tracing."""
+
+
+def _refuse(what: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise DataDependentShape(f"data-dependent output shape: {what}")
+
+    return refuse
+
+
+def _index(self: torch.Tensor, indices: Sequence[torch.Tensor | None]) -> Any:
+    if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        raise DataDependentShape("data-dependent output shape: indexing with a boolean mask")
+    return NotImplemented  # integer indices: a shape the graph can hold
+
+
+# Tracing runs the step once on real data, so an op whose result's shape comes from the
+# data (torch.where(cond), x[mask], unique, bincount) would leave that one batch's shapes
+# in the graph, and the next batch would fail deep inside torch. Such a step runs eagerly.
+_TRACE_TABLE: dict[Any, Callable[..., Any]] = {
+    **LOWERINGS,
+    aten.nonzero.default: _refuse("nonzero / torch.where(cond) / argwhere"),
+    aten.masked_select.default: _refuse("masked_select"),
+    aten.bincount.default: _refuse("bincount"),
+    aten.repeat_interleave.Tensor: _refuse("repeat_interleave with tensor repeats"),
+    aten._unique.default: _refuse("unique"),
+    aten._unique2.default: _refuse("unique"),
+    aten.unique_dim.default: _refuse("unique"),
+    aten.unique_consecutive.default: _refuse("unique_consecutive"),
+    aten.index.Tensor: _index,
+}
 
 
 def shape_key(batch: Any) -> tuple[Any, ...]:
@@ -161,7 +208,7 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # The trace draws from the global RNG (dropout masks) like a real step would;
         # forking it leaves the RNG stream to the real steps, as in local training.
         with torch.random.fork_rng(devices=[]):
-            gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=LOWERINGS)(
+            gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=_TRACE_TABLE)(
                 *params, *buffers, *leaves
             )
     except Exception as exc:

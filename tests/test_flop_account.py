@@ -1,0 +1,150 @@
+"""The workers' share of a step's FLOPs, against a count made without Cleave's formulas.
+
+For every model in ``real_models`` one step runs through the trainer with an offload that
+computes each GEMM at once and notes its size; independently, the same step runs as plain
+torch under ``torch.utils.flop_counter.FlopCounterMode``, with the formulas torch lacks
+or overstates written here from their definitions: a grouped GEMM reads its offsets; a
+convolution's backward costs the forward once per gradient it returns; CPU flash
+attention is two products forward and five backward (the fused kernel recomputes the
+scores from the saved log-sum-exp, and so does Cleave's lowering: that product is real
+work, done by workers). The share the trainer reports must match (offloaded FLOPs) /
+(the independent total) within 1%.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import real_models
+import torch
+from test_real_models import RecordingOffload
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
+
+from coordinator.step.flops import FlopTally, describe, op_flops, uncounted
+from coordinator.step.job import Job
+from coordinator.step.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(120)
+aten = torch.ops.aten
+
+MODELS: dict[str, Callable[[], Job]] = {
+    "sdpa transformer": lambda: real_models.make_sdpa_job(seq=64, batch=2),
+    "cnn, grouped": lambda: real_models.make_cnn_job(batch=4, size=16, groups=2),
+    "padded transformer": real_models.make_data_dependent_job,
+    "moe, grouped GEMMs": real_models.make_moe_job,
+    "moe, expert loop": real_models.make_moe_loop_job,
+    "resnext": real_models.make_resnext_job,
+    "convnext": real_models.make_convnext_job,
+}
+
+
+def _grouped_mm(a: Any, b: Any, offs: Any = None, *args: Any, **kwargs: Any) -> int:
+    if offs is None:  # (G, M, K) x (G, K, N)
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    ends = [0, *offs.tolist()]
+    sizes = [e - s for s, e in zip(ends, ends[1:], strict=False)]
+    if a.dim() == 2 and b.dim() == 3:  # rows of a by group
+        return sum(2 * n * a.shape[1] * b.shape[2] for n in sizes)
+    if a.dim() == 2 and b.dim() == 2:  # the shared dimension by group
+        return sum(2 * a.shape[0] * n * b.shape[1] for n in sizes)
+    return sum(2 * a.shape[1] * a.shape[2] * n for n in sizes)  # columns of b by group
+
+
+def _conv_backward(grad_out: Any, x: Any, w: Any, *args: Any, **kwargs: Any) -> int:
+    # args: bias sizes, stride, padding, dilation, transposed, output padding, groups, mask.
+    # The weight's shape holds C/groups already: the forward's count is exact when grouped.
+    transposed, mask = args[4], args[7]
+    forward = conv_flop_count(list(x.shape), list(w.shape), list(grad_out.shape), transposed)
+    return forward * (int(mask[0]) + int(mask[1]))
+
+
+def _products(q: Any, k: Any, v: Any) -> int:
+    """FLOPs of one of attention's products: scores ``q kᵀ`` (or ``p v``, the same size)."""
+    assert q.shape[-1] == v.shape[-1]
+    return 2 * q.shape[:-1].numel() * k.shape[-2] * q.shape[-1]
+
+
+def _flash(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    return 2 * _products(q, k, v)
+
+
+def _flash_backward(grad: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    return 5 * _products(q, k, v)  # scores again, then dv, dp, dq, dk
+
+
+def _torch_count(job: Job) -> int:
+    x, y = job.next_batch()
+    for formula in (_grouped_mm, _conv_backward, _flash, _flash_backward):
+        formula._get_raw = True  # type: ignore[attr-defined]  # tensors, not shapes: offsets
+    mapping = {
+        aten._grouped_mm: _grouped_mm,
+        aten.convolution_backward: _conv_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu: _flash,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _flash_backward,
+    }
+    with FlopCounterMode(display=False, custom_mapping=mapping) as c:
+        with job.autocast_context():
+            loss = job.loss_fn(job.model(x), y)
+        loss.backward()
+    return int(c.get_total_flops())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_reported_share_matches_an_independent_count(name: str) -> None:
+    make = MODELS[name]
+    offload = RecordingOffload()
+    trainer = Trainer(make(), offload)
+    trainer.run(1)
+    total = _torch_count(make())
+    share = trainer.flops["workers_share"]
+    assert trainer.flops["uncounted"] == []
+    assert share == pytest.approx(offload.flops / total, abs=0.01), (name, trainer.flops, total)
+    assert trainer.flops["gflop"] * 1e9 == pytest.approx(total, rel=0.01), (name, total)
+
+
+def test_a_grouped_convolutions_backward_counts_its_weight_gradient_once() -> None:
+    x, w = torch.randn(2, 64, 8, 8), torch.randn(64, 1, 7, 7)  # depthwise
+    out = torch.nn.functional.conv2d(x, w, padding=3, groups=64)
+    args = (out, x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], 64, [True, True, False])
+    forward = 2 * 2 * 64 * 8 * 8 * 49  # one multiply-add per output element and tap
+    assert op_flops(aten.convolution_backward.default, args, {}, None) == 2 * forward
+
+
+def test_a_heavy_op_without_a_formula_is_named_and_the_share_is_a_bound() -> None:
+    class Spectral(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.fft.rfft(x, dim=-1).abs()[..., :64])
+
+    torch.manual_seed(0)
+    model = Spectral()
+    job = Job(
+        model=model,
+        loss_fn=lambda out, y: (out - y).square().mean(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        batches=iter([(torch.randn(256, 128), torch.randn(256, 64))] * 3),
+        name="spectral",
+    )
+    trainer = Trainer(job, RecordingOffload())
+    trainer.run(1)
+    assert trainer.flops["uncounted"] == ["_fft_r2c"], trainer.flops
+    text = describe(trainer.flops)
+    assert "workers computed at most 100.0%" in text and "_fft_r2c" in text, text
+
+
+def test_only_heavy_ops_without_a_formula_are_uncounted() -> None:
+    for op in (aten._fft_r2c.default, aten.linalg_solve_ex.default, aten._int_mm.default):
+        assert uncounted(op), op
+    for op in (aten.mm.default, aten._grouped_mm.default, aten.relu.default, aten.sum.default):
+        assert not uncounted(op), op
+    for op in (aten.addcmul.default, aten.mean.default, aten.native_layer_norm.default):
+        assert not uncounted(op), op
+    tally = FlopTally(workers=10)
+    tally.ran_here(aten.relu.default, 0)
+    tally.ran_here(aten._fft_r2c.default, 0)
+    assert tally.summary()["uncounted"] == ["_fft_r2c"]
