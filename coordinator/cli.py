@@ -87,6 +87,13 @@ def _job_options(group: argparse._ArgumentGroup) -> None:
         default=Path("cleave-state"),
         help="coordinator key, ledger and logs (default ./cleave-state)",
     )
+    group.add_argument(
+        "--ledger",
+        metavar="PATH|URL",
+        help="where verified contributions are recorded: a SQLite file (default "
+        "STATE_DIR/ledger.sqlite) or a PostgreSQL URL (postgresql://user@host/db), which "
+        "several coordinators of one job can share",
+    )
     group.add_argument("--metrics-out", type=Path, help="append one JSON object per step here")
     group.add_argument(
         "--checkpoint-every",

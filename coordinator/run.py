@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import signal
 import ssl
 import threading
@@ -69,6 +70,7 @@ class ServeOptions:
     host: str
     port: int
     state_dir: Path
+    ledger: str | None
     tls_cert: Path | None
     tls_key: Path | None
     metrics_out: Path | None
@@ -111,6 +113,7 @@ class ServeOptions:
             host=args.host,
             port=args.port,
             state_dir=args.state_dir,
+            ledger=getattr(args, "ledger", None),
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             metrics_out=args.metrics_out,
@@ -220,7 +223,7 @@ class CoordinatorRun:
         state = options.state_dir
         state.mkdir(parents=True, exist_ok=True)
         self.key = load_or_create_private_key(state / "coordinator.key")
-        self.ledger = Ledger(state / "ledger.sqlite")
+        self.ledger = open_ledger(options.ledger or state / "ledger.sqlite")
         self.server = CoordinatorServer(
             key=self.key,
             job_name=self.about.name,
@@ -476,6 +479,17 @@ def say_traffic(server: CoordinatorServer) -> None:
             f"tiles: {counters.tiles_verified} verified from workers, {counters.kept_here} "
             "computed here (the planner's share for the coordinator)"
         )
+
+
+def open_ledger(where: str | Path) -> Ledger:
+    """The ledger at ``where``, or SystemExit saying why it cannot be opened (a
+    PostgreSQL URL's password is not repeated)."""
+    try:
+        return Ledger(where)
+    except Exception as exc:  # sqlite3, psycopg and OS errors alike: none is the user's bug
+        shown = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", str(where))
+        text = re.sub(r"password=\S+", "password=***", str(exc).strip().splitlines()[0])
+        raise SystemExit(f"cannot open the ledger at {shown}: {text}") from exc
 
 
 def say_contributions(ledger: Ledger) -> None:

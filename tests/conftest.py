@@ -24,6 +24,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 GUI_FILES = {"test_gui_app.py", "test_gui_stats.py", "test_settings_dialog.py"}
 LOOPBACK_FILES = {
     "test_bandwidth.py",
+    "test_coordinator_ledger.py",  # the PostgreSQL store's server on 127.0.0.1
     "test_coordinator_server.py",
     "test_http_api.py",
     "test_load_smoke.py",
