@@ -10,13 +10,15 @@ Worker path per tile, exactly as ``cleave-worker`` runs it: ``WorkerSession.rece
   last one's result encoded, on the I/O thread while the compute thread multiplies.
 
 The ratio is tiles/s of the worker path over tiles/s of bare ``torch.matmul(a, b)``
-with the same thread count. Run: ``python bench/bench_tile.py [--quick]``.
+with the same thread count, taken within one round of bare, sequential and pipelined
+runs in turn; the table shows medians over rounds. Run: ``python bench/bench_tile.py [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import queue
+import statistics
 import sys
 import threading
 import time
@@ -71,19 +73,28 @@ def _session(key: Ed25519PrivateKey) -> WorkerSession:
     return session
 
 
-def _best_rate(fn, count: int, repeat: int) -> float:
-    fn(1)  # warm-up: allocator, thread pool
-    best = 0.0
+def _interleaved(fns: list, count: int, repeat: int) -> list[list[float]]:
+    """Tiles/s of each of ``fns``, ``repeat`` rounds, each round running every fn once in
+    turn: a ratio is taken within a round, so the machine's speed moving between rounds
+    (other tenants, clock changes) moves both sides of it alike."""
+    for fn in fns:
+        fn(1)  # warm-up: allocator, thread pool
+    rounds = []
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn(count)
-        best = max(best, count / (time.perf_counter() - start))
-    return best
+        rates = []
+        for fn in fns:
+            start = time.perf_counter()
+            fn(count)
+            rates.append(count / (time.perf_counter() - start))
+        rounds.append(rates)
+    return rounds
 
 
 def bench_shape(
     m: int, k: int, n: int, dtype: torch.dtype, threads: int, count: int, repeat: int
 ) -> tuple[float, float, float]:
+    """Bare tiles/s, and the sequential and pipelined worker paths' ratios to it: medians
+    over interleaved rounds."""
     key = generate_private_key()
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(k, n).to(dtype)
@@ -146,10 +157,11 @@ def bench_shape(
             done += 1
         feeder.join()
 
+    rounds = _interleaved([bare, sequential, pipelined], count, repeat)
     return (
-        _best_rate(bare, count, repeat),
-        _best_rate(sequential, count, repeat),
-        _best_rate(pipelined, count, repeat),
+        statistics.median(r[0] for r in rounds),
+        statistics.median(r[1] / r[0] for r in rounds),
+        statistics.median(r[2] / r[0] for r in rounds),
     )
 
 
@@ -158,7 +170,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     args = parser.parse_args()
-    count, repeat = (4, 2) if args.quick else (12, 3)
+    count, repeat = (4, 2) if args.quick else (8, 7)
     print(
         f"{'shape m x k x n':>20} {'dtype':>9} {'thr':>4} {'bare GFLOP/s':>13} "
         f"{'sequential':>11} {'ratio':>6} {'pipelined':>10} {'ratio':>6}"
@@ -169,9 +181,13 @@ def main() -> None:
             gflop = 2 * m * k * n / 1e9
             print(
                 f"{f'{m} x {k} x {n}':>20} {str(dtype).removeprefix('torch.'):>9} {threads:>4} "
-                f"{bare * gflop:>13.1f} {seq * gflop:>11.1f} {seq / bare:>6.2f} "
-                f"{pipe * gflop:>10.1f} {pipe / bare:>6.2f}"
+                f"{bare * gflop:>13.1f} {seq * bare * gflop:>11.1f} {seq:>6.2f} "
+                f"{pipe * bare * gflop:>10.1f} {pipe:>6.2f}"
             )
+    print(
+        f"(medians over {repeat} rounds of {count} tiles, each round running bare, "
+        "sequential and pipelined in turn; a ratio is taken within its round)"
+    )
 
 
 if __name__ == "__main__":
