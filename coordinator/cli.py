@@ -6,12 +6,17 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 from coordinator.config_file import ConfigError, read_config
 from coordinator.run import CoordinatorRun, ServeOptions
 from coordinator.step.job import Job
+from coordinator.step.ranks import from_environment
 from coordinator.structured_log import LOG_FORMATS, configure
 
 log = logging.getLogger("cleave.coordinator")
@@ -86,6 +91,14 @@ def _job_options(group: argparse._ArgumentGroup) -> None:
         type=Path,
         default=Path("cleave-state"),
         help="coordinator key, ledger and logs (default ./cleave-state)",
+    )
+    group.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="coordinator ranks on this host, each with its own port (PORT + rank), state "
+        "directory (STATE_DIR/rank-N) and workers, training one model on slices of each "
+        "batch (default 1). Across hosts: torchrun --nnodes ... -m coordinator serve",
     )
     group.add_argument(
         "--ledger",
@@ -246,6 +259,8 @@ def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.Ar
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if getattr(args, "ranks", 1) > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_ranks(args.ranks, _without_ranks(sys.argv[1:] if argv is None else argv))
     configure(args.log_format, getattr(logging, args.log_level))
     if log.getEffectiveLevel() > logging.DEBUG:
         # One line per HTTP request and connection drowns the training output.
@@ -256,7 +271,68 @@ def main(argv: list[str] | None = None) -> int:
 async def serve(args: argparse.Namespace) -> int:
     options = ServeOptions.from_args(args)
     job = load_job(options.job)  # before touching the state directory: a typo creates nothing
-    return await CoordinatorRun(options, job).main()
+    ranks = from_environment()  # torchrun's, or serve --ranks's, environment
+    if ranks is None:
+        return await CoordinatorRun(options, job).main()
+    try:
+        return await CoordinatorRun(options.for_rank(ranks.rank), job, ranks).main()
+    finally:
+        ranks.close()
+
+
+def launch_ranks(count: int, argv: list[str]) -> int:
+    """``serve --ranks N``: N coordinator ranks of this same command on this host, as
+    torchrun would start them, rendezvousing on loopback. Returns the worst exit code."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(count):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(count),
+            "LOCAL_WORLD_SIZE": str(count),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "coordinator", *argv], env=env, preexec_fn=_die_with_parent
+            )
+        )
+
+    def forward(sig: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    codes = [proc.wait() for proc in procs]
+    return max(codes, key=abs)
+
+
+def _die_with_parent() -> None:
+    """A rank whose launcher is killed outright gets SIGTERM (Linux): it checkpoints
+    and stops rather than training on alone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _without_ranks(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--ranks":
+            skip = True
+        elif not arg.startswith("--ranks="):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

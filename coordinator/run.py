@@ -17,7 +17,7 @@ import signal
 import ssl
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
 from coordinator.step.flops import describe
 from coordinator.step.job import Job
 from coordinator.step.progress import Progress
+from coordinator.step.ranks import BatchSplitError, Ranks
 from coordinator.step.torch_threads import orchestrate_on_one_thread
 from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
 from coordinator.structured_log import PROGRESS_LOGGER
@@ -101,6 +102,8 @@ class ServeOptions:
             raise SystemExit("--speculate-after must be >= 1 (or 0 to turn copies off)")
         if args.leave_for_faster and args.leave_for_faster < 1:
             raise SystemExit("--leave-for-faster must be >= 1 (or 0 to turn it off)")
+        if getattr(args, "ranks", 1) < 1:
+            raise SystemExit("--ranks must be >= 1")
         if args.checkpoint_every < 1:
             raise SystemExit("--checkpoint-every must be >= 1")
         if args.min_workers is not None and args.min_workers < 1:
@@ -134,6 +137,17 @@ class ServeOptions:
             job_description=getattr(args, "job_description", None),
             job_operator=getattr(args, "job_operator", None),
             job_link=getattr(args, "job_link", None),
+        )
+
+    def for_rank(self, rank: int) -> ServeOptions:
+        """This rank's options: a state directory and port of its own (the port plus the
+        rank, unless the port is 0: any free one), and only rank 0 writes --metrics-out
+        (its records carry the global batch's loss)."""
+        return replace(
+            self,
+            state_dir=self.state_dir / f"rank-{rank}",
+            port=self.port + rank if self.port else 0,
+            metrics_out=self.metrics_out if rank == 0 else None,
         )
 
     def about(self, job: Job) -> JobAbout:
@@ -210,9 +224,10 @@ def coordinator_gflops(value: str, local_workers: int) -> float:
 class CoordinatorRun:
     """The parts of one run, in the order they start and stop."""
 
-    def __init__(self, options: ServeOptions, job: Job) -> None:
+    def __init__(self, options: ServeOptions, job: Job, ranks: Ranks | None = None) -> None:
         self.options = options
         self.job = job
+        self.ranks = ranks  # the coordinator ranks this one trains with, if any
         self.about = options.about(job)
         self.ssl_context = options.tls_context()
         self._told: JobState | None = None
@@ -261,7 +276,7 @@ class CoordinatorRun:
         failed: str | None = None
         try:
             await self._training
-        except RunAborted as exc:
+        except (RunAborted, BatchSplitError) as exc:
             failed = str(exc)
         except (asyncio.CancelledError, Exception) as exc:
             if self.stop_signal is None:
@@ -285,6 +300,11 @@ class CoordinatorRun:
         say(f"  status:          {http}://{connect_host}:{port}/api/status")
         say(f"  metrics:         {http}://{connect_host}:{port}/metrics")
         say(f"  key fingerprint: {fingerprint(self.key)}")
+        if self.ranks is not None:
+            say(
+                f"  rank:            {self.ranks.rank} of {self.ranks.world} coordinator ranks"
+                f" (this one trains on 1/{self.ranks.world} of each batch)"
+            )
         if options.planner == "grid":
             say("  planner:         grid (about two tiles per worker)")
         elif options.coordinator_gflops:
@@ -342,6 +362,7 @@ class CoordinatorRun:
             cancel=self.cancel,
             checkpoint_path=self.checkpoint,
             checkpoint_every=options.checkpoint_every,
+            ranks=self.ranks,
         )
 
     async def _resume(self, trainer: Trainer) -> None:

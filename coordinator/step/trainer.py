@@ -27,6 +27,7 @@ from coordinator.step.eager import run_eager_step
 from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
 from coordinator.step.flops import describe
 from coordinator.step.job import Job
+from coordinator.step.ranks import Ranks
 from coordinator.step.tracing import StepTracer, dag_summary, gemm_dag
 
 log = logging.getLogger("cleave.coordinator")
@@ -95,11 +96,13 @@ class Trainer:
         cancel: threading.Event | None = None,
         checkpoint_path: Path | None = None,
         checkpoint_every: int = 1,
+        ranks: Ranks | None = None,
     ) -> None:
         if checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
         self.job = job
         self.offload = offload
+        self.ranks = ranks  # other coordinator ranks training the same model, if any
         self.executor = DataflowExecutor(offload)
         self.tracer = StepTracer(job)
         self.pool_counters = pool_counters
@@ -219,6 +222,8 @@ class Trainer:
         COSTS.this_thread_is("training")
         self._step_start = (self.batches_consumed, torch.get_rng_state())
         inputs, targets = self.job.next_batch()
+        if self.ranks is not None:  # this rank's rows of the global batch
+            inputs, targets = self.ranks.slice((inputs, targets))
         self.batches_consumed += 1
         started = time.perf_counter()
         before = self.pool_counters()
@@ -250,6 +255,8 @@ class Trainer:
             grads, loss = outputs[:-1], outputs[-1]
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
+        if self.ranks is not None:
+            self.ranks.average_grads(params)
         checkpoint_s = 0.0
         if self._writer is not None and self._writer.in_flight:
             waited = time.perf_counter()
@@ -265,6 +272,8 @@ class Trainer:
             log.info("FLOPs: %s", describe(self.flops))
         seconds = time.perf_counter() - started
         step, loss_value = self.step, float(loss)
+        if self.ranks is not None:
+            loss_value = self.ranks.mean(loss_value)  # the global batch's loss
         self.step += 1
         self._step_start = None
         self.losses.append(loss_value)

@@ -1,0 +1,99 @@
+"""Several coordinator ranks training one model: data parallel over ``torch.distributed``.
+
+Each rank is a whole coordinator (trace, plan, its own endpoint and workers) and trains on
+its slice of every global batch: the job's batches are drawn on every rank alike and
+each rank keeps rows ``[r·B/R, (r+1)·B/R)``. Before the optimizer step the ranks average
+their gradients (one gloo all-reduce over all of them, flattened into one bucket), so
+every rank steps its own replica of the model identically. The step's loss is the mean
+of the ranks' losses. Both equal local training on the global batch when the job's loss
+is a mean over the batch's rows (as ``F.cross_entropy``'s default is) and the model has
+no batch statistics: BatchNorm normalises each rank's slice with that slice's statistics,
+as ``DistributedDataParallel`` does; dropout draws each rank's masks from the same seed.
+
+Ranks find each other through torch.distributed's environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), as ``torchrun`` sets it or ``serve --ranks`` does.
+Its store and gloo links carry no authentication: ``MASTER_ADDR`` is loopback unless the
+operator names another address, which must be one the workers cannot reach.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+# Ranks wait this long for each other at start-up and at each all-reduce: long enough
+# for a rank still tracing its first step on a loaded machine.
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class BatchSplitError(ValueError):
+    """A global batch that does not split evenly across the ranks."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+
+    def slice(self, batch: Any) -> Any:
+        """This rank's rows of every tensor in ``batch`` (inputs and targets alike)."""
+        leaves, spec = pytree.tree_flatten(batch)
+        out = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                rows = leaf.shape[0]
+                if rows % self.world:
+                    raise BatchSplitError(
+                        f"a batch of {rows} rows (a tensor of shape {tuple(leaf.shape)}) does "
+                        f"not split evenly across {self.world} coordinator ranks: make the "
+                        f"job's batch size a multiple of {self.world}"
+                    )
+                share = rows // self.world
+                leaf = leaf[self.rank * share : (self.rank + 1) * share]
+            out.append(leaf)
+        return pytree.tree_unflatten(out, spec)
+
+    def average_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Replace each parameter's gradient by its mean over the ranks."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            bucket = torch.cat([g.reshape(-1) for g in group])
+            dist.all_reduce(bucket)
+            bucket /= self.world
+            offset = 0
+            for g in group:
+                g.copy_(bucket[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the ranks (the step's loss)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def from_environment() -> Ranks | None:
+    """The ranks this process is one of, joined, or None when it runs alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank = int(os.environ["RANK"])
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+    return Ranks(rank, world)

@@ -1,0 +1,25 @@
+"""A rank's slice of each global batch, and the error for a batch that does not split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.step.ranks import BatchSplitError, Ranks
+
+
+def test_each_rank_takes_its_rows_of_every_tensor_and_the_rows_cover_the_batch() -> None:
+    x, y = torch.arange(24).view(6, 4), torch.arange(6)
+    batch = ({"tokens": x, "lengths": [3, 4]}, y)
+    parts = [Ranks(r, 3).slice(batch) for r in range(3)]
+    assert [p[0]["tokens"].shape[0] for p in parts] == [2, 2, 2]
+    assert torch.equal(torch.cat([p[0]["tokens"] for p in parts]), x)
+    assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    assert all(p[0]["lengths"] == [3, 4] for p in parts)  # not a tensor: as it was
+
+
+def test_a_batch_that_does_not_split_evenly_names_its_sizes() -> None:
+    with pytest.raises(BatchSplitError) as caught:
+        Ranks(0, 4).slice((torch.zeros(6, 8), torch.zeros(6)))
+    text = str(caught.value)
+    assert "6 rows" in text and "(6, 8)" in text and "multiple of 4" in text
