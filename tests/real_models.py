@@ -23,7 +23,7 @@ Each factory builds the same job from the same seed every time, so a distributed
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,11 +66,18 @@ class Block(nn.Module):
 
 
 class SdpaTransformer(nn.Module):
-    def __init__(self, d: int = 64, heads: int = 4, layers: int = 2, seq: int = 256) -> None:
+    def __init__(
+        self,
+        d: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        seq: int = 256,
+        block: Callable[[], nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList((block or (lambda: Block(d, heads)))() for _ in range(layers))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB, bias=False)
 
@@ -290,25 +297,10 @@ class MoeBlock(nn.Module):
         return x + self.experts(h, chosen, weights).reshape(b, t, d)
 
 
-class MoeTransformer(nn.Module):
-    def __init__(self, grouped: bool, d: int = 64, layers: int = 2, seq: int = 64) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, d)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList(MoeBlock(d, 4, 4, 2, grouped) for _ in range(layers))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
 def make_moe_job(grouped: bool = True, seq: int = 64, batch: int = 4) -> Job:
     torch.manual_seed(0)
-    model = MoeTransformer(grouped, seq=seq)
+    # The pre-norm transformer above, each block's MLP a mixture of 4 experts, top-2.
+    model = SdpaTransformer(seq=seq, block=lambda: MoeBlock(64, 4, 4, 2, grouped))
     return Job(
         model=model,
         loss_fn=_lm_loss,
