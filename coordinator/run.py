@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.gemm_speed import matmul_gflops
 from common.job_about import JobAbout
@@ -140,9 +141,10 @@ class ServeOptions:
         )
 
     def for_rank(self, rank: int) -> ServeOptions:
-        """This rank's options: a state directory and port of its own (the port plus the
-        rank, unless the port is 0: any free one), and only rank 0 writes --metrics-out
-        (its records carry the global batch's loss)."""
+        """This rank's options: a state directory of its own inside STATE_DIR (which keeps
+        the job's one key), a port of its own (the port plus the rank, unless the port is
+        0: any free one), and only rank 0 writes --metrics-out (its records carry the
+        global batch's loss)."""
         return replace(
             self,
             state_dir=self.state_dir / f"rank-{rank}",
@@ -237,7 +239,7 @@ class CoordinatorRun:
         self.in_trainer = False  # the training thread runs: it must finish before we stop
         state = options.state_dir
         state.mkdir(parents=True, exist_ok=True)
-        self.key = load_or_create_private_key(state / "coordinator.key")
+        self.key = self._job_key(state)
         self.ledger = open_ledger(options.ledger or state / "ledger.sqlite")
         self.server = CoordinatorServer(
             key=self.key,
@@ -250,6 +252,23 @@ class CoordinatorRun:
         self.url = ""
         self._training: asyncio.Future[None] | None = None
         self._tell_workers(self.progress)
+
+    def _job_key(self, state: Path) -> Ed25519PrivateKey:
+        """The key this coordinator signs with. Ranks of one job share one, in the state
+        directory above theirs: rank 0 makes it if missing, the others wait for it, so a
+        worker that pinned the job's key may serve any rank."""
+        if self.ranks is None:
+            return load_or_create_private_key(state / "coordinator.key")
+        shared = state.parent / "coordinator.key"
+        if self.ranks.rank == 0:
+            load_or_create_private_key(shared)
+        self.ranks.barrier()
+        if not shared.exists():
+            raise SystemExit(
+                f"rank {self.ranks.rank}: {shared} is missing. Copy rank 0's key there on "
+                "every host, so that all ranks speak for one job key"
+            )
+        return load_or_create_private_key(shared)
 
     def _tell_workers(self, progress: Progress) -> None:
         """Keep the workers' JobState in step with the run (any thread)."""

@@ -1,12 +1,14 @@
 """``cleave-coordinator serve --ranks 2``: two coordinator ranks on torch.distributed
 (gloo over loopback), each with its own port, state directory and local worker, train
-the built-in GPT on halves of each batch; the losses equal local torch on the whole
-batch; the same ranks started by ``torchrun`` resume from their checkpoints and go on
-matching it. A batch that does not split across the ranks stops the run with the sizes."""
+the built-in GPT on halves of each batch under one job key; the losses equal local
+torch on the whole batch; the same ranks started by ``torchrun`` resume from their
+checkpoints and go on matching it. A batch that does not split across the ranks stops
+the run with the sizes."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -36,9 +38,12 @@ def test_two_ranks_train_the_builtin_gpt_like_local_torch_on_the_whole_batch(
     records = coord.steps()  # rank 0's: the global batch's loss
     assert len(records) == STEPS and all(r["tiles"] > 0 for r in records), records
     assert_losses_match([r["loss"] for r in records], train_locally(make_job(), STEPS))
-    for rank in (0, 1):  # each rank has its own state: key, ledger, checkpoint
+    for rank in (0, 1):  # each rank has its own state (ledger, checkpoint), not its own key
         state = coord.state / f"rank-{rank}"
-        assert (state / "checkpoint.pt").exists() and (state / "coordinator.key").exists()
+        assert (state / "checkpoint.pt").exists() and not (state / "coordinator.key").exists()
+    assert (coord.state / "coordinator.key").exists()
+    fingerprints = set(re.findall(r"key fingerprint: (\S+)", out))
+    assert len(fingerprints) == 1, fingerprints  # both ranks speak for one job key
     assert json.loads(coord.metrics.read_text().splitlines()[-1])["step"] == STEPS - 1
 
     # The same two ranks as torchrun starts them: each resumes from its own checkpoint.

@@ -83,6 +83,10 @@ class Ranks:
         dist.all_reduce(t)
         return float(t.item()) / self.world
 
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        dist.barrier()
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
