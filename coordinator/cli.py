@@ -15,6 +15,7 @@ from pathlib import Path
 
 from coordinator.config_file import ConfigError, read_config
 from coordinator.run import CoordinatorRun, ServeOptions
+from coordinator.serve.local_workers import die_with_parent
 from coordinator.step.job import Job
 from coordinator.step.ranks import from_environment
 from coordinator.structured_log import LOG_FORMATS, configure
@@ -297,9 +298,11 @@ def launch_ranks(count: int, argv: list[str]) -> int:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
+        # A rank whose launcher is killed outright checkpoints and stops rather than
+        # training on alone.
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "coordinator", *argv], env=env, preexec_fn=_die_with_parent
+                [sys.executable, "-m", "coordinator", *argv], env=env, preexec_fn=die_with_parent
             )
         )
 
@@ -312,15 +315,6 @@ def launch_ranks(count: int, argv: list[str]) -> int:
         signal.signal(sig, forward)
     codes = [proc.wait() for proc in procs]
     return max(codes, key=abs)
-
-
-def _die_with_parent() -> None:
-    """A rank whose launcher is killed outright gets SIGTERM (Linux): it checkpoints
-    and stops rather than training on alone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _without_ranks(argv: list[str]) -> list[str]:

@@ -1,9 +1,11 @@
 """``cleave-coordinator serve --ranks 2``: two coordinator ranks on torch.distributed
 (gloo over loopback), each with its own port, state directory and local worker, train
 the built-in GPT on halves of each batch under one job key; the losses equal local
-torch on the whole batch; the same ranks started by ``torchrun`` resume from their
-checkpoints and go on matching it. A batch that does not split across the ranks stops
-the run with the sizes."""
+torch on the whole batch; the same ranks started by ``torchrun`` resume from the newest
+checkpoint either holds and go on matching it. A GPT-2-style transformer trains like
+local torch too, and a BatchNorm CNN as data-parallel torch trains it (each rank's batch
+statistics, rank 0's running statistics on every rank). A batch that does not split
+across the ranks stops the run with the sizes."""
 
 from __future__ import annotations
 
@@ -12,16 +14,35 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 from procs import Coordinator, assert_losses_match, env_for
+from real_models import make_cnn_job, make_sdpa_job
 
 from coordinator.jobs.tiny_gpt import GPTConfig, make_job
+from coordinator.step.checkpoint import load_checkpoint
 from coordinator.step.job import Job, train_locally
+from coordinator.step.ranks import Ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 STEPS = 4
+
+
+def torchrun(tmp: Path, *serve: str, options: tuple[str, ...] = ()) -> list[str]:
+    """torchrun (with ``options``) starting two ranks of ``serve`` on this host, on the
+    state directory and metrics file a ``Coordinator`` in ``tmp`` uses."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(master_port), *options]
+    cmd += ["-m", "coordinator", "serve", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--state-dir", str(tmp / "state"), "--metrics-out", str(tmp / "metrics.jsonl")]
+    return [*cmd, "--planner", "grid", "--local-workers", "1", *serve]
 
 
 def make_odd_batch_job() -> Job:
@@ -46,17 +67,12 @@ def test_two_ranks_train_the_builtin_gpt_like_local_torch_on_the_whole_batch(
     assert len(fingerprints) == 1, fingerprints  # both ranks speak for one job key
     assert json.loads(coord.metrics.read_text().splitlines()[-1])["step"] == STEPS - 1
 
-    # The same two ranks as torchrun starts them: each resumes from its own checkpoint.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master_port = s.getsockname()[1]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-    serve = ["-m", "coordinator", "serve", "--host", "127.0.0.1", "--port", "0"]
-    serve += ["--state-dir", str(coord.state), "--metrics-out", str(coord.metrics)]
-    serve += ["--planner", "grid", "--steps", str(STEPS + 2), "--local-workers", "1"]
+    # The same two ranks as torchrun starts them, rank 1's checkpoint lost (as a rank
+    # killed before its first write, or a host whose disk was replaced): both go on from
+    # rank 0's.
+    (coord.state / "rank-1" / "checkpoint.pt").unlink()
     done = subprocess.run(
-        [*torchrun, *serve],
+        torchrun(tmp_path, "--steps", str(STEPS + 2)),
         cwd=tmp_path,
         env=env_for(tmp_path / "coord-config"),
         capture_output=True,
@@ -64,7 +80,9 @@ def test_two_ranks_train_the_builtin_gpt_like_local_torch_on_the_whole_batch(
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"resuming from step {STEPS}" in done.stdout, done.stdout
+    out = done.stdout + done.stderr
+    assert f"rank 1: resuming from rank 0's checkpoint of step {STEPS}" in out, out
+    assert f"resuming from step {STEPS}" in out, out
     losses = [r["loss"] for r in coord.steps()]
     assert len(losses) == STEPS + 2, losses
     assert_losses_match(losses, train_locally(make_job(), STEPS + 2))
@@ -88,3 +106,118 @@ def test_a_batch_that_does_not_split_across_the_ranks_is_refused_with_its_sizes(
     out = coord.output()
     assert "a batch of 3 rows" in out and "across 2 coordinator ranks" in out, out
     assert "Traceback" not in out, out
+
+
+def test_two_ranks_train_a_gpt2_style_transformer_like_local_torch(tmp_path: Path) -> None:
+    coord = Coordinator(
+        tmp_path,
+        *("--ranks", "2", "--steps", str(STEPS), "--local-workers", "1"),
+        *("--job", "real_models:make_sdpa_job"),
+    )
+    assert coord.wait(300) == 0, coord.output()
+    records = coord.steps()
+    assert len(records) == STEPS and all(r["tiles"] > 0 for r in records), records
+    assert_losses_match([r["loss"] for r in records], train_locally(make_sdpa_job(), STEPS))
+
+
+def train_as_ranks(job: Job, steps: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Data-parallel training as DistributedDataParallel does it, in one process: each
+    rank's slice of the batch through the model (BatchNorm with that slice's statistics),
+    the gradients averaged, the mean loss, rank 0's buffers kept. The losses and the
+    buffers at the end."""
+    model, buffers = job.model, dict(job.model.named_buffers())
+    losses = []
+    for _ in range(steps):
+        batch = job.next_batch()
+        start = {name: b.clone() for name, b in buffers.items()}
+        grads: list[torch.Tensor] = []
+        step_losses: list[float] = []
+        rank0: dict[str, torch.Tensor] = {}
+        for rank in range(world):
+            for name, b in buffers.items():
+                b.copy_(start[name])
+            inputs, targets = Ranks(rank, world).slice(batch)
+            job.optimizer.zero_grad(set_to_none=True)
+            loss = job.loss_fn(model(inputs), targets)
+            loss.backward()
+            step_losses.append(float(loss.detach()))
+            got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            grads = got if not grads else [g + h for g, h in zip(grads, got, strict=True)]
+            if rank == 0:
+                rank0 = {name: b.clone() for name, b in buffers.items()}
+        for p, g in zip([p for p in model.parameters() if p.grad is not None], grads, strict=True):
+            p.grad = g / world
+        for name, b in buffers.items():
+            b.copy_(rank0[name])
+        job.optimizer.step()
+        losses.append(sum(step_losses) / world)
+    return losses, {name: b.detach().clone() for name, b in buffers.items()}
+
+
+def test_two_ranks_train_a_batchnorm_cnn_as_data_parallel_torch_does(tmp_path: Path) -> None:
+    coord = Coordinator(
+        tmp_path,
+        *("--ranks", "2", "--steps", str(STEPS), "--local-workers", "1"),
+        *("--job", "real_models:make_cnn_job"),
+    )
+    assert coord.wait(300) == 0, coord.output()
+    want_losses, want_buffers = train_as_ranks(make_cnn_job(), STEPS, 2)
+    assert_losses_match([r["loss"] for r in coord.steps()], want_losses)
+    assert any("running_mean" in name for name in want_buffers)
+    # Both replicas hold rank 0's running statistics. They follow the reference to the
+    # rounding of the activations they average (the workers' GEMMs, not torch's
+    # convolution kernels), far inside what one rank's slice differs from the other's.
+    for rank in (0, 1):
+        ckpt = load_checkpoint(coord.state / f"rank-{rank}" / "checkpoint.pt")
+        assert ckpt is not None and ckpt.step == STEPS
+        for name, want in want_buffers.items():
+            torch.testing.assert_close(
+                ckpt.model[name], want, rtol=1e-3, atol=1e-4, msg=f"rank {rank}: {name}"
+            )
+
+
+def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_losses_still_match(
+    tmp_path: Path,
+) -> None:
+    steps = 8
+    log = (tmp_path / "torchrun.log").open("wb")
+    run = subprocess.Popen(
+        torchrun(tmp_path, "--steps", str(steps), options=("--max-restarts", "1")),
+        cwd=tmp_path,
+        env=env_for(tmp_path / "coord-config"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "torchrun.log"
+            ).read_text()
+            time.sleep(0.2)
+        rank1 = [p for p in psutil.Process(run.pid).children(recursive=True) if _is_rank(p, 1)]
+        assert len(rank1) == 1, rank1
+        rank1[0].kill()  # SIGKILL, mid-step: rank 0 has finished 3 steps
+        assert run.wait(300) == 0, (tmp_path / "torchrun.log").read_text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+        log.close()
+    out = (tmp_path / "torchrun.log").read_text()
+    assert "resuming from step" in out, out
+    by_step = {}  # the steps after the checkpoint ran twice: the second run's records
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        by_step[record["step"]] = record["loss"]
+    assert sorted(by_step) == list(range(steps)), by_step
+    assert_losses_match([by_step[s] for s in range(steps)], train_locally(make_job(), steps))
+
+
+def _is_rank(proc: psutil.Process, rank: int) -> bool:
+    """A coordinator rank's process (not its local worker, which inherits its environment)."""
+    try:
+        cmdline = proc.cmdline()
+        return "coordinator" in cmdline and proc.environ().get("RANK") == str(rank)
+    except psutil.Error:
+        return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.step.ranks import BatchSplitError, Ranks
+from coordinator.step.ranks import BatchSplitError, Ranks, _buckets
 
 
 def test_each_rank_takes_its_rows_of_every_tensor_and_the_rows_cover_the_batch() -> None:
@@ -23,3 +23,15 @@ def test_a_batch_that_does_not_split_evenly_names_its_sizes() -> None:
         Ranks(0, 4).slice((torch.zeros(6, 8), torch.zeros(6)))
     text = str(caught.value)
     assert "6 rows" in text and "(6, 8)" in text and "multiple of 4" in text
+
+
+def test_a_collective_bucket_holds_each_dtype_flat_and_scatters_back_in_place() -> None:
+    a, b, c = torch.ones(2, 3), torch.arange(4, dtype=torch.int64), torch.full((5,), 2.0)
+    buckets = _buckets([a, b, c])
+    assert [bk.flat.dtype for bk in buckets] == [torch.float32, torch.int64]
+    assert buckets[0].flat.shape == (11,) and buckets[1].flat.shape == (4,)
+    for bk in buckets:
+        bk.flat.mul_(10)
+        bk.scatter()
+    assert torch.equal(a, torch.full((2, 3), 10.0)) and torch.equal(c, torch.full((5,), 20.0))
+    assert torch.equal(b, torch.arange(4) * 10)

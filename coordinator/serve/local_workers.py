@@ -7,6 +7,7 @@ and its log in a file beside it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -16,6 +17,19 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("cleave.coordinator")
+
+
+# prctl, looked up once here: a child between fork and exec must not load anything (a
+# thread of the parent may have held the loader's lock at the fork).
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+
+
+def die_with_parent() -> None:
+    """Run in a child before it starts: the child gets SIGTERM when this process dies,
+    even by SIGKILL (Linux), so no local worker or rank outlives the process that
+    started it."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class LocalWorkers:
@@ -55,7 +69,12 @@ class LocalWorkers:
             logfile = (self.dir / f"worker-{i}.log").open("ab")
             self.procs.append(
                 subprocess.Popen(
-                    cmd, env=env, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                    cmd,
+                    env=env,
+                    stdout=logfile,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=die_with_parent,
                 )
             )
             logfile.close()

@@ -7,8 +7,10 @@ their gradients (one gloo all-reduce over all of them, flattened into one bucket
 every rank steps its own replica of the model identically. The step's loss is the mean
 of the ranks' losses. Both equal local training on the global batch when the job's loss
 is a mean over the batch's rows (as ``F.cross_entropy``'s default is) and the model has
-no batch statistics: BatchNorm normalises each rank's slice with that slice's statistics,
-as ``DistributedDataParallel`` does; dropout draws each rank's masks from the same seed.
+no batch statistics. BatchNorm normalises each rank's slice with that slice's statistics
+and every rank keeps rank 0's running statistics, as ``DistributedDataParallel`` does;
+dropout draws each rank's masks from the same seed. A restart goes on from the newest
+checkpoint any rank holds.
 
 Ranks find each other through torch.distributed's environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), as ``torchrun`` sets it or ``serve --ranks`` does.
@@ -19,6 +21,7 @@ operator names another address, which must be one the workers cannot reach.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+
+from coordinator.step.checkpoint import Checkpoint
+
+log = logging.getLogger("cleave.coordinator")
 
 # Ranks wait this long for each other at start-up and at each all-reduce: long enough
 # for a rank still tracing its first step on a loaded machine.
@@ -63,19 +70,44 @@ class Ranks:
     def average_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Replace each parameter's gradient by its mean over the ranks."""
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():
-            bucket = torch.cat([g.reshape(-1) for g in group])
-            dist.all_reduce(bucket)
-            bucket /= self.world
-            offset = 0
-            for g in group:
-                g.copy_(bucket[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        for bucket in _buckets(grads):
+            dist.all_reduce(bucket.flat)
+            bucket.flat.div_(self.world)
+            bucket.scatter()
+
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Every rank takes rank 0's buffers (BatchNorm's running statistics and its
+        batch counter), as ``DistributedDataParallel`` does before each forward: the
+        replicas, and so their checkpoints, stay equal."""
+        for bucket in _buckets(list(module.buffers())):
+            dist.broadcast(bucket.flat, src=0)
+            bucket.scatter()
+
+    def newest_checkpoint(self, mine: Checkpoint | None) -> Checkpoint | None:
+        """The newest checkpoint any rank holds, the same on every rank.
+
+        A rank killed while its write was in flight, or a rank whose state directory
+        was lost, holds an older checkpoint than the others (or none). The replicas are
+        equal at every step boundary and every rank draws the whole global batch, so
+        any rank's checkpoint of step k is every rank's: the newest is sent to the
+        others, and all ranks go on from it together."""
+        steps: list[Any] = [None] * self.world
+        dist.all_gather_object(steps, -1 if mine is None else mine.step)
+        newest = max(steps)
+        if newest < 0 or all(step == newest for step in steps):
+            return mine
+        source = steps.index(newest)
+        box = [mine if self.rank == source else None]
+        dist.broadcast_object_list(box, src=source)
+        if self.rank != source:
+            log.info(
+                "rank %d: resuming from rank %d's checkpoint of step %d (this rank's: %s)",
+                self.rank,
+                source,
+                newest,
+                "none" if mine is None else f"step {mine.step}",
+            )
+        return box[0]  # type: ignore[no-any-return]
 
     def mean(self, value: float) -> float:
         """The mean of ``value`` over the ranks (the step's loss)."""
@@ -90,6 +122,30 @@ class Ranks:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Tensors of one dtype flattened into one, for one collective call."""
+
+    flat: torch.Tensor
+    parts: list[torch.Tensor]
+
+    def scatter(self) -> None:
+        """Copy the flat tensor's values back into the tensors it was made of."""
+        offset = 0
+        for part in self.parts:
+            part.copy_(self.flat[offset : offset + part.numel()].view_as(part))
+            offset += part.numel()
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> list[_Bucket]:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    return [
+        _Bucket(torch.cat([t.reshape(-1) for t in group]), group) for group in by_dtype.values()
+    ]
 
 
 def from_environment() -> Ranks | None:

@@ -131,6 +131,8 @@ class Trainer:
         for torn in recover_recycling(self.checkpoint_path):
             log.info("discarded %s: a checkpoint write that was cut short", torn.name)
         ckpt = load_checkpoint(self.checkpoint_path)
+        if self.ranks is not None:
+            ckpt = self.ranks.newest_checkpoint(ckpt)
         if ckpt is None:
             return False
         self.job.model.load_state_dict(ckpt.model)
@@ -264,6 +266,8 @@ class Trainer:
             checkpoint_s = time.perf_counter() - waited
         self.job.optimizer.step()
         self.job.optimizer.zero_grad(set_to_none=True)
+        if self.ranks is not None:
+            self.ranks.broadcast_buffers(model)
         after = self.pool_counters()
         stats.flops.computed_here_after_all(after.flops_computed_here - before.flops_computed_here)
         first_flops = not self.flops
