@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.rendezvous import rendezvous
 
 from coordinator.step.checkpoint import Checkpoint
 
@@ -155,5 +156,11 @@ def from_environment() -> Ranks | None:
         return None
     rank = int(os.environ["RANK"])
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+        store, _, _ = next(rendezvous("env://", rank, world, timeout=TIMEOUT))
+        # torchrun's static rendezvous keeps one store across its restarts, so a
+        # restarted group could read the dead ranks' gloo addresses from it: each
+        # attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"cleave/attempt-{attempt}", store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     return Ranks(rank, world)
