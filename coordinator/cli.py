@@ -7,17 +7,18 @@ import asyncio
 import importlib
 import logging
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from coordinator.config_file import ConfigError, read_config
 from coordinator.run import CoordinatorRun, ServeOptions
 from coordinator.serve.local_workers import die_with_parent
 from coordinator.step.job import Job
-from coordinator.step.ranks import from_environment
+from coordinator.step.ranks import from_environment, rank_environment
 from coordinator.structured_log import LOG_FORMATS, configure
 
 log = logging.getLogger("cleave.coordinator")
@@ -283,21 +284,12 @@ async def serve(args: argparse.Namespace) -> int:
 
 def launch_ranks(count: int, argv: list[str]) -> int:
     """``serve --ranks N``: N coordinator ranks of this same command on this host, as
-    torchrun would start them, rendezvousing on loopback. Returns the worst exit code."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    torchrun would start them, but meeting through a file and linked over loopback, so
+    no rank opens a port beyond its own WebSocket one. Returns the worst exit code."""
+    meeting = Path(tempfile.mkdtemp(prefix="cleave-ranks-")) / "rendezvous"
     procs = []
     for rank in range(count):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(count),
-            "LOCAL_WORLD_SIZE": str(count),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
+        env = {**os.environ, **rank_environment(rank, count, meeting)}
         # A rank whose launcher is killed outright checkpoints and stops rather than
         # training on alone.
         procs.append(
@@ -313,7 +305,10 @@ def launch_ranks(count: int, argv: list[str]) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
-    codes = [proc.wait() for proc in procs]
+    try:
+        codes = [proc.wait() for proc in procs]
+    finally:
+        shutil.rmtree(meeting.parent, ignore_errors=True)
     return max(codes, key=abs)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from procs import Coordinator, assert_losses_match, env_for
+from procs import Coordinator, assert_losses_match, env_for, wait_until
 from real_models import make_cnn_job, make_sdpa_job
 
 from coordinator.jobs.tiny_gpt import GPTConfig, make_job
@@ -221,3 +221,25 @@ def _is_rank(proc: psutil.Process, rank: int) -> bool:
         return "coordinator" in cmdline and proc.environ().get("RANK") == str(rank)
     except psutil.Error:
         return False
+
+
+def test_ranks_on_one_host_listen_on_loopback_only(tmp_path: Path) -> None:
+    """torch.distributed's store and gloo links are not authenticated: ``serve --ranks``
+    meets through a file and links over loopback, so the only ports its ranks open are
+    their WebSocket ones (here on 127.0.0.1)."""
+    coord = Coordinator(tmp_path, "--ranks", "2", "--steps", "100000", "--local-workers", "1")
+    try:
+        wait_until(lambda: len(coord.steps()) >= 1, 240, "a step trained by both ranks")
+        tree = psutil.Process(coord.proc.pid).children(recursive=True)
+        ranks = [p for p in tree if _is_rank(p, 0) or _is_rank(p, 1)]
+        assert len(ranks) == 2, tree
+        listening = [
+            (p.pid, c.laddr)
+            for p in ranks
+            for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        # Each rank's WebSocket port and gloo's listener, all on loopback.
+        assert listening and {addr.ip for _, addr in listening} == {"127.0.0.1"}, listening
+    finally:
+        coord.stop()

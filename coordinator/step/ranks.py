@@ -13,9 +13,12 @@ dropout draws each rank's masks from the same seed. A restart goes on from the n
 checkpoint any rank holds.
 
 Ranks find each other through torch.distributed's environment (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``), as ``torchrun`` sets it or ``serve --ranks`` does.
-Its store and gloo links carry no authentication: ``MASTER_ADDR`` is loopback unless the
-operator names another address, which must be one the workers cannot reach.
+``MASTER_ADDR``, ``MASTER_PORT``) as ``torchrun`` sets it, or through a file when
+``serve --ranks`` starts them on one host. The store and the gloo links carry no
+authentication: ``serve --ranks`` opens no port for them (a file store, gloo on the
+loopback interface); under torchrun, the TCP store listens on every interface of the
+master's host and gloo on ``GLOO_SOCKET_IFNAME``'s (the host name's address if unset),
+which the operator keeps out of the workers' reach.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -149,6 +154,33 @@ def _buckets(tensors: Sequence[torch.Tensor]) -> list[_Bucket]:
     ]
 
 
+# Set by ``serve --ranks``: the file through which its ranks on this host meet.
+RENDEZVOUS_FILE = "CLEAVE_RENDEZVOUS_FILE"
+
+
+def rank_environment(rank: int, world: int, meeting: Path) -> dict[str, str]:
+    """The environment of rank ``rank`` of ``world`` on this host, meeting through the
+    file ``meeting``, its gloo links on the loopback interface."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        RENDEZVOUS_FILE: str(meeting),
+    }
+    loopback = _loopback_interface()
+    if loopback is not None:
+        env["GLOO_SOCKET_IFNAME"] = loopback
+    return env
+
+
+def _loopback_interface() -> str | None:
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
 def from_environment() -> Ranks | None:
     """The ranks this process is one of, joined, or None when it runs alone."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -156,11 +188,21 @@ def from_environment() -> Ranks | None:
         return None
     rank = int(os.environ["RANK"])
     if not dist.is_initialized():
-        store, _, _ = next(rendezvous("env://", rank, world, timeout=TIMEOUT))
-        # torchrun's static rendezvous keeps one store across its restarts, so a
-        # restarted group could read the dead ranks' gloo addresses from it: each
-        # attempt gets keys of its own.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"cleave/attempt-{attempt}", store)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+        dist.init_process_group(
+            "gloo", store=_store(rank, world), rank=rank, world_size=world, timeout=TIMEOUT
+        )
     return Ranks(rank, world)
+
+
+def _store(rank: int, world: int) -> dist.Store:
+    meeting = os.environ.get(RENDEZVOUS_FILE)
+    if meeting:
+        return dist.FileStore(meeting, world)
+    # torchrun's (MASTER_ADDR, MASTER_PORT): a TCPStore, which listens on every
+    # interface of the master's host.
+    store, _, _ = next(rendezvous("env://", rank, world, timeout=TIMEOUT))
+    # torchrun's static rendezvous keeps one store across its restarts, so a restarted
+    # group could read the dead ranks' gloo addresses from it: each attempt gets keys of
+    # its own.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"cleave/attempt-{attempt}", store)
