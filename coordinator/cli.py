@@ -273,9 +273,24 @@ def main(argv: list[str] | None = None) -> int:
 async def serve(args: argparse.Namespace) -> int:
     options = ServeOptions.from_args(args)
     job = load_job(options.job)  # before touching the state directory: a typo creates nothing
-    ranks = from_environment()  # torchrun's, or serve --ranks's, environment
+    try:
+        ranks = from_environment()  # torchrun's, or serve --ranks's, environment
+    except RuntimeError as exc:  # gloo could not link the ranks to each other
+        interface = (
+            os.environ.get("GLOO_SOCKET_IFNAME")
+            or "unset: the address this host's name resolves to"
+        )
+        raise SystemExit(
+            f"the coordinator ranks could not link: {str(exc).splitlines()[0]}\n"
+            f"gloo links ranks over the interface GLOO_SOCKET_IFNAME names ({interface}): "
+            "set it on every host to the interface of the link between the coordinator hosts"
+        ) from None
     if ranks is None:
         return await CoordinatorRun(options, job).main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun: a rank whose agent is gone (killed, or ended when the master's
+        # went away) checkpoints and stops instead of waiting out the ranks' timeout.
+        die_with_parent()
     try:
         return await CoordinatorRun(options.for_rank(ranks.rank), job, ranks).main()
     finally:

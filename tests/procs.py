@@ -40,6 +40,15 @@ def env_for(config_dir: Path | None = None) -> dict[str, str]:
     return env
 
 
+def read_steps(metrics: Path) -> list[dict[str, Any]]:
+    """The step records in a ``--metrics-out`` file so far."""
+    if not metrics.exists():
+        return []
+    # Only whole lines: the coordinator may be writing the next one as this reads.
+    lines = metrics.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines if line]
+
+
 class Coordinator:
     """``python -m coordinator serve ...`` with its output captured to a file."""
 
@@ -100,11 +109,7 @@ class Coordinator:
             return json.load(resp)
 
     def steps(self) -> list[dict[str, Any]]:
-        if not self.metrics.exists():
-            return []
-        # Only whole lines: the coordinator may be writing the next one as this reads.
-        lines = self.metrics.read_text().split("\n")[:-1]
-        return [json.loads(line) for line in lines if line]
+        return read_steps(self.metrics)
 
     def wait(self, timeout: float) -> int:
         try:
