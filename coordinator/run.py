@@ -36,6 +36,7 @@ from coordinator.schedule.scheduler import SchedulerConfig
 from coordinator.serve.gc_policy import settle_after_start
 from coordinator.serve.local_workers import LocalWorkers
 from coordinator.serve.offload import TileOffload
+from coordinator.serve.rank_view import RankView
 from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
 from coordinator.step.flops import describe
 from coordinator.step.job import Job
@@ -240,6 +241,8 @@ class CoordinatorRun:
         state = options.state_dir
         state.mkdir(parents=True, exist_ok=True)
         self.key = self._job_key(state)
+        self.rank_view: RankView | None = None  # with other ranks: all of them, once started
+        self._view_task: asyncio.Future[None] | None = None
         self.ledger = open_ledger(options.ledger or state / "ledger.sqlite")
         self.server = CoordinatorServer(
             key=self.key,
@@ -247,7 +250,7 @@ class CoordinatorRun:
             about=self.about,
             ledger=self.ledger,
             config=options.server_config(),
-            status_extra=self.progress.status,
+            status_extra=self._status_extra,
         )
         self.url = ""
         self._training: asyncio.Future[None] | None = None
@@ -269,6 +272,12 @@ class CoordinatorRun:
                 "every host, so that all ranks speak for one job key"
             )
         return load_or_create_private_key(shared)
+
+    def _status_extra(self) -> dict[str, Any]:
+        """What /api/status adds to the server's own: the run's progress and, with other
+        ranks, every rank's summary."""
+        view = self.rank_view
+        return {**self.progress.status(), **(view.status() if view is not None else {})}
 
     def _tell_workers(self, progress: Progress) -> None:
         """Keep the workers' JobState in step with the run (any thread)."""
@@ -324,6 +333,9 @@ class CoordinatorRun:
                 f"  rank:            {self.ranks.rank} of {self.ranks.world} coordinator ranks"
                 f" (this one trains on 1/{self.ranks.world} of each batch)"
             )
+            if self.ranks.store is not None:
+                self.rank_view = RankView(self.ranks, self.url, self.server.status)
+                self._view_task = asyncio.ensure_future(self.rank_view.run())
         if options.planner == "grid":
             say("  planner:         grid (about two tiles per worker)")
         elif options.coordinator_gflops:
@@ -480,6 +492,8 @@ class CoordinatorRun:
             )
         progress.state = "failed" if failed else "stopped" if self.stop_signal else progress.state
         await asyncio.to_thread(local.stop)
+        if self._view_task is not None:
+            self._view_task.cancel()
         await self.server.close()
         say_traffic(self.server)
         if trainer.flops:

@@ -233,3 +233,45 @@ def test_dashboard_shows_live_training_in_chromium(browser: WebDriver, tmp_path:
         if hostile is not None:
             hostile.stop()
         coord.stop()
+
+
+RANKS_STATE = """
+return {
+  hidden: document.getElementById('ranks-card').hidden,
+  sub: document.getElementById('ranks-sub').textContent,
+  rows: [...document.querySelectorAll('#ranks tr')]
+    .map((r) => [...r.cells].map((c) => c.textContent)),
+};
+"""
+
+
+@pytest.mark.timeout(300)
+def test_any_ranks_dashboard_shows_every_rank_in_chromium(
+    browser: WebDriver, tmp_path: Path
+) -> None:
+    coord = Coordinator(
+        tmp_path,
+        *("--ranks", "2", "--steps", "100000", "--local-workers", "1"),
+        *("--checkpoint-every", "100000"),
+    )
+    try:
+        wait_until(lambda: len(coord.steps()) >= 1, 150, "a step of both ranks")
+        urls = sorted(set(re.findall(r"on (ws://127\.0\.0\.1:\d+/ws)", coord.output())))
+        assert len(urls) == 2, coord.output()
+        browser.get(coord.http + "/")  # whichever rank printed its address first
+        deadline = time.monotonic() + 60
+        page: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            page = browser.script(RANKS_STATE)
+            rows = page["rows"]
+            if len(rows) == 2 and sorted(r[1] for r in rows) == urls and "2 workers" in page["sub"]:
+                break
+            time.sleep(0.25)
+        else:
+            raise AssertionError(f"the ranks table never showed both ranks: {page}")
+        assert not page["hidden"] and page["sub"].startswith("This page is rank "), page
+        assert [r[0].split()[0] for r in page["rows"]] == ["0", "1"], page
+        assert sum("(this one)" in r[0] for r in page["rows"]) == 1, page
+        assert all(r[2] == "training" and r[8].endswith("ago") for r in page["rows"]), page
+    finally:
+        coord.stop()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -223,10 +224,13 @@ def _is_rank(proc: psutil.Process, rank: int) -> bool:
         return False
 
 
-def test_ranks_on_one_host_listen_on_loopback_only(tmp_path: Path) -> None:
+def test_ranks_on_one_host_listen_on_loopback_only_and_each_shows_every_rank(
+    tmp_path: Path,
+) -> None:
     """torch.distributed's store and gloo links are not authenticated: ``serve --ranks``
     meets through a file and links over loopback, so the only ports its ranks open are
-    their WebSocket ones (here on 127.0.0.1)."""
+    their WebSocket ones (here on 127.0.0.1) and gloo's on loopback. A rank's status and
+    metrics show every rank."""
     coord = Coordinator(tmp_path, "--ranks", "2", "--steps", "100000", "--local-workers", "1")
     try:
         wait_until(lambda: len(coord.steps()) >= 1, 240, "a step trained by both ranks")
@@ -241,5 +245,23 @@ def test_ranks_on_one_host_listen_on_loopback_only(tmp_path: Path) -> None:
         ]
         # Each rank's WebSocket port and gloo's listener, all on loopback.
         assert listening and {addr.ip for _, addr in listening} == {"127.0.0.1"}, listening
+
+        urls = set(re.findall(r"on (ws://127\.0\.0\.1:\d+/ws)", coord.output()))
+        assert len(urls) == 2, coord.output()
+
+        def both_ranks_seen() -> bool:
+            status = coord.status()
+            return {r.get("url") for r in status["ranks"]} == urls and status["ranks_total"][
+                "workers"
+            ] == 2
+
+        wait_until(both_ranks_seen, 60, "both ranks, with a worker each, in one rank's status")
+        status = coord.status()
+        assert status["rank"]["world"] == 2 and all(r["age_s"] < 30 for r in status["ranks"])
+        with urllib.request.urlopen(coord.http + "/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        rank = status["rank"]["rank"]
+        assert f'cleave_ranks{{rank="{rank}"}} 2.0' in metrics, metrics
+        assert f'cleave_tiles_verified_total{{rank="{rank}"}}' in metrics, metrics
     finally:
         coord.stop()

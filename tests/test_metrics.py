@@ -160,6 +160,18 @@ def test_a_full_status_parses_strictly_with_the_values_it_holds() -> None:
     assert parsed.types["cleave_worker_tiles_verified_total"] == "counter"
 
 
+def test_a_rank_labels_every_series_with_itself_and_says_how_many_ranks_there_are() -> None:
+    status = _status(rank={"rank": 1, "world": 2})
+    parsed = parse_exposition(render_metrics(status))
+    assert parsed.value("cleave_ranks", rank="1") == 2
+    assert parsed.value("cleave_tiles_sent_total", rank="1") == 500
+    assert parsed.value("cleave_worker_reputation", id="w1", worker="alice", rank="1") == 0.9
+    assert all(dict(labels).get("rank") == "1" for _, labels in parsed.samples)
+    alone = parse_exposition(render_metrics(_status()))  # one coordinator: no rank label
+    assert "cleave_ranks" not in alone.types
+    assert not any("rank" in dict(labels) for _, labels in alone.samples)
+
+
 def test_a_hostile_worker_name_stays_inside_its_label() -> None:
     text = render_metrics(_status())
     parsed = parse_exposition(text)

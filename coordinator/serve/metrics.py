@@ -71,7 +71,16 @@ class StatusCollector(Collector):
         self._status = status
 
     def collect(self) -> Iterator[Metric]:
-        out = _Families()
+        # One of several coordinator ranks: every series says which (Prometheus scrapes
+        # each rank's page), and the job's size in ranks is one more family.
+        rank = (self._status.get("rank") or {}).get("rank")
+        out = _Families({} if rank is None else {"rank": str(rank)})
+        if rank is not None:
+            out.gauge(
+                "cleave_ranks",
+                "Coordinator ranks training this job together.",
+                self._status["rank"].get("world"),
+            )
         _totals(out, self._status)
         _training(out, self._status)
         _workers(out, self._status.get("workers") or [])
@@ -84,8 +93,9 @@ class StatusCollector(Collector):
 class _Families:
     """Families in the order first declared; a family with no sample is left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, const_labels: Mapping[str, str] | None = None) -> None:
         self._families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        self._const = dict(const_labels or {})  # on every series
 
     def gauge(
         self, name: str, help_text: str, value: Any, labels: Mapping[str, str] | None = None
@@ -110,6 +120,7 @@ class _Families:
         number = _number(value)
         if number is None:
             return
+        labels = {**labels, **self._const}
         family = self._families.get(name)
         if family is None:
             family = self._families[name] = kind(name, help_text, labels=list(labels))

@@ -54,6 +54,9 @@ class BatchSplitError(ValueError):
 class Ranks:
     rank: int
     world: int
+    # The store the ranks met through, shared for small keys beside the process group
+    # (each rank's status summary); None where no group was made (tests).
+    store: dist.Store | None = None
 
     def slice(self, batch: Any) -> Any:
         """This rank's rows of every tensor in ``batch`` (inputs and targets alike)."""
@@ -187,11 +190,9 @@ def from_environment() -> Ranks | None:
     if world <= 1:
         return None
     rank = int(os.environ["RANK"])
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", store=_store(rank, world), rank=rank, world_size=world, timeout=TIMEOUT
-        )
-    return Ranks(rank, world)
+    store = _store(rank, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    return Ranks(rank, world, store)
 
 
 def _store(rank: int, world: int) -> dist.Store:
