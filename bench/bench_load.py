@@ -15,6 +15,8 @@ Three kinds of process, so that the load never shares the coordinator's event lo
   samples the coordinator's RSS and CPU with psutil.
 
 Run: ``python bench/bench_load.py [--workers 1000] [--seconds 20] [--tile 64] [--json F]``.
+``--ranks R`` starts R coordinator processes, each serving its share of the connections
+as coordinator ranks do (``--ledger postgresql://...`` for one ledger they share).
 The pieces are importable: ``tests/test_load_smoke.py`` runs ``run_load`` with 30 workers.
 """
 
@@ -70,7 +72,7 @@ from common.messages import (  # noqa: E402
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm  # noqa: E402
 from coordinator.pool.core import CoreConfig  # noqa: E402
-from coordinator.pool.ledger import Ledger  # noqa: E402
+from coordinator.run import open_ledger  # noqa: E402
 from coordinator.serve.gc_policy import settle_after_start  # noqa: E402
 from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm  # noqa: E402
@@ -90,6 +92,11 @@ class LoadConfig:
     grid: int = 8  # each GEMM is (grid*tile) x tile @ tile x (grid*tile): grid^2 tiles
     window: int = 2  # tiles in flight per worker (the real worker's default)
     procs: int = 1  # load processes sharing the N connections
+    # Coordinator processes, each serving its share of the connections, as coordinator
+    # ranks do (per tile, a rank's work is its own; ranks meet only at the gradient
+    # all-reduce, once a step, and in a shared --ledger).
+    ranks: int = 1
+    ledger: str = ""  # a PostgreSQL URL shared by the ranks; "": each its own SQLite
     heartbeat_s: float = 2.0  # ServerConfig's default interval
     connect_concurrency: int = 64  # handshakes in progress at once, per load process
     warmup_s: float = 2.0  # between first GEMM and the steady phase's clock
@@ -293,7 +300,7 @@ def coordinator_process(pipe: Connection, cfg: LoadConfig, profile: str = "") ->
 
 async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
     with tempfile.TemporaryDirectory(prefix="cleave-load-") as tmp:
-        ledger = Ledger(Path(tmp) / "ledger.sqlite")
+        ledger = open_ledger(cfg.ledger or Path(tmp) / "ledger.sqlite")
         key = generate_private_key()
         server = CoordinatorServer(
             key=key,
@@ -594,22 +601,28 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
     try:
-        coord_pipe, child = ctx.Pipe()
-        coord = ctx.Process(
-            target=coordinator_process, args=(child, cfg, profile), name="coordinator"
-        )
-        coord.start()
-        procs.append(coord)
-        hello = _recv(coord_pipe, "coordinator start")
-        url = f"ws://127.0.0.1:{hello['port']}/ws"
-        coord_ps = psutil.Process(coord.pid)
+        coord_pipes: list[Connection] = []
+        for rank in range(cfg.ranks):
+            coord_pipe, child = ctx.Pipe()
+            coord = ctx.Process(
+                target=coordinator_process,
+                args=(child, cfg, profile if rank == 0 else ""),
+                name=f"coordinator-{rank}",
+            )
+            coord.start()
+            procs.append(coord)
+            coord_pipes.append(coord_pipe)
+        hellos = [_recv(pipe, "coordinator start") for pipe in coord_pipes]
+        coord_ps = [psutil.Process(proc.pid) for proc in procs]
 
+        # Each load process serves one rank's share of the connections.
+        n_load = max(cfg.procs, cfg.ranks)
         load_pipes: list[Connection] = []
-        shares = [
-            cfg.workers // cfg.procs + (i < cfg.workers % cfg.procs) for i in range(cfg.procs)
-        ]
+        shares = [cfg.workers // n_load + (i < cfg.workers % n_load) for i in range(n_load)]
         first = 0
         for i, share in enumerate(shares):
+            hello = hellos[i % cfg.ranks]
+            url = f"ws://127.0.0.1:{hello['port']}/ws"
             pipe, child = ctx.Pipe()
             args = (child, cfg, url, hello["key"], first, share)
             load = ctx.Process(target=load_process, args=args, name=f"load-{i}")
@@ -620,8 +633,8 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
         for pipe in load_pipes:
             _recv(pipe, "load process start")
 
-        time.sleep(0.5)  # the idle coordinator settles (imports done, server listening)
-        rss_before = coord_ps.memory_info().rss
+        time.sleep(0.5)  # the idle coordinators settle (imports done, servers listening)
+        rss_before = sum(ps.memory_info().rss for ps in coord_ps)
         ramp_start = time.perf_counter()
         for pipe in load_pipes:
             pipe.send("connect")
@@ -631,29 +644,30 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
 
         # RSS with everyone connected and beating, before any tile exists: connections only.
         time.sleep(cfg.heartbeat_s)
-        connected = _ask(coord_pipe, "snapshot", "snapshot")
-        rss_connected = coord_ps.memory_info().rss
-        status = _ask(coord_pipe, "status", "status")
+        connected = _merged(_ask_all(coord_pipes, "snapshot"))
+        rss_connected = sum(ps.memory_info().rss for ps in coord_ps)
+        status = _ask(coord_pipes[0], "status", "status")
 
-        _ask(coord_pipe, "feed", "feed")
+        _ask_all(coord_pipes, "feed")
         time.sleep(cfg.warmup_s)
         # psutil: the first call of cpu_percent only starts the interval.
-        load_ps = [psutil.Process(proc.pid) for proc in procs[1:]]
-        for ps in [coord_ps, *load_ps]:
+        load_ps = [psutil.Process(proc.pid) for proc in procs[cfg.ranks :]]
+        for ps in [*coord_ps, *load_ps]:
             ps.cpu_percent()
         psutil.cpu_percent()
-        steady_a = _ask(coord_pipe, "snapshot", "snapshot")
+        steady_a = _merged(_ask_all(coord_pipes, "snapshot"))
         rss_peak = rss_connected
         deadline = time.monotonic() + cfg.seconds
         while time.monotonic() < deadline:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-            rss_peak = max(rss_peak, coord_ps.memory_info().rss)
-        cpu_percent = coord_ps.cpu_percent()  # the whole process, the bench's checks too
+            rss_peak = max(rss_peak, sum(ps.memory_info().rss for ps in coord_ps))
+        # The whole processes, the bench's checks too; the ranks' together.
+        cpu_percent = sum(ps.cpu_percent() for ps in coord_ps)
         load_cpu_percent = [ps.cpu_percent() for ps in load_ps]
         machine_cpu_percent = psutil.cpu_percent() * psutil.cpu_count()
-        steady_b = _ask(coord_pipe, "snapshot", "snapshot")
+        steady_b = _merged(_ask_all(coord_pipes, "snapshot"))
 
-        final = _ask(coord_pipe, "drain", "drain")
+        final = _merged(_ask_all(coord_pipes, "drain"))
         stats: list[dict[str, Any]] = []
         load_loop: list[dict[str, list[Any]]] = []
         for pipe in load_pipes:
@@ -662,7 +676,8 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
             report = _recv(pipe, "worker stats")
             stats.extend(report["workers"])
             load_loop.append(report["loop"])
-        coord_pipe.send("quit")
+        for pipe in coord_pipes:
+            pipe.send("quit")
     finally:
         for proc in procs:
             proc.join(timeout=30)
@@ -688,6 +703,45 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
     )
 
 
+def _ask_all(pipes: list[Connection], command: str) -> list[Any]:
+    """``command`` to every coordinator at once, then each one's reply."""
+    for pipe in pipes:
+        pipe.send(command)
+    return [_recv(pipe, command) for pipe in pipes]
+
+
+def _merged(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    """The coordinators' snapshots (or drain reports) as one: counts summed, the window
+    the one they all cover (the latest start, the earliest end: each replied within
+    moments of the others), their event loops' samples pooled."""
+    if len(replies) == 1:
+        return replies[0]
+    out: dict[str, Any] = {}
+    for name, value in replies[0].items():
+        values = [reply[name] for reply in replies]
+        if name == "t":
+            out[name] = values
+        elif isinstance(value, bool):
+            out[name] = all(values)
+        elif isinstance(value, (int, float)):
+            out[name] = sum(values)
+        elif isinstance(value, list):
+            out[name] = [item for v in values for item in v]
+        elif isinstance(value, dict):
+            out[name] = _merged(values)
+        else:
+            out[name] = value
+    return out
+
+
+def _latest(t: float | list[float]) -> float:
+    return max(t) if isinstance(t, list) else t
+
+
+def _earliest(t: float | list[float]) -> float:
+    return min(t) if isinstance(t, list) else t
+
+
 def _measurements(
     cfg: LoadConfig,
     stats: list[dict[str, Any]],
@@ -708,7 +762,7 @@ def _measurements(
 ) -> dict[str, Any]:
     welcomed = [s for s in stats if s["welcomed"]]
     handshakes = [s["handshake_s"] for s in welcomed]
-    t_a, t_b = steady_a["t"], steady_b["t"]
+    t_a, t_b = _latest(steady_a["t"]), _earliest(steady_b["t"])
     all_acks = [ack for s in stats for ack in s["acks"]]
     steady_acks = [latency for sent, latency in all_acks if t_a <= sent <= t_b]
     # Beats sent in the steady phase that never got an ack (the last beat of each
@@ -867,8 +921,14 @@ def format_table(m: dict[str, Any]) -> str:
         ("connections dropped", f"{len(m['workers_dropped'])}"),
     ]
     width = max(len(name) for name, _ in rows)
+    ranks = cfg.get("ranks", 1)
     title = (
-        f"{cfg['workers']} workers, {cfg['procs']} load process(es), "
+        (
+            f"{ranks} coordinator ranks (each its share of the connections; sums below), "
+            if ranks > 1
+            else ""
+        )
+        + f"{cfg['workers']} workers, {max(cfg['procs'], ranks)} load process(es), "
         f"{cfg['tile']}^3 fp32 tiles, window {cfg['window']}, steady {m['steady_s']:.1f} s"
     )
     lines = [title, f"| {'what'.ljust(width)} | value |", f"| {'-' * width} | --- |"]
@@ -886,6 +946,12 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=defaults.window)
     parser.add_argument("--procs", type=int, default=defaults.procs, help="load processes")
     parser.add_argument("--heartbeat", type=float, default=defaults.heartbeat_s)
+    parser.add_argument(
+        "--ranks", type=int, default=defaults.ranks, help="coordinator processes sharing the load"
+    )
+    parser.add_argument(
+        "--ledger", default=defaults.ledger, help="a PostgreSQL URL the coordinators share"
+    )
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     parser.add_argument(
         "--profile", type=Path, help="cProfile the coordinator's event loop into this file"
@@ -899,6 +965,8 @@ def main() -> None:
         window=args.window,
         procs=args.procs,
         heartbeat_s=args.heartbeat,
+        ranks=args.ranks,
+        ledger=args.ledger,
     )
     measured = run_load(cfg, str(args.profile.resolve()) if args.profile else "")
     print(format_table(measured))

@@ -1,7 +1,8 @@
 """The load test's code path (bench/bench_load.py) at small scale: 30 real connections.
 
-A coordinator process and a load process, as in the benchmark; the assertions are the
-benchmark's pass conditions, not its timings (those are measured, never asserted).
+A coordinator process and a load process, as in the benchmark, and two coordinator
+processes with a load process each (``--ranks 2``); the assertions are the benchmark's
+pass conditions, not its timings (those are measured, never asserted).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ pytestmark = pytest.mark.timeout(90)
 WORKERS = 30
 
 
-def test_thirty_workers_are_welcomed_beat_and_compute_every_gemm_correctly() -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_thirty_workers_are_welcomed_beat_and_compute_every_gemm_correctly(ranks: int) -> None:
     cfg = LoadConfig(
         workers=WORKERS,
+        ranks=ranks,
         seconds=2.0,
         warmup_s=0.5,
         heartbeat_s=0.25,  # several beats per worker within the short steady phase
