@@ -118,6 +118,11 @@ class WorkerSession:
         self.coordinator_key = ""
         self.fingerprint = ""
         self.about: JobAbout | None = None  # the job, as the coordinator's Welcome says
+        # Sent to this URL by another rank of the job: said in the hello, so that this
+        # rank does not send the worker on again.
+        self.directed = False
+        self.rank = 0  # which of the job's coordinator ranks this is, from its welcome
+        self.ranks = 0  # 0: a coordinator alone
         self.job_state: JobState | None = None  # its latest signed progress and note
         self.heartbeat_interval_s = 0.0
         self.coordinator_max_frame_bytes = limits.max_frame_bytes
@@ -231,6 +236,7 @@ class WorkerSession:
                 client=self.client,
                 token=self.token,
                 cache_bytes=self.cache_bytes,
+                directed=self.directed,
             )
         except ProtocolError as exc:  # a nonce or key that is not what the protocol says
             log.warning("coordinator at %s sent an unusable challenge: %s", self.url, exc.message)
@@ -254,14 +260,24 @@ class WorkerSession:
             )
         try:
             first_pin = self._pin_check(self.url, msg.coordinator_key)
+            if msg.serve_at:
+                # The rank it names speaks for the same key, or this worker refuses it.
+                self._pin_check(msg.serve_at, msg.coordinator_key)
         except KeyMismatchError as exc:
             log.error("%s", exc)
             return self._refuse(str(exc), bye="refused: coordinator key changed")
+        if msg.serve_at:
+            return Actions(
+                first_pin=first_pin,
+                move_to=msg.serve_at,
+                close=f"sent on to {msg.serve_at}, another rank of this job",
+            )
         self._key = key
         self.coordinator_key = msg.coordinator_key
         self.fingerprint = fingerprint(msg.coordinator_key)
         self.worker_id = msg.worker_id
         self.about = msg.about
+        self.rank, self.ranks = msg.rank, msg.ranks
         self.job_state = None  # this coordinator's word comes after its welcome
         self.heartbeat_interval_s = msg.heartbeat_interval_s
         self.coordinator_max_frame_bytes = msg.max_frame_bytes

@@ -43,6 +43,9 @@ class Actions:
     first_pin: bool = False  # the welcome's key was pinned just now
     refusal: str = ""  # terminal: stop, do not reconnect (key changed, banned, bad token)
     close: str = ""  # close this connection and reconnect later, for this reason
+    # The coordinator's welcome sent this worker to another rank of its job, at this
+    # URL (pinned to the same key): close, and join there at once.
+    move_to: str = ""
 
 
 NO_ACTIONS = Actions()

@@ -25,6 +25,10 @@ class WorkerStatus:
     line: str  # for people: "Computing tile t-12", "Reconnecting in 8 s", ...
     coordinator_url: str = ""
     coordinator_fingerprint: str = ""  # common.signing.fingerprint of the pinned key
+    # Which of the job's coordinator ranks this worker serves (coordinator_ranks 0: the
+    # coordinator is alone).
+    coordinator_rank: int = 0
+    coordinator_ranks: int = 0
     worker_id: str = ""  # what the coordinator calls this worker (from Welcome)
     detail: str = ""  # the full explanation behind a "refused" line
     current_tile: str = ""

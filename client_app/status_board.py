@@ -48,6 +48,8 @@ def build_status(
         stats = session.stats
         extra = {
             "coordinator_fingerprint": session.fingerprint,
+            "coordinator_rank": session.rank,
+            "coordinator_ranks": session.ranks,
             "worker_id": session.worker_id,
             "current_tile": session.current_tile,
             "tiles_done": stats.tiles_done,

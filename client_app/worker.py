@@ -63,6 +63,11 @@ class _Refused(Exception):
     """Raised inside a connection to end the whole run without reconnecting."""
 
 
+# Connections in a row that a rank this worker was sent to does not welcome before it
+# goes back to the URL its owner gave.
+MISSES_BEFORE_HOME = 3
+
+
 class _NoWelcome(Exception):
     """The coordinator accepted the socket but never welcomed us: try again later."""
 
@@ -84,6 +89,11 @@ class WorkerCore:
         self.settings = settings
         self.options = options
         self.url = settings.coordinator_url
+        # Where the owner pointed this worker; self.url may be another rank of the job
+        # that a welcome sent it to, and it comes back here if that rank stays away.
+        self.home_url = settings.coordinator_url
+        self._moved = False  # the last connection ended with a move: reconnect at once
+        self._misses_away = 0  # connections in a row to a rank it was sent to, unwelcomed
         identity = options.identity
         self.identity = identity if identity is not None else generate_private_key()
         self.computer = options.computer or TileComputer(
@@ -312,7 +322,7 @@ class WorkerCore:
             self._publish(line=f"Connecting to {self.url}")
             try:
                 await self._one_connection()
-                if not self._stop_event.is_set():
+                if not self._stop_event.is_set() and not self._moved:
                     log.warning("connection to %s was closed", self.url)
             except _Refused as refusal:
                 self._board.detail = str(refusal)
@@ -327,6 +337,11 @@ class WorkerCore:
                 self._ws = None
             if self._stop_event.is_set():
                 break
+            if self._moved:
+                self._moved = False
+                attempt = 0
+                continue  # join the rank it was sent to now
+            self._count_miss_away()
             if self._welcomed.is_set():
                 attempt = 0  # it worked for a while: start over from short delays
             delay = backoff_delay(
@@ -409,10 +424,32 @@ class WorkerCore:
             self._publish()
             if actions.close:
                 log.info("closing connection to %s: %s", self.url, actions.close)
+                if actions.move_to:
+                    self._move_to(actions.move_to)
                 return
             # Not reading the next frame is the limit: TCP backpressure slows the sender.
             # Heartbeats are sent by their own task and never wait here.
             await self._pacer.after_receiving(len(data))
+
+    def _move_to(self, url: str, directed: bool = True) -> None:
+        """Serve ``url`` from the next connection on (a rank of the same job and key)."""
+        assert self.session is not None
+        self.url = self.session.url = self._board.url = url
+        self.session.directed = directed
+        self._ssl = tls_context(url, self.options.ca_file)
+        self._moved = directed
+        self._misses_away = 0
+
+    def _count_miss_away(self) -> None:
+        """A rank this worker was sent to that does not welcome it three times in a row
+        (stopped, or unreachable from here): back to the URL the owner gave."""
+        assert self.session is not None and self._welcomed is not None
+        if self.url == self.home_url:
+            return
+        self._misses_away = 0 if self._welcomed.is_set() else self._misses_away + 1
+        if self._misses_away >= MISSES_BEFORE_HOME:
+            log.warning("%s did not welcome this worker: back to %s", self.url, self.home_url)
+            self._move_to(self.home_url, directed=False)
 
     def _on_welcome(self, session: WorkerSession, first_pin: bool) -> None:
         assert self._welcomed is not None
@@ -431,6 +468,8 @@ class WorkerCore:
                 session.worker_id,
                 session.fingerprint,
             )
+        if session.ranks > 1:
+            log.info("serving coordinator rank %d of %d", session.rank, session.ranks)
         self._summary.start_window(session.stats, self._clock())
 
     async def _heartbeat_loop(self, ws: ClientConnection, session: WorkerSession) -> None:

@@ -129,6 +129,7 @@ def answer_challenge(
     client: str,
     token: str = "",
     cache_bytes: int = 0,
+    directed: bool = False,
 ) -> Hello:
     """The signed hello a worker sends back (``nonce``: the worker's own challenge)."""
     key_hex = public_key_hex(key)
@@ -142,6 +143,7 @@ def answer_challenge(
         nonce=nonce,
         token_proof=proof,
         cache_bytes=cache_bytes,
+        directed=directed,
     )
     sig = _sign_proof(
         key,
@@ -197,6 +199,9 @@ def make_welcome(
     max_frame_bytes: int,
     job: str,
     about: JobAbout | None = None,
+    rank: int = 0,
+    ranks: int = 0,
+    serve_at: str = "",
 ) -> Welcome:
     welcome = Welcome(
         worker_id=worker_id,
@@ -205,6 +210,9 @@ def make_welcome(
         max_frame_bytes=max_frame_bytes,
         job=job,
         about=about,
+        rank=rank,
+        ranks=ranks,
+        serve_at=serve_at,
     )
     sig = _sign_proof(
         key, WELCOME_DOMAIN, wire_header(welcome), hello.nonce, "worker", hello.worker_key

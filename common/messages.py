@@ -165,6 +165,8 @@ class Hello:
     nonce: str = ""  # the worker's own challenge: the welcome's signature covers it
     token_proof: str = ""  # HMAC of the join token (private pools), never the token
     cache_bytes: int = 0  # operand blocks it keeps between tasks; 0: send every operand
+    # Sent here by another rank's welcome: this rank does not send it on again.
+    directed: bool = False
     sig: str = ""  # by worker_key, over the coordinator's nonce and key and this header
 
     def to_header(self) -> dict[str, Any]:
@@ -178,6 +180,8 @@ class Hello:
             "token_proof": self.token_proof,
             "cache_bytes": self.cache_bytes,
         }
+        if self.directed:
+            header["directed"] = True
         if self.sig:
             header[SIGNATURE_FIELD] = self.sig
         return header
@@ -193,6 +197,7 @@ class Hello:
             nonce=_str(h, "nonce", "hello", limits),
             token_proof=_str(h, "token_proof", "hello", limits),
             cache_bytes=_int(h, "cache_bytes", "hello") if "cache_bytes" in h else 0,
+            directed=_req(h, "directed", bool, "hello") if "directed" in h else False,
             sig=_str(h, SIGNATURE_FIELD, "hello", limits) if SIGNATURE_FIELD in h else "",
         )
 
@@ -207,6 +212,12 @@ class Welcome:
     job: str
     # What the job is, in the operator's words: signed with the rest of the welcome.
     about: JobAbout | None = None
+    # One of several coordinator ranks of the job: which one (0-based) of how many.
+    rank: int = 0
+    ranks: int = 0  # 0: a coordinator alone
+    # Serve the rank at this ws(s):// URL instead (it speaks for the same key): the
+    # front door sends a joining worker where the job needs it. "": stay here.
+    serve_at: str = ""
     sig: str = ""  # by coordinator_key, over the hello's nonce and worker key
 
     def to_header(self) -> dict[str, Any]:
@@ -219,12 +230,19 @@ class Welcome:
         }
         if self.about is not None:
             header["about"] = self.about.to_header()
+        if self.ranks:
+            header["rank"], header["ranks"] = self.rank, self.ranks
+        if self.serve_at:
+            header["serve_at"] = self.serve_at
         if self.sig:
             header[SIGNATURE_FIELD] = self.sig
         return header
 
     @classmethod
     def from_header(cls, h: dict[str, Any], limits: WireLimits) -> Welcome:
+        ranks = _int(h, "ranks", "welcome", hi=1 << 16) if "ranks" in h else 0
+        rank = _int(h, "rank", "welcome", hi=max(0, ranks - 1)) if ranks else 0
+        serve_at = _serve_at(h, limits) if "serve_at" in h else ""
         return cls(
             worker_id=_str(h, "worker_id", "welcome", limits),
             coordinator_key=_str(h, "coordinator_key", "welcome", limits),
@@ -232,8 +250,24 @@ class Welcome:
             max_frame_bytes=_int(h, "max_frame_bytes", "welcome", lo=1),
             job=_str(h, "job", "welcome", limits),
             about=_about(h) if "about" in h else None,
+            rank=rank,
+            ranks=ranks,
+            serve_at=serve_at,
             sig=_str(h, SIGNATURE_FIELD, "welcome", limits) if SIGNATURE_FIELD in h else "",
         )
+
+
+MAX_URL_CHARS = 512
+
+
+def _serve_at(h: dict[str, Any], limits: WireLimits) -> str:
+    url = _str(h, "serve_at", "welcome", limits, max_chars=MAX_URL_CHARS)
+    if not url.startswith(("ws://", "wss://")) or any(c.isspace() for c in url):
+        raise ProtocolError('welcome: field "serve_at" must be a ws:// or wss:// URL')
+    problem = text_problem(url, max_chars=MAX_URL_CHARS)
+    if problem:
+        raise ProtocolError(f'welcome: field "serve_at" {problem}')
+    return url
 
 
 def _about(h: dict[str, Any]) -> JobAbout:

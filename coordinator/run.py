@@ -31,6 +31,7 @@ from common.signing import fingerprint, load_or_create_private_key
 from coordinator.plan.live import LivePlanning
 from coordinator.plan.planner import plan_config_for
 from coordinator.pool.core import CoreConfig
+from coordinator.pool.front_door import FrontDoor
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import SchedulerConfig
 from coordinator.serve.gc_policy import settle_after_start
@@ -333,9 +334,18 @@ class CoordinatorRun:
                 f"  rank:            {self.ranks.rank} of {self.ranks.world} coordinator ranks"
                 f" (this one trains on 1/{self.ranks.world} of each batch)"
             )
+            self.server.rank, self.server.ranks = self.ranks.rank, self.ranks.world
             if self.ranks.store is not None:
-                self.rank_view = RankView(self.ranks, self.url, self.server.status)
-                self._view_task = asyncio.ensure_future(self.rank_view.run())
+                # Listening on every address, a rank does not know the one workers use:
+                # it tells the other ranks none, and their front doors send nobody here.
+                advertised = "" if options.host in ANY_ADDRESS else self.url
+                view = self.rank_view = RankView(self.ranks, advertised, self.server.status)
+                self._view_task = asyncio.ensure_future(view.run())
+                door = FrontDoor(self.ranks.rank)
+                core = self.server.core
+                self.server.front_door = lambda hello: door.direct(
+                    len(core.workers), view.loads(), view.clock()
+                )
         if options.planner == "grid":
             say("  planner:         grid (about two tiles per worker)")
         elif options.coordinator_gflops:

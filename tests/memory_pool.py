@@ -26,7 +26,7 @@ from common.frames import FrameParts
 from common.messages import DeviceProfile, Message, Task, parse_message
 from common.ops import TileOp
 from common.signing import generate_private_key
-from coordinator.pool.admission import Admission, Refusal
+from coordinator.pool.admission import Admission, Admitted, Refusal
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, Checked, CloseCode, Effects, Send
 from coordinator.pool.ledger import Ledger
@@ -219,6 +219,7 @@ class MemoryPool:
             worker.closed = (verdict.code, verdict.reason)
             session.connection_lost()
             return worker
+        assert isinstance(verdict, Admitted)  # no front door here: nobody is sent on
         worker.received.append(parse_message(verdict.welcome).message)
         assert session.receive(verdict.welcome, self.clock()).welcome is not None
         worker.worker_id = verdict.worker_id

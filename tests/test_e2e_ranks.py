@@ -17,11 +17,12 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import torch
-from procs import Coordinator, assert_losses_match, env_for, wait_until
+from procs import Coordinator, Worker, assert_losses_match, env_for, wait_until
 from real_models import make_cnn_job, make_sdpa_job
 
 from coordinator.jobs.tiny_gpt import GPTConfig, make_job
@@ -264,4 +265,48 @@ def test_ranks_on_one_host_listen_on_loopback_only_and_each_shows_every_rank(
         assert f'cleave_ranks{{rank="{rank}"}} 2.0' in metrics, metrics
         assert f'cleave_tiles_verified_total{{rank="{rank}"}}' in metrics, metrics
     finally:
+        coord.stop()
+
+
+def test_workers_given_one_ranks_url_are_spread_over_the_ranks_by_its_welcome(
+    tmp_path: Path,
+) -> None:
+    coord = Coordinator(tmp_path, "--ranks", "2", "--steps", "100000", "--min-workers", "1")
+    workers: list[Worker] = []
+    try:
+
+        def view(http: str = coord.http) -> list[dict[str, Any]]:
+            with urllib.request.urlopen(http + "/api/status", timeout=30) as response:
+                ranks: list[dict[str, Any]] = json.load(response)["ranks"]
+            return ranks
+
+        wait_until(lambda: all(r["heard"] for r in view()), 60, "both ranks in the view")
+        urls = [r["url"] for r in view()]
+        rank0 = urls[0].replace("ws://", "http://").removesuffix("/ws")
+        wait_until(lambda: all(r["heard"] for r in view(rank0)), 60, "rank 1, heard at rank 0")
+        # Both workers are given rank 0's URL. The first stays (no rank has fewer); the
+        # second is welcomed and sent on to rank 1, which it then serves.
+        workers.append(Worker(tmp_path, urls[0], "first"))
+        wait_until(lambda: view(rank0)[0]["workers"] == 1, 60, "the first worker at rank 0")
+        workers.append(Worker(tmp_path, urls[0], "second"))
+        seen: list[Any] = []
+
+        def spread() -> bool:
+            seen[:] = view()
+            return [r["workers"] for r in seen] == [1, 1]
+
+        try:
+            wait_until(spread, 60, "a worker at each rank")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: the ranks {seen}") from None
+        wait_until(lambda: len(coord.steps()) >= 2, 120, "steps trained by both ranks")
+        second = workers[1].output()
+        assert f"sent on to {urls[1]}" in second, second
+        assert "serving coordinator rank 1 of 2" in second, second
+        first = workers[0].output()
+        assert "serving coordinator rank 0 of 2" in first and "sent on" not in first, first
+        assert sum(r.get("tiles_verified") or 0 for r in view()) > 0
+    finally:
+        for worker in workers:
+            worker.stop()
         coord.stop()

@@ -17,6 +17,7 @@ from client_app.gui.status_text import (
     job_about,
     limits_line,
     progress_text,
+    rank_text,
     status_line,
     tray_tooltip,
 )
@@ -74,6 +75,13 @@ def test_limits_line_names_the_limits_in_force() -> None:
     # Paused or not joined, no limit is at work: nothing to say.
     assert limits_line(replace(idle, state="paused", line="Paused: on battery")) == ""
     assert limits_line(replace(idle, state="stopped")) == ""
+
+
+def test_the_rank_a_worker_serves_is_said_only_when_the_job_has_several() -> None:
+    assert rank_text(JOB) == "" and rank_text(replace(JOB, coordinator_ranks=1)) == ""
+    ranked = replace(JOB, coordinator_rank=1, coordinator_ranks=2)
+    assert rank_text(ranked, " · ") == " · coordinator rank 1 of 2"
+    assert tray_tooltip(ranked).endswith(f"Key {FP}, coordinator rank 1 of 2")
 
 
 def test_tray_tooltip_is_job_sentence_and_key() -> None:

@@ -50,6 +50,7 @@ from client_app.gui.status_text import (
     job_about,
     limits_line,
     progress_text,
+    rank_text,
     shown_state,
     status_line,
 )
@@ -382,7 +383,7 @@ class MainWindow(QMainWindow):
     def _show_about(self, status: WorkerStatus) -> None:
         about = job_about(status)
         fp = status.coordinator_fingerprint
-        self.fingerprint_label.setText(fp if fp else "not known yet")
+        self.fingerprint_label.setText(fp + rank_text(status, " · ") if fp else "not known yet")
         if not about.name:
             self.job_name_label.setText("No job yet")
             self.job_description_label.setText(

@@ -175,8 +175,15 @@ def tray_tooltip(status: WorkerStatus) -> str:
     head = f"Cleave — {name}" if name else "Cleave"
     lines = [f"{head}, {progress}" if name and progress else head, status_line(status)]
     if status.coordinator_fingerprint:
-        lines.append(f"Key {status.coordinator_fingerprint}")
+        lines.append(f"Key {status.coordinator_fingerprint}" + rank_text(status, ", "))
     return "\n".join(lines)
+
+
+def rank_text(status: WorkerStatus, before: str = "") -> str:
+    """ "coordinator rank 1 of 2" after ``before`` when the job has several ranks, or ""."""
+    if status.coordinator_ranks <= 1:
+        return ""
+    return f"{before}coordinator rank {status.coordinator_rank} of {status.coordinator_ranks}"
 
 
 def html_for_plain(text: str) -> str:

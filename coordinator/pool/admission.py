@@ -9,6 +9,7 @@ Welcome is out, so a client that vanishes mid-handshake never becomes a ghost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -21,6 +22,7 @@ from common.messages import Challenge, Error, Hello, encode_message, parse_messa
 from common.signing import public_key_hex
 from coordinator.pool.core import CoordinatorCore
 from coordinator.pool.effects import CloseCode
+from coordinator.pool.front_door import Direction
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,14 @@ class Refusal:
     reply: bytes | None = None  # an Error to send first, where the peer speaks the protocol
 
 
+@dataclass(frozen=True)
+class SentOn:
+    """A worker welcomed and sent to another rank of the job (the welcome names it)."""
+
+    reason: str  # the close reason (also logged)
+    welcome: bytes  # the signed Welcome with ``serve_at``, to send before closing
+
+
 @dataclass
 class Admission:
     key: Ed25519PrivateKey
@@ -47,6 +57,10 @@ class Admission:
     join_token: str = ""
     limits: WireLimits = DEFAULT_LIMITS
     about: JobAbout | None = None
+    # With other coordinator ranks: this one's place, and where a joining worker goes.
+    rank: int = 0
+    ranks: int = 0
+    front_door: Callable[[Hello], Direction | None] | None = None
     challenge: Challenge = field(init=False)
 
     def __post_init__(self) -> None:
@@ -59,7 +73,7 @@ class Admission:
     def challenge_frame(self) -> bytes:
         return encode_message(self.challenge)
 
-    def answer(self, data: str | bytes) -> Admitted | Refusal:
+    def answer(self, data: str | bytes) -> Admitted | Refusal | SentOn:
         """The verdict on the connection's first frame."""
         if isinstance(data, str):
             return Refusal(CloseCode.POLICY, "text frames are not part of the protocol")
@@ -80,6 +94,9 @@ class Admission:
             return Refusal(
                 CloseCode.POLICY, refusal, encode_message(Error(ErrorCode.BANNED, refusal))
             )
+        direction = None
+        if self.front_door is not None and not hello.directed:
+            direction = self.front_door(hello)
         worker_id = self.core.next_worker_id()
         welcome = make_welcome(
             self.key,
@@ -89,5 +106,11 @@ class Admission:
             max_frame_bytes=self.max_frame_bytes,
             job=self.job_name,
             about=self.about,
+            rank=self.rank,
+            ranks=self.ranks,
+            serve_at=direction.url if direction is not None else "",
         )
+        if direction is not None:
+            reason = f"sent to rank {direction.rank} at {direction.url}"
+            return SentOn(reason, encode_message(welcome))
         return Admitted(worker_id, hello, encode_message(welcome))

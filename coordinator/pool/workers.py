@@ -154,6 +154,7 @@ class Counters:
     kept_here: int = 0  # tiles the planner kept at the coordinator (its own share)
     banned: int = 0  # workers banned in this run
     refused_handshakes: int = 0  # connections that failed to authenticate
+    directed: int = 0  # joining workers welcomed and sent to another coordinator rank
     bytes_down: int = 0
     bytes_down_uncached: int = 0  # what bytes_down would be without operand caches
     bytes_up: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -13,9 +14,10 @@ from websockets.exceptions import ConnectionClosed
 
 from common.job_about import JobAbout
 from common.messages import Hello
-from coordinator.pool.admission import Admission, Refusal
+from coordinator.pool.admission import Admission, Refusal, SentOn
 from coordinator.pool.core import CoordinatorCore
 from coordinator.pool.effects import CloseCode
+from coordinator.pool.front_door import Direction
 
 if TYPE_CHECKING:
     from coordinator.serve.server import ServerConfig
@@ -32,6 +34,14 @@ class Refused(Exception):
         self.reason = reason
 
 
+class Directed(Exception):
+    """The worker was welcomed and sent to another rank: close this connection."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 async def handshake(
     ws: ServerConnection,
     *,
@@ -40,6 +50,9 @@ async def handshake(
     config: ServerConfig,
     job_name: str,
     about: JobAbout | None = None,
+    rank: int = 0,
+    ranks: int = 0,
+    front_door: Callable[[Hello], Direction | None] | None = None,
 ) -> tuple[str, Hello]:
     """Challenge out, one frame in, the verdict out (``coordinator.pool.admission``).
 
@@ -56,6 +69,9 @@ async def handshake(
         max_frame_bytes=config.max_message_bytes,
         join_token=config.join_token,
         limits=config.core.limits,
+        rank=rank,
+        ranks=ranks,
+        front_door=front_door,
     )
     await ws.send(admission.challenge_frame())
     verdict = admission.answer(await ws.recv())
@@ -63,6 +79,9 @@ async def handshake(
         if verdict.reply is not None:
             await ws.send(verdict.reply)
         raise Refused(verdict.code, verdict.reason)
+    if isinstance(verdict, SentOn):
+        await ws.send(verdict.welcome)
+        raise Directed(verdict.reason)
     await ws.send(verdict.welcome)
     return verdict.worker_id, verdict.hello
 

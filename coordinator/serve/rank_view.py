@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from coordinator.pool.front_door import RankLoad
 from coordinator.step.ranks import Ranks
 
 log = logging.getLogger("cleave.coordinator")
@@ -95,6 +96,20 @@ class RankView:
     def status(self) -> dict[str, Any]:
         """This rank's part of ``/api/status`` (any thread)."""
         return job_view(self.ranks.rank, self.ranks.world, dict(self.summaries), self.clock())
+
+    def loads(self) -> list[RankLoad]:
+        """The other ranks as last heard, for the front door."""
+        return [
+            RankLoad(
+                rank=int(known["rank"]),
+                url=str(known.get("url") or ""),
+                workers=int(known.get("workers") or 0),
+                state=str(known.get("state") or ""),
+                published_at=float(known["published_at"]),
+            )
+            for r, known in dict(self.summaries).items()
+            if r != self.ranks.rank
+        ]
 
     async def run(self) -> None:
         """Publish and gather every ``PERIOD_S`` until cancelled."""

@@ -29,10 +29,11 @@ from websockets.http11 import Request, Response
 
 from common.frames import FrameParts
 from common.job_about import JobAbout
-from common.messages import JobState, sign_job_state
+from common.messages import Hello, JobState, sign_job_state
 from common.signing import fingerprint
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, Close, CloseCode, Effects, Send
+from coordinator.pool.front_door import Direction
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.workers import Counters, PoolView, Worker
 from coordinator.schedule.scheduler import Scheduler
@@ -40,6 +41,7 @@ from coordinator.serve import http_api
 from coordinator.serve.checks import CheckThread
 from coordinator.serve.handshake import (
     WS_PATH,
+    Directed,
     Refused,
     close_reason,
     close_unread,
@@ -111,6 +113,11 @@ class CoordinatorServer:
         self.config = config
         self.clock = clock
         self.status_extra = status_extra
+        # One of several coordinator ranks: its place, said in every welcome, and the
+        # front door that sends a joining worker to another rank (set by the run).
+        self.rank = 0
+        self.ranks = 0
+        self.front_door: Callable[[Hello], Direction | None] | None = None
         self.core = CoordinatorCore(
             key=key, ledger=ledger, config=config.core, wall_clock=wall_clock
         )
@@ -310,6 +317,9 @@ class CoordinatorServer:
                     config=self.config,
                     job_name=self.job_name,
                     about=self.about,
+                    rank=self.rank,
+                    ranks=self.ranks,
+                    front_door=self.front_door,
                 ),
                 self.config.handshake_timeout_s,
             )
@@ -321,6 +331,11 @@ class CoordinatorServer:
             self.counters.refused_handshakes += 1
             log.info("refused a connection from %s: %s", peer(ws), refused.reason)
             await close_unread(ws, refused.code, refused.reason)
+            return
+        except Directed as directed:
+            self.counters.directed += 1
+            log.info("a worker from %s was %s", peer(ws), directed.reason)
+            await close_unread(ws, CloseCode.NORMAL, directed.reason)
             return
         except ConnectionClosed:
             return
@@ -371,6 +386,7 @@ class CoordinatorServer:
             "connections": {
                 "banned_this_run": self.counters.banned,
                 "refused_handshakes": self.counters.refused_handshakes,
+                "directed": self.counters.directed,
                 "authenticating": self._handshaking,
             },
         }
