@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from test_coordinator_admission import hello_frame
-from test_worker_session import URL, new_session, say_hello
+from test_worker_session import URL, new_session, say_hello, welcome_frame
 
 from client_app.config import PinStore
-from common.auth import answer_challenge, check_welcome, make_welcome, new_nonce
+from common.auth import answer_challenge, check_welcome, new_nonce
 from common.errors import ProtocolError
 from common.limits import DEFAULT_LIMITS
 from common.messages import Hello, Welcome, encode_message, parse_message, wire_header
@@ -138,23 +137,6 @@ def test_a_welcome_names_a_rank_below_the_number_of_ranks() -> None:
 # ---- the worker that follows it ----------------------------------------------------------
 
 
-def _sent_on(session_key: Ed25519PrivateKey, hello_received: object, serve_at: str) -> bytes:
-    hello = hello_received.message  # type: ignore[attr-defined]
-    return encode_message(
-        make_welcome(
-            session_key,
-            hello,
-            worker_id="w-1",
-            heartbeat_interval_s=5.0,
-            max_frame_bytes=1 << 20,
-            job="test",
-            rank=0,
-            ranks=2,
-            serve_at=serve_at,
-        )
-    )
-
-
 def test_the_worker_follows_a_signed_welcome_and_pins_the_rank_to_the_same_key(
     tmp_path: Path,
 ) -> None:
@@ -162,7 +144,7 @@ def test_the_worker_follows_a_signed_welcome_and_pins_the_rank_to_the_same_key(
     key = generate_private_key()
     session = new_session(pins)
     hello = say_hello(session, key, 0.0)
-    actions = session.receive(_sent_on(key, hello, OTHER), 0.0)
+    actions = session.receive(welcome_frame(key, hello, rank=0, ranks=2, serve_at=OTHER), 0.0)
     assert actions.move_to == OTHER and actions.close and not actions.refusal
     assert actions.welcome is None  # not welcomed here: no tiles, no heartbeats
     assert pins.get(URL) == pins.get(OTHER) is not None  # the same key, pinned for both
@@ -172,17 +154,7 @@ def test_the_worker_follows_a_signed_welcome_and_pins_the_rank_to_the_same_key(
     session.url, session.directed = OTHER, True
     again = say_hello(session, key, 1.0)
     assert isinstance(again.message, Hello) and again.message.directed
-    welcome = make_welcome(
-        key,
-        again.message,
-        worker_id="w-2",
-        heartbeat_interval_s=5.0,
-        max_frame_bytes=1 << 20,
-        job="test",
-        rank=1,
-        ranks=2,
-    )
-    taken = session.receive(encode_message(welcome), 1.0)
+    taken = session.receive(welcome_frame(key, again, rank=1, ranks=2), 1.0)
     assert taken.welcome is not None and (session.rank, session.ranks) == (1, 2)
 
 
@@ -192,5 +164,5 @@ def test_the_worker_refuses_to_be_sent_to_a_url_pinned_to_another_key(tmp_path: 
     key = generate_private_key()
     session = new_session(pins)
     hello = say_hello(session, key, 0.0)
-    actions = session.receive(_sent_on(key, hello, OTHER), 0.0)
+    actions = session.receive(welcome_frame(key, hello, rank=0, ranks=2, serve_at=OTHER), 0.0)
     assert actions.refusal and not actions.move_to

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,7 +91,10 @@ def say_hello(session: WorkerSession, key: Ed25519PrivateKey, now: float) -> Rec
     return received
 
 
-def welcome_frame(key: Ed25519PrivateKey, hello: Received, max_frame_bytes: int = 1 << 26) -> bytes:
+def welcome_frame(
+    key: Ed25519PrivateKey, hello: Received, max_frame_bytes: int = 1 << 26, **ranks: Any
+) -> bytes:
+    """The signed welcome for ``hello`` (``ranks``: make_welcome's rank, ranks, serve_at)."""
     assert isinstance(hello.message, Hello)
     return encode_message(
         make_welcome(
@@ -100,6 +104,7 @@ def welcome_frame(key: Ed25519PrivateKey, hello: Received, max_frame_bytes: int 
             heartbeat_interval_s=HEARTBEAT_S,
             max_frame_bytes=max_frame_bytes,
             job="test",
+            **ranks,
         )
     )
 

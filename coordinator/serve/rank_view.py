@@ -46,7 +46,7 @@ def summary(rank: int, url: str, status: Mapping[str, Any], now: float) -> dict[
 def job_view(
     rank: int, world: int, summaries: Mapping[int, Mapping[str, Any]], now: float
 ) -> dict[str, Any]:
-    """The ``rank``/``ranks``/``job`` part of a rank's status: every rank's summary as
+    """The ``rank``/``ranks``/``ranks_total`` part of a rank's status: every rank's summary as
     last heard (with its age), and the job's totals over the ranks heard from."""
     ranks = []
     for r in range(world):
