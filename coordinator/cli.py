@@ -132,6 +132,12 @@ def _network_options(group: argparse._ArgumentGroup) -> None:
         "--port", type=int, default=8765, help="port for workers and status (0: any)"
     )
     group.add_argument(
+        "--public-host",
+        help="the host name or address workers reach this coordinator at, where --host "
+        "is every address (0.0.0.0, ::): shown in the connect line and told to the other "
+        "coordinator ranks, whose front doors then send workers here",
+    )
+    group.add_argument(
         "--tls-cert",
         type=Path,
         metavar="PEM",

@@ -73,6 +73,7 @@ class ServeOptions:
     steps: int
     host: str
     port: int
+    public_host: str | None
     state_dir: Path
     ledger: str | None
     tls_cert: Path | None
@@ -118,6 +119,7 @@ class ServeOptions:
             steps=args.steps,
             host=args.host,
             port=args.port,
+            public_host=getattr(args, "public_host", None) or None,
             state_dir=args.state_dir,
             ledger=getattr(args, "ledger", None),
             tls_cert=args.tls_cert,
@@ -322,6 +324,7 @@ class CoordinatorRun:
         settle_after_start()
         connect_host = "127.0.0.1" if options.host in ANY_ADDRESS else options.host
         ws, http = ("wss", "https") if self.ssl_context is not None else ("ws", "http")
+        public = public_url(options.host, options.public_host, port, tls=ws == "wss")
         self.url = f"{ws}://{connect_host}:{port}{WS_PATH}"
         name = self.about.name
         say(f"Cleave coordinator for job {name!r} on {self.url}", url=self.url, job=name)
@@ -335,11 +338,13 @@ class CoordinatorRun:
                 f" (this one trains on 1/{self.ranks.world} of each batch)"
             )
             self.server.rank, self.server.ranks = self.ranks.rank, self.ranks.world
+            if not public:
+                say(
+                    "  front door:      no worker is sent to this rank: it listens on every "
+                    "address; give --public-host, the one workers use"
+                )
             if self.ranks.store is not None:
-                # Listening on every address, a rank does not know the one workers use:
-                # it tells the other ranks none, and their front doors send nobody here.
-                advertised = "" if options.host in ANY_ADDRESS else self.url
-                view = self.rank_view = RankView(self.ranks, advertised, self.server.status)
+                view = self.rank_view = RankView(self.ranks, public, self.server.status)
                 self._view_task = asyncio.ensure_future(view.run())
                 door = FrontDoor(self.ranks.rank)
                 core = self.server.core
@@ -356,7 +361,8 @@ class CoordinatorRun:
         else:
             say("  planner:         cost model; every tile goes to workers")
         if options.host in ANY_ADDRESS:
-            say(f"  connect a worker: cleave-worker --coordinator {ws}://THIS-HOST:{port}{WS_PATH}")
+            shown = public or f"{ws}://THIS-HOST:{port}{WS_PATH}"
+            say(f"  connect a worker: cleave-worker --coordinator {shown}")
             say(f"  (local workers use {self.url})")
         else:
             say(f"  connect a worker: cleave-worker --coordinator {self.url}")
@@ -543,6 +549,18 @@ def say_traffic(server: CoordinatorServer) -> None:
             f"tiles: {counters.tiles_verified} verified from workers, {counters.kept_here} "
             "computed here (the planner's share for the coordinator)"
         )
+
+
+def public_url(host: str, public_host: str | None, port: int, *, tls: bool) -> str:
+    """The URL workers reach this coordinator at, or "" when it is not known (listening
+    on every address with no --public-host)."""
+    if public_host:
+        host = public_host
+    elif host in ANY_ADDRESS:
+        return ""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address
+    return f"{'wss' if tls else 'ws'}://{host}:{port}{WS_PATH}"
 
 
 def open_ledger(where: str | Path) -> Ledger:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coordinator.run import public_url
 from coordinator.step.ranks import BatchSplitError, Ranks, _buckets
 
 
@@ -35,3 +36,12 @@ def test_a_collective_bucket_holds_each_dtype_flat_and_scatters_back_in_place() 
         bk.scatter()
     assert torch.equal(a, torch.full((2, 3), 10.0)) and torch.equal(c, torch.full((5,), 20.0))
     assert torch.equal(b, torch.arange(4) * 10)
+
+
+def test_the_url_a_rank_tells_the_others_is_the_one_workers_reach_or_none() -> None:
+    assert public_url("10.0.0.5", None, 8766, tls=False) == "ws://10.0.0.5:8766/ws"
+    assert public_url("0.0.0.0", None, 8766, tls=False) == ""  # not known: no one sent here
+    assert public_url("0.0.0.0", "cleave.example.org", 8766, tls=True) == (
+        "wss://cleave.example.org:8766/ws"
+    )
+    assert public_url("::", "2001:db8::7", 8765, tls=False) == "ws://[2001:db8::7]:8765/ws"
