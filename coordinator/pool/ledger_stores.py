@@ -177,7 +177,7 @@ class MemoryStore:
 
 
 # One worker's gathered change, added to its row (or making it). ``{p}`` is the driver's
-# placeholder; the rest is the SQL both SQLite and PostgreSQL speak.
+# parameter marker (``?`` or ``%s``); the rest is the SQL both SQLite and PostgreSQL speak.
 _UPSERT = """INSERT INTO contributions
     (worker, name, tiles, flops, bytes_down, bytes_up, compute_s, rejected, reputation,
      banned_reason, banned_at, first_seen, last_seen)
