@@ -282,6 +282,20 @@ class CoordinatorRun:
         view = self.rank_view
         return {**self.progress.status(), **(view.status() if view is not None else {})}
 
+    def _rank_summary(self) -> dict[str, Any]:
+        """What the other ranks are told of this one: read from memory, not the whole
+        /api/status (every worker and ledger row) that a rank with many workers would
+        build on the event loop."""
+        progress = self.progress.status()
+        history = progress["history"]
+        return {
+            "state": progress["state"],
+            "step": progress["step"],
+            "workers": len(self.server.core.workers),
+            "tiles_verified": self.server.core.counters.tiles_verified,
+            "last": history[-1] if history else {},
+        }
+
     def _tell_workers(self, progress: Progress) -> None:
         """Keep the workers' JobState in step with the run (any thread)."""
         state = JobState(step=progress.step, steps=self.options.steps, note=progress.note())
@@ -344,7 +358,7 @@ class CoordinatorRun:
                     "address; give --public-host, the one workers use"
                 )
             if self.ranks.store is not None:
-                view = self.rank_view = RankView(self.ranks, public, self.server.status)
+                view = self.rank_view = RankView(self.ranks, public, self._rank_summary)
                 self._view_task = asyncio.ensure_future(view.run())
                 door = FrontDoor(self.ranks.rank)
                 core = self.server.core

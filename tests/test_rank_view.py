@@ -17,9 +17,9 @@ def _status(workers: int, verified: int, orch: float) -> dict[str, Any]:
     return {
         "state": "training",
         "step": 7,
-        "workers": [{"id": f"w{i}"} for i in range(workers)],
-        "tiles": {"verified": verified},
-        "history": [{"step": 6, "seconds": 0.5, "orchestration_cpu_s": orch}],
+        "workers": workers,
+        "tiles_verified": verified,
+        "last": {"step": 6, "seconds": 0.5, "orchestration_cpu_s": orch},
     }
 
 

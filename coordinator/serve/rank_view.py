@@ -26,17 +26,17 @@ log = logging.getLogger("cleave.coordinator")
 PERIOD_S = 2.0
 
 
-def summary(rank: int, url: str, status: Mapping[str, Any], now: float) -> dict[str, Any]:
-    """What one rank tells the others about itself, from its own ``/api/status``."""
-    history = status.get("history") or []
-    last = history[-1] if history else {}
+def summary(rank: int, url: str, own: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """What one rank tells the others about itself. ``own``: its ``state``, ``step``,
+    ``workers`` (how many), ``tiles_verified`` and ``last`` (its last step's record)."""
+    last = own.get("last") or {}
     return {
         "rank": rank,
         "url": url,
-        "state": status.get("state"),
-        "step": status.get("step"),
-        "workers": len(status.get("workers") or []),
-        "tiles_verified": (status.get("tiles") or {}).get("verified"),
+        "state": own.get("state"),
+        "step": own.get("step"),
+        "workers": int(own.get("workers") or 0),
+        "tiles_verified": own.get("tiles_verified"),
         "step_seconds": last.get("seconds"),
         "orchestration_cpu_s": last.get("orchestration_cpu_s"),
         "published_at": now,
