@@ -246,7 +246,11 @@ class CoordinatorRun:
         self.key = self._job_key(state)
         self.rank_view: RankView | None = None  # with other ranks: all of them, once started
         self._view_task: asyncio.Future[None] | None = None
-        self.ledger = open_ledger(options.ledger or state / "ledger.sqlite")
+        self.ledger = open_ledger(
+            options.ledger or state / "ledger.sqlite",
+            # Each rank runs the same steps on its own slice: each pays for its own tiles.
+            scope=f"rank-{ranks.rank}" if ranks is not None else "",
+        )
         self.server = CoordinatorServer(
             key=self.key,
             job_name=self.about.name,
@@ -424,12 +428,14 @@ class CoordinatorRun:
             checkpoint_path=self.checkpoint,
             checkpoint_every=options.checkpoint_every,
             ranks=self.ranks,
+            on_checkpoint=self.ledger.checkpointed,
         )
 
     async def _resume(self, trainer: Trainer) -> None:
         """Resume from the state directory's checkpoint (or start over with --fresh)."""
         if self.options.fresh:
             self.checkpoint.unlink(missing_ok=True)
+            self.ledger.start_over()
         try:
             resumed = trainer.resume()
         except Exception as exc:
@@ -577,11 +583,11 @@ def public_url(host: str, public_host: str | None, port: int, *, tls: bool) -> s
     return f"{'wss' if tls else 'ws'}://{host}:{port}{WS_PATH}"
 
 
-def open_ledger(where: str | Path) -> Ledger:
+def open_ledger(where: str | Path, *, scope: str = "") -> Ledger:
     """The ledger at ``where``, or SystemExit saying why it cannot be opened (a
     PostgreSQL URL's password is not repeated)."""
     try:
-        return Ledger(where)
+        return Ledger(where, scope=scope)
     except Exception as exc:  # sqlite3, psycopg and OS errors alike: none is the user's bug
         shown = re.sub(r"//([^:/@]+):[^@]*@", r"//\1:***@", str(where))
         text = re.sub(r"password=\S+", "password=***", str(exc).strip().splitlines()[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,8 @@ from pg_cluster import fresh_database, postgres_url  # noqa: F401  (fixtures)
 
 from coordinator.pool.ledger import Contribution, Ledger
 from coordinator.pool.ledger_stores import LedgerStore, MemoryStore, RowChange
+from coordinator.pool.payouts import Payout
+from coordinator.schedule.records import TileTicket
 
 
 def reject(ledger: Ledger, worker: str, now: float, reputation: float = 0.5, ban: str = "") -> None:
@@ -23,8 +25,10 @@ def reject(ledger: Ledger, worker: str, now: float, reputation: float = 0.5, ban
     )
 
 
-def credit(ledger: Ledger, worker: str, flops: int, now: float = 1.0, **kw: float) -> None:
-    ledger.credit(
+def credit(
+    ledger: Ledger, worker: str, flops: int, now: float = 1.0, **kw: float | TileTicket
+) -> int:
+    return ledger.credit(
         worker,
         name=f"{worker}-laptop",
         reputation=float(kw.get("reputation", 1.0)),
@@ -33,6 +37,7 @@ def credit(ledger: Ledger, worker: str, flops: int, now: float = 1.0, **kw: floa
         bytes_up=int(kw.get("up", 10)),
         compute_s=float(kw.get("s", 0.5)),
         now=now,
+        ticket=kw.get("ticket"),
     )
 
 
@@ -67,11 +72,17 @@ class _Commits:
     def rows(self) -> list[Contribution]:
         return self.store.rows()
 
-    def commit(self, changes: Mapping[str, RowChange]) -> None:
+    def payouts(self, scope: str) -> list[Payout]:
+        return self.store.payouts(scope)
+
+    def commit(self, changes: Mapping[str, RowChange], payouts: Sequence[Payout] = ()) -> None:
         self.committing.set()
         assert self.release.wait(30), "the test never released the commit"
         self.batches.append(dict(changes))
-        self.store.commit(changes)
+        self.store.commit(changes, payouts)
+
+    def forget_payouts(self, scope: str, before_step: int) -> None:
+        self.store.forget_payouts(scope, before_step)
 
     def close(self) -> None:
         self.store.close()
@@ -349,6 +360,76 @@ def test_a_commit_lands_whole_or_not_at_all(place: str | LedgerStore) -> None:
         led.store.commit({"alice": good, "zed": broken})
     led.close()
     assert [(c.worker, c.flops) for c in _stored(place)] == [("alice", 5)]
+
+
+def tile(gemm: str, index: str, flops: int, gemm_flops: int = 100) -> TileTicket:
+    return TileTicket(f"{gemm}/{index}", gemm, flops, 8, 4, gemm_flops=gemm_flops)
+
+
+def test_a_step_run_again_after_a_restart_pays_each_gemm_once(place: str | LedgerStore) -> None:
+    first = [tile("s3:mm", f"0.{i}.0.0", 25) for i in range(4)]
+    led = Ledger(place, scope="rank-0")
+    assert [credit(led, "alice", 25, ticket=t) for t in first[:3]] == [25, 25, 25]
+    led.close()  # committed: then the coordinator is killed mid-step
+    again = Ledger(place, scope="rank-0")
+    try:
+        # The step runs again: its GEMM pays only what it still owed, to the first
+        # tiles verified, however the planner cuts it this time.
+        paid = [credit(again, "bob", 25, ticket=t, reputation=0.9) for t in first]
+        assert paid == [25, 0, 0, 0]
+        other = [tile("s3:mm", f"{i}.0.0.0", 50) for i in range(2)]
+        assert [credit(again, "carol", 50, ticket=t, reputation=0.8) for t in other] == [0, 0]
+        bob, carol = again.get("bob"), again.get("carol")
+        assert (bob.tiles, bob.flops, bob.bytes_down, bob.reputation) == (1, 25, 100, 0.9)
+        assert (carol.tiles, carol.flops, carol.bytes_up, carol.reputation) == (0, 0, 0, 0.8)
+        # Another step, and tiles of no step (the load bench's) are paid in full.
+        assert credit(again, "carol", 25, ticket=tile("s4:mm", "0.0.0.0", 25)) == 25
+        assert credit(again, "carol", 9, ticket=tile("bench-7", "0.0.0.0", 9)) == 9
+        assert credit(again, "carol", 9, ticket=tile("bench-7", "0.0.0.0", 9)) == 9
+        assert credit(again, "carol", 7) == 7
+    finally:
+        again.close()
+    rank1 = Ledger(place, scope="rank-1")  # another rank's steps: its own GEMMs
+    try:
+        assert credit(rank1, "dave", 25, ticket=first[0]) == 25
+    finally:
+        rank1.close()
+    totals = {c.worker: c.flops for c in _stored(place)}
+    assert totals == {"alice": 75, "bob": 25, "carol": 50, "dave": 25}
+
+
+def test_a_checkpoint_forgets_the_payouts_of_the_steps_it_holds(place: str | LedgerStore) -> None:
+    led = Ledger(place)
+    for step in range(3):
+        credit(led, "alice", 10, ticket=tile(f"s{step}:mm", "0.0.0.0", 10, 10))
+    led.flush()
+    led.checkpointed(2)  # steps 0 and 1 never run again
+    led.close()
+    again = Ledger(place)
+    try:
+        assert [p.step for p in again.store.payouts("")] == [2]
+        assert credit(again, "alice", 10, ticket=tile("s2:mm", "0.0.0.0", 10, 10)) == 0
+        again.start_over()  # --fresh: every step is new work
+        assert again.store.payouts("") == []
+        assert credit(again, "alice", 10, ticket=tile("s2:mm", "0.0.0.0", 10, 10)) == 10
+    finally:
+        again.close()
+    assert [(c.tiles, c.flops) for c in _stored(place)] == [(4, 40)]
+
+
+def test_credit_lost_with_its_commit_is_paid_when_the_step_runs_again(
+    place: str | LedgerStore,
+) -> None:
+    led, commits = _wrapped(place, hold=True)
+    credit(led, "alice", 10, ticket=tile("s0:mm", "0.0.0.0", 10, 10))
+    flushing = threading.Thread(target=led.flush)
+    flushing.start()
+    assert commits.committing.wait(10)
+    # Killed before the commit lands: neither the credit nor its payout is stored.
+    again = Ledger(commits.store)
+    assert credit(again, "alice", 10, ticket=tile("s0:mm", "0.0.0.0", 10, 10)) == 10
+    commits.release.set()
+    flushing.join()
 
 
 # ---- what is particular to each store ----------------------------------------------------

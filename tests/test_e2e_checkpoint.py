@@ -226,15 +226,19 @@ def test_resume_removes_writes_a_kill_cut_short(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-def test_a_killed_coordinator_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+def test_a_killed_coordinator_resumes_from_its_checkpoint_and_credits_each_tile_once(
+    tmp_path: Path,
+) -> None:
     port, state = _free_port(), tmp_path / "shared-state"
     args = ("--port", str(port), "--state-dir", str(state), "--steps", "8", "--min-workers", "1")
+    # Step 3 is done and credited, and the checkpoint holds 3 steps: it runs again.
+    args += ("--checkpoint-every", "3", "--planner", "grid")
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
     first = Coordinator(tmp_path / "first", *args)
     worker = Worker(tmp_path, first.url, "steadfast", "--backoff-base", "0.2")
     try:
-        wait_until(lambda: len(first.steps()) >= 3, 120, "three steps before the crash")
+        wait_until(lambda: len(first.steps()) >= 4, 120, "four steps before the crash")
         first.proc.kill()
         first.wait(10)
         assert (state / "checkpoint.pt").exists()
@@ -253,11 +257,19 @@ def test_a_killed_coordinator_resumes_from_its_checkpoint(tmp_path: Path) -> Non
     assert sorted(kept) == list(range(8))
     got = [kept[step]["loss"] for step in range(8)]
     assert_losses_match(got, train_locally(make_job(), 8))
+    assert after[0]["step"] == 3, after[0]
     with sqlite3.connect(state / "ledger.sqlite") as db:
         (credited,) = db.execute(
-            "SELECT tiles FROM contributions WHERE name = 'steadfast'"
+            "SELECT flops FROM contributions WHERE name = 'steadfast'"
         ).fetchone()
-    assert credited >= sum(r["tiles"] for r in kept.values()) > 0
+    # What the steps' results used, each step once: no credit lost (a commit the kill
+    # cut short is paid when its step runs again), none counted twice. Above it, at most
+    # a tile paid before the kill that the coordinator had to compute itself the second
+    # time (a straggler on a loaded machine).
+    used = sum(r["workers_flops"] for r in kept.values())
+    one_step = min(r["workers_flops"] for r in kept.values())
+    assert one_step > 0
+    assert used <= credited < used + one_step, (credited, used, one_step)
 
 
 # ---- a kill while a large checkpoint is being written ----------------------------------
@@ -368,6 +380,7 @@ def test_a_coordinator_killed_mid_checkpoint_write_resumes_from_the_previous_one
     assert final is not None and final.step == TORN_STEPS
     with sqlite3.connect(state / "ledger.sqlite") as db:
         (credited,) = db.execute(
-            "SELECT tiles FROM contributions WHERE name = 'steadfast'"
+            "SELECT flops FROM contributions WHERE name = 'steadfast'"
         ).fetchone()
-    assert credited >= sum(r["tiles"] for r in kept.values()) > 0
+    # No credit lost: at least what the steps' results used, each step once.
+    assert credited >= sum(r["workers_flops"] for r in kept.values()) > 0

@@ -2,9 +2,10 @@
 (gloo over loopback), each with its own port, state directory and local worker, train
 the built-in GPT on halves of each batch under one job key; the losses equal local
 torch on the whole batch; the same ranks started by ``torchrun`` resume from the newest
-checkpoint either holds and go on matching it. A GPT-2-style transformer trains like
-local torch too, and a BatchNorm CNN as data-parallel torch trains it (each rank's batch
-statistics, rank 0's running statistics on every rank). A batch that does not split
+checkpoint either holds and go on matching it, crediting each step's work once. A
+GPT-2-style transformer trains like local torch too, and a BatchNorm CNN as
+data-parallel torch trains it (each rank's batch statistics, rank 0's running statistics
+on every rank). A batch that does not split
 across the ranks stops the run with the sizes."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -211,9 +213,20 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_losses_still_mat
     by_step = {}  # the steps after the checkpoint ran twice: the second run's records
     for line in metrics.read_text().splitlines():
         record = json.loads(line)
-        by_step[record["step"]] = record["loss"]
+        by_step[record["step"]] = record
     assert sorted(by_step) == list(range(steps)), by_step
-    assert_losses_match([by_step[s] for s in range(steps)], train_locally(make_job(), steps))
+    losses = [by_step[s]["loss"] for s in range(steps)]
+    assert_losses_match(losses, train_locally(make_job(), steps))
+    # Each rank's ledger credits each step once, the steps run again included: what the
+    # results used (the ranks' halves have one shape: rank 1 hands out what rank 0 does),
+    # and above it at most a tile paid before the kill that a rank computed itself after.
+    credited = 0
+    for rank in range(2):
+        with sqlite3.connect(tmp_path / "state" / f"rank-{rank}" / "ledger.sqlite") as db:
+            credited += db.execute("SELECT SUM(flops) FROM contributions").fetchone()[0]
+    used = 2 * sum(r["workers_flops"] for r in by_step.values())
+    one_step = min(r["workers_flops"] for r in by_step.values())
+    assert used <= credited < used + one_step, (credited, used, one_step)
 
 
 def _is_rank(proc: psutil.Process, rank: int) -> bool:

@@ -333,6 +333,7 @@ class CoordinatorCore:
             bytes_up=up,
             compute_s=min(check.compute_s, held_s),
             now=self.wall_time(),
+            ticket=job.ticket,
         )
         for other in completion.cancel:
             self.cancel(other, check.tile_id, effects)

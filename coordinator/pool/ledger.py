@@ -10,11 +10,15 @@ memory for the simulator.
 Every row is also kept in memory, read once when the ledger opens and updated with every
 write: the coordinator reads a worker's standing on every heartbeat and check, and
 ``/api/status`` lists them all; none of that may query the store on its event loop.
+
+Credit for a training step's tiles is journaled with it, so that a step run again after a
+restart pays each of its GEMMs once (``coordinator.pool.payouts``).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from coordinator.pool.ledger_stores import (
@@ -23,6 +27,8 @@ from coordinator.pool.ledger_stores import (
     RowChange,
     open_store,
 )
+from coordinator.pool.payouts import Payout, Payouts
+from coordinator.schedule.records import TileTicket
 
 __all__ = ["Contribution", "Ledger"]
 
@@ -42,11 +48,15 @@ class Ledger:
     queue to its commit, so batches land in the order they were made.
     """
 
-    def __init__(self, where: str | Path | LedgerStore) -> None:
+    def __init__(self, where: str | Path | LedgerStore, *, scope: str = "") -> None:
+        """``scope``: whose training steps this ledger journals (ranks sharing a store
+        each have their own)."""
         self.store = open_store(where) if isinstance(where, (str, Path)) else where
         self._store_lock = threading.Lock()
         self._lock = threading.Lock()
         self._rows = {row.worker: row for row in self.store.rows()}  # as in the memory
+        self._payouts = Payouts(scope, self.store.payouts(scope))
+        self._journal: dict[str, Payout] = {}  # per GEMM, what it paid since the last commit
         # Writes not yet committed, one change per worker: the credits of a turn of the
         # loop are one row update each worker, not one per tile.
         self._queued: dict[str, RowChange] = {}
@@ -64,18 +74,45 @@ class Ledger:
         compute_s: float,
         reputation: float,
         now: float,
-    ) -> None:
-        """One verified tile: credit it, with the worker's reputation after it."""
+        ticket: TileTicket | None = None,
+    ) -> int:
+        """One verified tile: credit it, with the worker's reputation after it. Returns
+        the FLOPs credited: with its ``ticket``, no more than its GEMM has not paid yet
+        (its step may be running again). A tile credited nothing is not counted either,
+        but its worker's reputation rises all the same: its result was right."""
+        with self._lock:
+            paid, payout = self._payouts.pay(ticket) if ticket is not None else (flops, None)
+            if payout is not None:
+                had = self._journal.get(payout.gemm)
+                self._journal[payout.gemm] = (
+                    replace(payout, flops=had.flops + payout.flops) if had else payout
+                )
+        repaid = ticket is not None and paid == 0
         delta = RowChange(
             first_seen=now,
-            tiles=1,
-            flops=flops,
-            bytes_down=bytes_down,
-            bytes_up=bytes_up,
-            compute_s=compute_s,
+            tiles=0 if repaid else 1,
+            flops=paid,
+            bytes_down=0 if repaid else bytes_down,
+            bytes_up=0 if repaid else bytes_up,
+            compute_s=0.0 if repaid else compute_s,
             reputation=reputation,
         )
         self._apply(worker, name, now, delta)
+        return paid
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` completed steps is on disk (or was resumed from):
+        the steps before it never run again, so their payouts go."""
+        with self._store_lock:
+            with self._lock:
+                self._payouts.forget_before(step)
+                self._journal = {g: p for g, p in self._journal.items() if p.step >= step}
+            self.store.forget_payouts(self._payouts.scope, step)
+
+    def start_over(self) -> None:
+        """Training starts again from its first step (``--fresh``): no step before it
+        has been paid for."""
+        self.checkpointed(1 << 62)
 
     def reject(
         self, worker: str, *, name: str, reputation: float, banned_reason: str = "", now: float
@@ -127,11 +164,12 @@ class Ledger:
         """(The caller holds the store's lock.)"""
         with self._lock:
             queued, self._queued = self._queued, {}
+            journal, self._journal = self._journal, {}
             self._committing, self._writes = self._writes, 0
         if not queued:
             return
         try:
-            self.store.commit(queued)
+            self.store.commit(queued, list(journal.values()))
         finally:
             self._committing = 0
 

@@ -8,19 +8,22 @@
 
 A store only reads every row once (when the ledger opens) and commits batches of
 additive changes, one transaction each; the ledger (``coordinator.pool.ledger``) keeps the
-rows in memory and decides when to commit. The same test suite runs against all three
+rows in memory and decides when to commit. Beside the rows, a store journals what each GEMM
+of the steps no checkpoint covers yet has paid (``coordinator.pool.payouts``), committed
+in the same transaction as the credit it records. The same test suite runs against all three
 (``tests/test_coordinator_ledger.py``).
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from common.signing import fingerprint
+from coordinator.pool.payouts import Payout
 from coordinator.pool.reputation import FULL
 
 MEMORY = ":memory:"
@@ -146,9 +149,17 @@ class LedgerStore(Protocol):
         """Every row, as committed."""
         ...
 
-    def commit(self, changes: Mapping[str, RowChange]) -> None:
-        """Add each worker's change to its row (making the row where there is none), all in
-        one transaction: either every change lands or none does."""
+    def payouts(self, scope: str) -> list[Payout]:
+        """The journaled payouts of ``scope``."""
+        ...
+
+    def commit(self, changes: Mapping[str, RowChange], payouts: Sequence[Payout] = ()) -> None:
+        """Add each worker's change to its row (making the row where there is none) and
+        journal ``payouts``, all in one transaction: either everything lands or nothing."""
+        ...
+
+    def forget_payouts(self, scope: str, before_step: int) -> None:
+        """Drop ``scope``'s payouts of the steps before ``before_step``."""
         ...
 
     def close(self) -> None: ...
@@ -160,17 +171,30 @@ class MemoryStore:
     def __init__(self) -> None:
         self._rows: dict[str, Contribution] = {}
         self.seen: dict[str, tuple[float, float]] = {}  # worker -> (first, last) seen
+        self._payouts: dict[tuple[str, str], Payout] = {}
 
     def rows(self) -> list[Contribution]:
         return list(self._rows.values())
 
-    def commit(self, changes: Mapping[str, RowChange]) -> None:
+    def payouts(self, scope: str) -> list[Payout]:
+        return [p for p in self._payouts.values() if p.scope == scope]
+
+    def commit(self, changes: Mapping[str, RowChange], payouts: Sequence[Payout] = ()) -> None:
         rows = dict(self._rows)
         for worker, change in changes.items():
             rows[worker] = change.applied_to(rows.get(worker, Contribution(worker)))
             first = self.seen.get(worker, (change.first_seen, 0.0))[0]
             self.seen[worker] = (first, change.last_seen)
-        self._rows = rows  # all or nothing, as a transaction
+        journal = dict(self._payouts)
+        for p in payouts:
+            had = journal.get((p.scope, p.gemm))
+            journal[p.scope, p.gemm] = replace(p, flops=p.flops + (had.flops if had else 0))
+        self._rows, self._payouts = rows, journal  # all or nothing, as a transaction
+
+    def forget_payouts(self, scope: str, before_step: int) -> None:
+        self._payouts = {
+            k: p for k, p in self._payouts.items() if p.scope != scope or p.step >= before_step
+        }
 
     def close(self) -> None:
         pass
@@ -196,6 +220,16 @@ _UPSERT = """INSERT INTO contributions
         banned_at = COALESCE(contributions.banned_at, excluded.banned_at),
         last_seen = excluded.last_seen"""
 
+# What a GEMM of a step paid in one commit, added to what it paid before.
+_JOURNAL = """INSERT INTO payouts (scope, gemm, step, flops) VALUES ({p}, {p}, {p}, {p})
+    ON CONFLICT(scope, gemm) DO UPDATE SET flops = payouts.flops + excluded.flops"""
+_PAYOUTS = "SELECT scope, step, gemm, flops FROM payouts WHERE scope = {p}"
+_FORGET = "DELETE FROM payouts WHERE scope = {p} AND step < {p}"
+
+
+def _journal_params(payout: Payout) -> tuple[object, ...]:
+    return (payout.scope, payout.gemm, payout.step, payout.flops)
+
 
 def _schema(integer: str, real: str) -> str:
     return f"""
@@ -213,6 +247,13 @@ CREATE TABLE IF NOT EXISTS contributions (
     reputation {real} NOT NULL DEFAULT {FULL},
     banned_reason TEXT NOT NULL DEFAULT '',
     banned_at {real}
+);
+CREATE TABLE IF NOT EXISTS payouts (
+    scope TEXT NOT NULL,
+    gemm TEXT NOT NULL,
+    step {integer} NOT NULL,
+    flops {integer} NOT NULL,
+    PRIMARY KEY (scope, gemm)
 );
 """
 
@@ -235,8 +276,8 @@ class SqliteStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         have = {row[1] for row in self.db.execute("PRAGMA table_info(contributions)")}
+        self.db.executescript(_schema("INTEGER", "REAL"))  # what an older file lacks
         if not have:
-            self.db.executescript(_schema("INTEGER", "REAL"))
             return
         for column, decl in ADDED_COLUMNS.items():
             if column not in have:
@@ -249,16 +290,21 @@ class SqliteStore:
         rows = self.db.execute(f"SELECT {COLUMNS} FROM contributions").fetchall()
         return [Contribution(*row) for row in rows]
 
-    def commit(self, changes: Mapping[str, RowChange]) -> None:
-        upsert = _UPSERT.format(p="?")
+    def payouts(self, scope: str) -> list[Payout]:
+        return [Payout(*row) for row in self.db.execute(_PAYOUTS.format(p="?"), (scope,))]
+
+    def commit(self, changes: Mapping[str, RowChange], payouts: Sequence[Payout] = ()) -> None:
         self.db.execute("BEGIN")
         try:
-            for worker, change in changes.items():
-                self.db.execute(upsert, change.params(worker))
+            self.db.executemany(_UPSERT.format(p="?"), [c.params(w) for w, c in changes.items()])
+            self.db.executemany(_JOURNAL.format(p="?"), map(_journal_params, payouts))
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
         self.db.execute("COMMIT")
+
+    def forget_payouts(self, scope: str, before_step: int) -> None:
+        self.db.execute(_FORGET.format(p="?"), (scope, before_step))
 
     def close(self) -> None:
         self.db.close()
@@ -282,10 +328,20 @@ class PostgresStore:
         rows = self.db.execute(f"SELECT {COLUMNS} FROM contributions").fetchall()
         return [Contribution(*row) for row in rows]
 
-    def commit(self, changes: Mapping[str, RowChange]) -> None:
-        upsert = _UPSERT.format(p="%s")
+    def payouts(self, scope: str) -> list[Payout]:
+        rows = self.db.execute(_PAYOUTS.format(p="%s"), (scope,)).fetchall()
+        return [Payout(*row) for row in rows]
+
+    def commit(self, changes: Mapping[str, RowChange], payouts: Sequence[Payout] = ()) -> None:
         with self.db.transaction(), self.db.cursor() as cur:
-            cur.executemany(upsert, [c.params(w) for w, c in changes.items()])
+            if changes:
+                upsert = _UPSERT.format(p="%s")
+                cur.executemany(upsert, [c.params(w) for w, c in changes.items()])
+            if payouts:
+                cur.executemany(_JOURNAL.format(p="%s"), list(map(_journal_params, payouts)))
+
+    def forget_payouts(self, scope: str, before_step: int) -> None:
+        self.db.execute(_FORGET.format(p="%s"), (scope, before_step))
 
     def close(self) -> None:
         self.db.close()

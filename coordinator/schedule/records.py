@@ -22,6 +22,9 @@ class TileTicket:
     # The worker the planner placed it on: the tile waits for that worker unless another
     # would return it sooner (see coordinator.schedule.scheduler). None: whoever is free.
     planned_for: str | None = None
+    # The whole GEMM's FLOPs: what its tiles may be credited in all, however often its
+    # step runs (coordinator.pool.payouts). 0: no such bound.
+    gemm_flops: int = 0
 
     def __post_init__(self) -> None:
         if min(self.flops, self.down_bytes, self.up_bytes) < 0:

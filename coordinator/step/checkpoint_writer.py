@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,8 +58,11 @@ class CheckpointWriter:
     training on the training thread, as a write there would.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_written: Callable[[int], None] = lambda step: None) -> None:
+        """``on_written(step)`` is called on the writer's thread once a snapshot of
+        ``step`` is complete on disk."""
         self.path = path
+        self._on_written = on_written
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -106,3 +110,7 @@ class CheckpointWriter:
             return
         with self._lock:
             self._written = snapshot.step
+        try:
+            self._on_written(snapshot.step)
+        except Exception:  # the checkpoint stands; only what follows it failed
+            log.exception("after the checkpoint of step %d", snapshot.step)

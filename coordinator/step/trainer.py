@@ -26,6 +26,7 @@ from coordinator.step.cpu_costs import COMPUTING_STAGES, COSTS, process_cpu_seco
 from coordinator.step.eager import run_eager_step
 from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
 from coordinator.step.flops import describe
+from coordinator.step.gemm_names import step_label
 from coordinator.step.job import Job
 from coordinator.step.ranks import Ranks
 from coordinator.step.tracing import StepTracer, dag_summary, gemm_dag
@@ -46,6 +47,7 @@ class StepRecord:
     # Of every op's FLOPs in this step (torch.utils.flop_counter conventions), the share
     # that workers computed; None for a step without FLOPs to count.
     workers_flop_share: float | None = None
+    workers_flops: int = 0  # those FLOPs (what the ledger credits for this step)
     captured: bool = True  # False: the step ran eagerly (it cannot be one graph)
     # GEMM seconds the workers reported for this step's verified tiles.
     worker_compute_s: float = 0.0
@@ -97,7 +99,10 @@ class Trainer:
         checkpoint_path: Path | None = None,
         checkpoint_every: int = 1,
         ranks: Ranks | None = None,
+        on_checkpoint: Callable[[int], None] = lambda step: None,
     ) -> None:
+        """``on_checkpoint(step)``: a checkpoint of ``step`` completed steps is complete
+        (written, on the writer's thread, or resumed from)."""
         if checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
         self.job = job
@@ -110,7 +115,12 @@ class Trainer:
         self.cancel = cancel or threading.Event()
         self.checkpoint_path = checkpoint_path
         self.checkpoint_every = checkpoint_every
-        self._writer = CheckpointWriter(checkpoint_path) if checkpoint_path is not None else None
+        self.on_checkpoint = on_checkpoint
+        self._writer = (
+            CheckpointWriter(checkpoint_path, on_checkpoint)
+            if checkpoint_path is not None
+            else None
+        )
         self.step = 0
         self.batches_consumed = 0
         self._checkpointed_step = -1
@@ -142,6 +152,7 @@ class Trainer:
         self.batches_consumed = ckpt.batches_consumed
         self.step = self._checkpointed_step = ckpt.step
         torch.set_rng_state(ckpt.rng_state)
+        self.on_checkpoint(ckpt.step)
         log.info("resuming from step %d (checkpoint %s)", ckpt.step, self.checkpoint_path)
         return True
 
@@ -243,7 +254,7 @@ class Trainer:
                 self.dag["gflop"],
                 self.dag["critical_path"],
             )
-        label = f"s{self.step}"
+        label = step_label(self.step)
         model = self.job.model
         params = [p for _, p in model.named_parameters()]
         if traced is None:
@@ -299,6 +310,7 @@ class Trainer:
             gemms_offloaded=stats.gemms_offloaded,
             gemms_local=stats.gemms_local,
             workers_flop_share=self.flops["workers_share"],
+            workers_flops=stats.flops.workers,
             captured=traced is not None,
             worker_compute_s=round(after.compute_s - before.compute_s, 4),
             cpu=cpu,

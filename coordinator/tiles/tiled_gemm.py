@@ -200,6 +200,7 @@ class TiledGemm:
                 up_bytes=region.up_bytes(itemsize),
                 blocks=(a.id, b.id),
                 planned_for=self.owners.get(region.index),
+                gemm_flops=self.plan.shape.flops,
             )
             yield SignedTile(tile_id, self, region, bundle, a, b, ticket, self.unfold)
         if not self.local:
