@@ -1,7 +1,7 @@
-"""The torch-native entry point: the README's example of a user's own training loop
-(docs/examples/own_training_loop.py) run as a user would, a coordinator inside the
-script and two real local worker processes; each step's loss equals the same loop in
-plain torch, and the workers computed the step's FLOPs."""
+"""The torch-native entry point: the operator guide's example (docs/operator.md) of a
+user's own training loop (docs/examples/own_training_loop.py) run as a user would, a
+coordinator inside the script and two real local worker processes; each step's loss
+equals the same loop in plain torch, and the workers computed the step's FLOPs."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class TwoHosts:
         self.logs: dict[str, Path] = {}
 
     def start_rank(self, rank: int, gloo_interface: bool = True) -> subprocess.Popen[bytes]:
-        """The operator's command on host ``rank``, as the README gives it: one rank a
+        """The operator's command on host ``rank``, as docs/operator.md gives it: one rank a
         host, gloo on the private link."""
         env = env_for(self.tmp / f"rank{rank}-config")
         if gloo_interface:
