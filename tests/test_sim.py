@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
+
 from coordinator.plan.planner import GemmShape
 from coordinator.sim.__main__ import main
 from coordinator.sim.baselines import (
@@ -13,7 +15,7 @@ from coordinator.sim.baselines import (
     tensor_parallel_step_bytes,
 )
 from coordinator.sim.engine import SimConfig, Simulation, gemm_makespans, simulate
-from coordinator.sim.models import MODELS, step_flops, step_stages
+from coordinator.sim.models import MODELS, param_count, step_flops, step_stages
 from coordinator.sim.population import PoolSpec, make_pool, with_stragglers
 from coordinator.sim.report_bytes import cleave_step_bytes
 from coordinator.sim.svg import line_chart
@@ -188,3 +190,29 @@ def test_followed_plans_run_as_predicted_on_a_compute_bound_pool() -> None:
     pulled = sum(gemm_makespans(pull, devices, shapes))
     assert followed < 1.25 * bound  # the goal of issue 6
     assert pulled > 1.5 * followed
+
+
+def test_the_coordinators_cpu_binds_when_it_is_modelled_and_ranks_share_it() -> None:
+    # A coordinator that spends 20 ms of CPU on every tile hands out 50 tiles a second:
+    # the step cannot be faster than its tiles' CPU, which it was without the model.
+    devices = make_pool(8, seed=5, spec=FAST_LINKS)
+    base = replace(SMALL, batch=2, planner="plan_gemm")
+    free = simulate(base, devices)
+    busy = simulate(replace(base, coordinator_cpu_per_tile_s=0.02), devices)
+    tiles = busy["scheduler"]["submitted"]
+    assert free["coordinator_cpu_s"] == 0 and busy["coordinator_cpu_s"] >= 0.02 * tiles
+    assert busy["step_times_s"][0] >= 0.02 * tiles > 2 * free["step_times_s"][0]
+    # Two ranks: each serves half the devices with its own CPU and half the batch, then
+    # the gradients are all-reduced.
+    two = simulate(replace(base, coordinator_cpu_per_tile_s=0.02, ranks=2), devices)
+    assert two["devices_total"] == 4 and two["config"]["ranks"] == 2
+    grads = param_count(MODELS["opt-125m"]) * 4
+    assert two["allreduce_s"] == pytest.approx(grads / 1.25e9)  # 2 (R - 1) / R = 1
+    assert two["coordinator_cpu_s"] < 0.6 * busy["coordinator_cpu_s"]
+    assert two["step_times_s"][0] < 0.75 * busy["step_times_s"][0]
+    assert two["step_times_s"][0] > two["allreduce_s"]
+
+
+def test_ranks_must_split_the_batch() -> None:
+    with pytest.raises(ValueError, match="batch 3 does not split across 2 ranks"):
+        SimConfig(batch=3, ranks=2)

@@ -57,6 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--fail-rate-per-h", type=float, default=0.0)
     run.add_argument("--leave-rate-per-h", type=float, default=0.0)
     run.add_argument("--join-rate-per-h", type=float, default=0.0)
+    run.add_argument(
+        "--ranks", type=int, default=1, help="coordinator ranks (the batch must split across them)"
+    )
+    run.add_argument(
+        "--rank-link-gbit", type=float, default=10.0, help="the ranks' link, for the all-reduce"
+    )
+    run.add_argument(
+        "--coordinator-cpu-us-per-tile",
+        type=float,
+        default=0.0,
+        help="the coordinator's CPU per tile handed out (default 0: its CPU is free)",
+    )
+    run.add_argument(
+        "--coordinator-cpu-ns-per-byte",
+        type=float,
+        default=0.0,
+        help="the coordinator's CPU per tile byte sent or received (default 0)",
+    )
     run.add_argument("--json", type=Path, help="write the full result here")
     report = sub.add_parser("report", help="write docs/simulation.md and docs/sim/*.svg")
     report.add_argument("--docs", type=Path, default=Path("docs"))
@@ -83,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         operand_cache=not args.no_operand_cache,
         placement=args.placement,
         follow_plan=not args.pull,
+        ranks=args.ranks,
+        rank_link_bps=args.rank_link_gbit * 1e9 / 8,
+        coordinator_cpu_per_tile_s=args.coordinator_cpu_us_per_tile * 1e-6,
+        coordinator_cpu_per_byte_s=args.coordinator_cpu_ns_per_byte * 1e-9,
     )
     result = simulate(config, pool_for_cli(args.devices, args.seed, spec, args.stragglers))
     if args.json:

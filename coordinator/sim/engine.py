@@ -34,8 +34,9 @@ from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Checked, Effects
 from coordinator.pool.ledger import Ledger
 from coordinator.schedule.scheduler import Scheduler, SchedulerConfig, TileTicket
+from coordinator.sim.baselines import ring_allreduce_bytes
 from coordinator.sim.devices import DeviceState, Run, SimGemm, SimTile
-from coordinator.sim.models import MODELS, Stage, step_flops, step_stages
+from coordinator.sim.models import MODELS, Stage, param_count, step_flops, step_stages
 from coordinator.sim.population import Device
 from coordinator.tiles.verify import CheckResult
 
@@ -71,6 +72,21 @@ class SimConfig:
     # the coordinator sends only the blocks a worker does not hold, preferring a worker
     # that holds one of a tile's blocks (coordinator/pool/workers.py `Worker.task_frame`).
     operand_cache: bool = True
+    # The coordinator's CPU for each tile it hands out: a fixed part (scheduling,
+    # framing, signing, crediting) and a part per byte sent and received (cutting,
+    # hashing, sending, decoding, checking), on its one event loop's core; a tile's
+    # download waits for it. 0 and 0: the coordinator's CPU is free (sections a-e of
+    # the report); docs/simulation.md's ranks section takes them from the benches.
+    coordinator_cpu_per_tile_s: float = 0.0
+    coordinator_cpu_per_byte_s: float = 0.0
+    # Coordinator ranks (DESIGN.md §7): each has its own egress and CPU, serves the
+    # devices dealt to it in turn, as the front door spreads joining workers, and trains
+    # on its slice of the batch; the gradients are then all-reduced over the ranks'
+    # links (a ring: ``baselines.ring_allreduce_bytes``). The ranks are
+    # alike, so rank 0 is simulated with its devices and the step waits for the
+    # all-reduce after the backward, as the trainer does.
+    ranks: int = 1
+    rank_link_bps: float = 1.25e9
     max_sim_s: float = 1e7  # give up (and say so) rather than loop forever
 
     def __post_init__(self) -> None:
@@ -78,6 +94,17 @@ class SimConfig:
             raise ValueError(f"unknown model {self.model!r}; one of {sorted(MODELS)}")
         if self.planner not in PLANNERS:
             raise ValueError(f"unknown planner {self.planner!r}; one of {PLANNERS}")
+        if self.ranks < 1 or self.batch % self.ranks:
+            raise ValueError(
+                f"batch {self.batch} does not split across {self.ranks} ranks: "
+                "the batch must be a multiple of the ranks"
+            )
+
+    @property
+    def allreduce_s(self) -> float:
+        """One step's gradient all-reduce between the ranks (0 for one rank)."""
+        grads = param_count(MODELS[self.model]) * self.itemsize
+        return ring_allreduce_bytes(grads, self.ranks) / self.rank_link_bps
 
 
 @dataclass
@@ -117,14 +144,18 @@ class Simulation:
                 ),
             ),
         )
+        if config.ranks > 1:
+            if stages is not None:
+                raise ValueError("ranks split a model's batch: give no stages of your own")
+            devices = devices[:: config.ranks]  # rank 0's share
         self.stages = stages or step_stages(
-            MODELS[config.model], config.batch, config.seq, config.itemsize
+            MODELS[config.model], config.batch // config.ranks, config.seq, config.itemsize
         )
-        # The live offload's planner; the simulated coordinator has no per-tile cost.
+        # The live offload's planner, told what a tile costs the coordinator (if modelled).
         self._planning = LivePlanning(
             coordinator_flops_per_s=config.coordinator_gflops * 1e9 * config.coordinator_share,
             window=config.window,
-            tile_overhead_s=0.0,
+            tile_overhead_s=config.coordinator_cpu_per_tile_s,
             egress_bps=config.coordinator_egress_bps,
             rule=config.placement,
         )
@@ -136,6 +167,8 @@ class Simulation:
         self._seq = 0
         self._coord_link_free = 0.0
         self._coord_comp_free = 0.0
+        self._coord_cpu_free = 0.0
+        self.coordinator_cpu_s = 0.0  # what handing tiles out cost the coordinator's CPU
         self._commitments = Commitments()
         self._tiles: dict[str, SimTile] = {}
         self._step: _Step | None = None
@@ -316,10 +349,11 @@ class Simulation:
         if step.stage < len(self.stages):
             self._submit_stage()
             return
-        self.step_times.append(self.now - step.start)
-        self.step_bounds.append((step.start, self.now))
+        end = self.now + self.config.allreduce_s
+        self.step_times.append(end - step.start)
+        self.step_bounds.append((step.start, end))
         self._step = None
-        self._push(self.now, "step", step.index + 1)
+        self._push(end, "step", step.index + 1)
 
     def _submit_stage(self) -> None:
         step = self._step
@@ -401,7 +435,12 @@ class Simulation:
     def _start_run(self, state: DeviceState, tile_id: str, nbytes: int) -> None:
         ticket = self._tiles[tile_id].ticket
         state.saved_bytes += ticket.down_bytes - nbytes
-        start = max(self.now, state.down_free)
+        config = self.config
+        cpu = config.coordinator_cpu_per_tile_s
+        cpu += (nbytes + ticket.up_bytes) * config.coordinator_cpu_per_byte_s
+        self._coord_cpu_free = max(self.now, self._coord_cpu_free) + cpu
+        self.coordinator_cpu_s += cpu
+        start = max(self._coord_cpu_free, state.down_free)
         link_start = max(start, self._coord_link_free)
         self._coord_link_free = link_start + nbytes / self.config.coordinator_egress_bps
         down_end = max(start + nbytes / state.device.down_bps, self._coord_link_free)
@@ -448,6 +487,8 @@ class Simulation:
         return {
             "config": _config_json(self.config),
             "devices_total": len(self.devices),
+            "coordinator_cpu_s": round(self.coordinator_cpu_s, 6),
+            "allreduce_s": round(self.config.allreduce_s, 6),
             "steps_done": len(self.step_times),
             "gave_up": self.gave_up,
             "step_times_s": [round(t, 6) for t in self.step_times],

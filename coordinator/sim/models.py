@@ -98,5 +98,14 @@ def step_stages(model: ModelShape, batch: int, seq: int, itemsize: int = 4) -> l
     return forward + [head_fwd, head_bwd] + backward
 
 
+def param_count(model: ModelShape) -> int:
+    """The weights the optimizer steps (biases, norms and position embeddings, a fraction
+    of a percent, left out): what coordinator ranks all-reduce as gradients each step.
+    The LM head shares the token embedding's weights."""
+    h, f = model.hidden, model.ffn
+    ffn = (3 if model.gated_ffn else 2) * h * f
+    return model.layers * (4 * h * h + ffn) + model.vocab * h
+
+
 def step_flops(stages: list[Stage]) -> int:
     return sum(shape.flops for stage in stages for _, shape in stage)

@@ -14,6 +14,7 @@ from coordinator.sim.population import Device, PoolSpec, make_pool, with_straggl
 from coordinator.sim.report_bytes import section_bytes
 from coordinator.sim.report_common import CAMPUS, CMD, HOME, SEED, run_pool, table
 from coordinator.sim.report_planner import section_planner
+from coordinator.sim.report_ranks import section_ranks
 from coordinator.sim.svg import line_chart
 
 
@@ -198,6 +199,7 @@ SECTIONS: list[Callable[[list[str], dict[str, str]], None]] = [
     section_recovery,
     section_planner,
     section_speculation,
+    section_ranks,
 ]
 
 
