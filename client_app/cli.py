@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 from client_app import readings, thermal
 from client_app.config import (
     MAX_WINDOW,
-    ConfigError,
     PinStore,
     WorkerSettings,
     config_dir,
@@ -32,6 +31,7 @@ from client_app.options import WorkerOptions
 from client_app.policy import Schedule
 from client_app.policy_runner import PolicyRunner
 from client_app.worker import RunResult, WorkerCore
+from common.errors import ConfigError
 from common.signing import fingerprint
 
 EXIT_OK = 0

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client_app.policy import Schedule, Snooze
 from common.atomic_file import atomic_write_bytes
-from common.errors import KeyMismatchError
+from common.errors import ConfigError, KeyMismatchError
 from common.signing import load_or_create_private_key
 
 CONFIG_DIR_ENV = "CLEAVE_CONFIG_DIR"
@@ -30,10 +30,6 @@ IDENTITY_FILE = "worker.key"  # this worker's Ed25519 key: its identity and its 
 SETTINGS_FILE = "settings.json"
 MAX_WINDOW = 64  # what common.messages.Hello accepts
 MAX_NAME_CHARS = 64  # well inside the wire's max_string_chars
-
-
-class ConfigError(Exception):
-    """A config file exists but cannot be used; the message says which and why."""
 
 
 def config_dir(

@@ -1,6 +1,7 @@
-"""The only exceptions that decoders in `common` raise on bad input.
+"""The exceptions both sides share: the only ones that decoders in `common` raise on bad
+input, and ``ConfigError`` for a configuration that cannot be used.
 
-Every error carries a short machine-readable ``code`` that goes into the wire ``error``
+Every decoding error carries a short machine-readable ``code`` that goes into the wire ``error``
 message, and a human-readable message that says what was wrong and which limit applied.
 """
 
@@ -107,3 +108,9 @@ class AuthError(ProtocolError):
     """A handshake proof (signature, nonce, join token) is missing or does not verify."""
 
     code: str = ErrorCode.AUTH_FAILED
+
+
+class ConfigError(Exception):
+    """A configuration (the coordinator's TOML file, the worker's settings, pins or
+    identity) exists but cannot be used; the message names the file, the key and what is
+    wrong."""

@@ -14,7 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coordinator.config_file import ConfigError, read_config
+from common.errors import ConfigError
+from coordinator.config_file import read_config
 from coordinator.run import CoordinatorRun, ServeOptions
 from coordinator.serve.local_workers import die_with_parent
 from coordinator.step.job import Job

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 reads TOML only with the tomli backport
@@ -25,10 +27,6 @@ else:  # pragma: no cover - Python 3.10 reads TOML only with the tomli backport
 
 # Options that make no sense inside the file they would be read from.
 NOT_IN_FILE = frozenset({"help", "config"})
-
-
-class ConfigError(ValueError):
-    """The file cannot be used; the message names the file, the key and what is wrong."""
 
 
 def read_config(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError
 from coordinator.cli import build_parser, parse_args, subcommand_parser
-from coordinator.config_file import ConfigError, config_values
+from coordinator.config_file import config_values
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "packaging" / "server" / "coordinator.toml"

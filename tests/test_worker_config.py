@@ -11,13 +11,12 @@ import pytest
 
 from client_app import config
 from client_app.config import (
-    ConfigError,
     PinStore,
     WorkerSettings,
     atomic_write_json,
     config_dir,
 )
-from common.errors import KeyMismatchError
+from common.errors import ConfigError, KeyMismatchError
 
 URL = "ws://coord.example:8765/ws"
 KEY_A = "aa" * 32

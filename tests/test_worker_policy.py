@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client_app.config import ConfigError, WorkerSettings
+from client_app.config import WorkerSettings
 from client_app.policy import (
     GPU_BUSY,
     IN_USE,
@@ -41,6 +41,7 @@ from client_app.policy import (
 )
 from client_app.policy_runner import policy_config
 from client_app.readings import Sampler
+from common.errors import ConfigError
 
 DAY = datetime(2024, 5, 2)  # a Thursday; naive local time unless a test says otherwise
 

@@ -20,9 +20,10 @@ import PySide6
 from PySide6.QtCore import QTimer, qVersion
 from PySide6.QtWidgets import QApplication
 
-from client_app.config import ConfigError, WorkerSettings, config_dir
+from client_app.config import WorkerSettings, config_dir
 from client_app.gui.main_window import MainWindow
 from client_app.self_test import run_self_test, verdict
+from common.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,13 +20,14 @@ from typing import Any
 import shiboken6
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from client_app.config import ConfigError, PinStore, WorkerSettings, load_identity
+from client_app.config import PinStore, WorkerSettings, load_identity
 from client_app.gui.status_text import MANUAL_PAUSE_REASON, NOT_JOINED
 from client_app.options import WorkerOptions
 from client_app.policy import Readings
 from client_app.policy_runner import DEFAULT_INTERVAL_S, PolicyRunner
 from client_app.status import WorkerStatus
 from client_app.worker import RunResult, WorkerCore
+from common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

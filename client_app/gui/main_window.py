@@ -40,7 +40,7 @@ from PySide6.QtWidgets import (
 )
 
 from client_app import thermal
-from client_app.config import ConfigError, WorkerSettings, load_identity
+from client_app.config import WorkerSettings, load_identity
 from client_app.gui.bridge import WorkerBridge
 from client_app.gui.status_text import (
     NOT_JOINED,
@@ -59,6 +59,7 @@ from client_app.gui.units import format_count, format_duration, format_gflop
 from client_app.policy import Snooze
 from client_app.policy_runner import local_now
 from client_app.status import WorkerStatus
+from common.errors import ConfigError
 from common.signing import fingerprint
 
 log = logging.getLogger(__name__)
