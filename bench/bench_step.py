@@ -67,6 +67,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from coordinator.jobs.tiny_gpt import GPTConfig  # noqa: E402
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt  # noqa: E402
+from coordinator.plan.live import Planner  # noqa: E402
 from coordinator.step.job import Job  # noqa: E402
 
 WIDTH = int(os.environ.get("CLEAVE_BENCH_WIDTH", "2048"))
@@ -309,7 +310,9 @@ def serve_job_measured(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="mlp")
-    parser.add_argument("--planner", choices=["cost", "grid", "both"], default="cost")
+    parser.add_argument(
+        "--planner", choices=[*(p.value for p in Planner), "both"], default=Planner.COST.value
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
@@ -331,7 +334,7 @@ def main() -> None:
     if args.pinned:
         pinned_table(models, args.steps)
         return
-    planners = ["cost", "grid"] if args.planner == "both" else [args.planner]
+    planners = [p.value for p in Planner] if args.planner == "both" else [args.planner]
     skip = 2
     sizes = {"CLEAVE_BENCH_WIDTH": str(WIDTH), "CLEAVE_BENCH_BATCH": str(BATCH)}
     print(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from coordinator.config_file import read_config
+from coordinator.plan.live import Planner
 from coordinator.run import CoordinatorRun, ServeOptions
 from coordinator.serve.local_workers import die_with_parent
 from coordinator.step.job import Job
@@ -193,8 +194,8 @@ def _pool_options(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--planner",
-        default="cost",
-        choices=["cost", "grid"],
+        default=Planner.COST.value,
+        choices=[p.value for p in Planner],
         help="cost (default): each GEMM's grid from the cost model of the connected "
         "workers (their measured speeds and links); grid: about two tiles per worker",
     )

@@ -28,7 +28,7 @@ from common.gemm_speed import matmul_gflops
 from common.job_about import JobAbout
 from common.messages import JobState
 from common.signing import fingerprint, load_or_create_private_key
-from coordinator.plan.live import LivePlanning
+from coordinator.plan.live import LivePlanning, Planner
 from coordinator.plan.planner import plan_config_for
 from coordinator.pool.core import CoreConfig
 from coordinator.pool.front_door import FrontDoor
@@ -85,7 +85,7 @@ class ServeOptions:
     local_worker_threads: int | None
     min_workers: int
     min_offload_mflop: float
-    planner: str
+    planner: Planner
     coordinator_gflops: float
     heartbeat_timeout: float
     speculate_after: float | None
@@ -131,7 +131,7 @@ class ServeOptions:
             local_worker_threads=args.local_worker_threads,
             min_workers=args.min_workers or max(1, args.local_workers),
             min_offload_mflop=args.min_offload_mflop,
-            planner=args.planner,
+            planner=Planner(args.planner),
             coordinator_gflops=coordinator_gflops(args.coordinator_gflops, args.local_workers),
             heartbeat_timeout=args.heartbeat_timeout,
             speculate_after=args.speculate_after or None,
@@ -369,7 +369,7 @@ class CoordinatorRun:
                 self.server.front_door = lambda hello: door.direct(
                     len(core.workers), view.loads(), view.clock()
                 )
-        if options.planner == "grid":
+        if options.planner is Planner.GRID:
             say("  planner:         grid (about two tiles per worker)")
         elif options.coordinator_gflops:
             say(
@@ -406,7 +406,7 @@ class CoordinatorRun:
             self.key,
             plan_config_for(options.min_offload_mflop),
             LivePlanning(
-                cost_model=options.planner == "cost",
+                cost_model=options.planner is Planner.COST,
                 coordinator_flops_per_s=options.coordinator_gflops * 1e9,
             ),
         )

@@ -136,9 +136,9 @@ def test_speculation_rescues_stragglers() -> None:
     assert on["scheduler"]["pending"] == 0
 
 
-def test_costmodel_planner_runs_small_gemms_locally_on_slow_links() -> None:
+def test_the_cost_planner_runs_small_gemms_locally_on_slow_links() -> None:
     slow_links = PoolSpec(median_down_mbit=10.0)
-    r = simulate(replace(SMALL, planner="costmodel"), make_pool(4, seed=2, spec=slow_links))
+    r = simulate(replace(SMALL, planner="cost"), make_pool(4, seed=2, spec=slow_links))
     assert r["steps_done"] == 1 and r["local_flops"] > 0
     assert r["tile_flops_done"] + r["local_flops"] == r["flops_per_step"]
 
@@ -182,7 +182,7 @@ def test_followed_plans_run_as_predicted_on_a_compute_bound_pool() -> None:
     # tiles to slow devices and waits for them.
     devices = [replace(d, down_bps=1e15, up_bps=1e15) for d in make_pool(12, seed=4)]
     shapes = [GemmShape("mm", 1, 4096, 2048, 2048, 4), GemmShape("bmm", 64, 1024, 1024, 64, 4)]
-    config = SimConfig(planner="costmodel", coordinator_gflops=100.0, coordinator_egress_bps=1e15)
+    config = SimConfig(planner="cost", coordinator_gflops=100.0, coordinator_egress_bps=1e15)
     speed = 100e9 + sum(d.true_flops for d in devices)
     bound = sum(s.flops for s in shapes) / speed
     followed = sum(gemm_makespans(config, devices, shapes))
@@ -196,7 +196,7 @@ def test_the_coordinators_cpu_binds_when_it_is_modelled_and_ranks_share_it() -> 
     # A coordinator that spends 20 ms of CPU on every tile hands out 50 tiles a second:
     # the step cannot be faster than its tiles' CPU, which it was without the model.
     devices = make_pool(8, seed=5, spec=FAST_LINKS)
-    base = replace(SMALL, batch=2, planner="plan_gemm")
+    base = replace(SMALL, batch=2, planner="grid")
     free = simulate(base, devices)
     busy = simulate(replace(base, coordinator_cpu_per_tile_s=0.02), devices)
     tiles = busy["scheduler"]["submitted"]

@@ -5,6 +5,7 @@ work earlier plans committed, and whether its placement is followed or pulled.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,13 @@ from coordinator.plan.placement import (
     plan_for_pool,
 )
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm
+
+
+class Planner(str, enum.Enum):
+    """How GEMMs are cut: the names ``serve --planner``, the simulator and the benches use."""
+
+    COST = "cost"  # the cost model of the workers as measured (LivePlanning, the default)
+    GRID = "grid"  # plan_gemm's grid for about two tiles per worker, the cost model unused
 
 
 class Commitments:

@@ -8,7 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from coordinator.sim.engine import PLANNERS, SimConfig, simulate
+from coordinator.plan.live import Planner
+from coordinator.sim.engine import SimConfig, simulate
 from coordinator.sim.models import MODELS
 from coordinator.sim.population import PoolSpec
 from coordinator.sim.report import INTRO, pool_for_cli, write_report
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--steps", type=int, default=1)
     run.add_argument("--devices", type=int, default=16)
     run.add_argument("--seed", type=int, default=1)
-    run.add_argument("--planner", choices=PLANNERS, default="plan_gemm")
+    run.add_argument("--planner", choices=[p.value for p in Planner], default=Planner.GRID.value)
     run.add_argument("--median-gflops", type=float, default=200.0)
     run.add_argument("--median-down-mbit", type=float, default=100.0)
     run.add_argument("--stragglers", type=int, default=0, help="devices 10x slower than claimed")

@@ -28,7 +28,7 @@ from typing import Any
 from common.messages import Cancel, DeviceProfile, Heartbeat, Hello, Result
 from common.signing import generate_private_key
 from coordinator.plan.estimates import DeviceEstimate
-from coordinator.plan.live import Commitments, LiveChoice, LivePlanning
+from coordinator.plan.live import Commitments, LiveChoice, LivePlanning, Planner
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_config_for, plan_gemm
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Checked, Effects
@@ -40,8 +40,6 @@ from coordinator.sim.models import MODELS, Stage, param_count, step_flops, step_
 from coordinator.sim.population import Device
 from coordinator.tiles.verify import CheckResult
 
-PLANNERS = ("plan_gemm", "costmodel")
-
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -50,7 +48,7 @@ class SimConfig:
     seq: int = 512
     itemsize: int = 4
     steps: int = 1
-    planner: str = "plan_gemm"
+    planner: Planner = Planner.GRID
     window: int = 2
     coordinator_gflops: float = 500.0  # the coordinator's own GEMMs (small ones, stranded)
     # With the cost-model planner, the coordinator computes the tiles it would finish
@@ -92,8 +90,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; one of {sorted(MODELS)}")
-        if self.planner not in PLANNERS:
-            raise ValueError(f"unknown planner {self.planner!r}; one of {PLANNERS}")
+        object.__setattr__(self, "planner", Planner(self.planner))  # "grid" or "cost" too
         if self.ranks < 1 or self.batch % self.ranks:
             raise ValueError(
                 f"batch {self.batch} does not split across {self.ranks} ranks: "
@@ -402,7 +399,7 @@ class Simulation:
         from the core's view of the pool."""
         pool = self.core.pool
         config = self._plan_config(pool.active, pool.memory_cap)
-        if self.config.planner == "costmodel" and pool.estimates:
+        if self.config.planner is Planner.COST and pool.estimates:
             # Work already planned (earlier GEMMs of this stage, the coordinator's share
             # of them) is still to do: plan this GEMM after it, as the live offload does.
             try:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from coordinator.plan.live import Planner
 from coordinator.sim.baselines import restart_recovery_s
 from coordinator.sim.engine import SimConfig, simulate
 from coordinator.sim.population import Device, PoolSpec, make_pool, with_stragglers
@@ -33,7 +34,7 @@ def section_step_time(out: list[str], svgs: dict[str, str]) -> None:
             plain = run_pool(n, spec, operand_cache=False, **base)
             t, t_plain = r["step_times_s"][0], plain["step_times_s"][0]
             if n <= 256:
-                cost = run_pool(n, spec, planner="costmodel", steps=2, **base)["step_times_s"]
+                cost = run_pool(n, spec, planner=Planner.COST, steps=2, **base)["step_times_s"]
                 row += [f"{cost[0]:.1f}", f"{cost[1]:.1f}"]
                 series.setdefault(f"{label}, cost planner", []).append((n, cost[1]))
             else:

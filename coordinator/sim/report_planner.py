@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 
 from coordinator.plan.estimates import DeviceEstimate, LinkModel
+from coordinator.plan.live import Planner
 from coordinator.plan.placement import PoolPlan, candidate_configs, place_tiles, plan_for_pool
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.sim.engine import SimConfig, gemm_makespans
@@ -60,7 +61,7 @@ def planner_row(
     # scheduler following the plan, and what the server ran before (pull's plan, pulled).
     pool_devices = [replace(d, down_bps=link, up_bps=link) for d in devices] if link else devices
     live = SimConfig(
-        planner="costmodel",
+        planner=Planner.COST,
         coordinator_gflops=COORDINATOR_FLOPS / 1e9,
         coordinator_egress_bps=egress,
     )

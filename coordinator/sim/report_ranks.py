@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from coordinator.plan.live import Planner
 from coordinator.sim.report_common import CAMPUS, CMD, run_pool, table
 from coordinator.sim.svg import line_chart
 
@@ -30,7 +31,7 @@ def section_ranks(out: list[str], svgs: dict[str, str]) -> None:
         for r in ranks:
             row: list[Any] = [f"{n:,}", r, n // r]
             # The grid planner learns nothing between steps: one is its every step.
-            for planner, steps in (("plan_gemm", 1), ("costmodel", 2)):
+            for planner, steps in ((Planner.GRID, 1), (Planner.COST, 2)):
                 res = run_pool(n, CAMPUS, planner=planner, steps=steps, ranks=r, **BASE)
                 step = res["step_times_s"][-1]
                 cpu = res["coordinator_cpu_s"] / len(res["step_times_s"])
@@ -42,12 +43,11 @@ def section_ranks(out: list[str], svgs: dict[str, str]) -> None:
                     f"{res['down_bytes'] / len(res['step_times_s']) / 1e9:.1f}",
                     f"{sent:.0%}",
                 ]
-                label = "grid" if planner == "plan_gemm" else "cost"
-                series.setdefault(f"{n:,} workers, {label} planner", []).append((r, step))
+                series.setdefault(f"{n:,} workers, {planner.value} planner", []).append((r, step))
             row.append(f"{res['allreduce_s']:.2f}")
             rows.append(row)
     header = ["workers", "ranks", "workers/rank"]
-    for label in ("grid", "cost"):
+    for label in (Planner.GRID.value, Planner.COST.value):
         header += [
             f"{label}: step s",
             f"{label}: CPU s/rank",
