@@ -43,6 +43,7 @@ from coordinator.step.flops import describe
 from coordinator.step.job import Job
 from coordinator.step.progress import Progress
 from coordinator.step.ranks import BatchSplitError, Ranks
+from coordinator.step.run_state import RunState
 from coordinator.step.torch_threads import orchestrate_on_one_thread
 from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
 from coordinator.structured_log import PROGRESS_LOGGER
@@ -458,7 +459,7 @@ class CoordinatorRun:
 
     async def wait_for_workers(self, local: LocalWorkers) -> None:
         server, wanted = self.server, self.options.min_workers
-        self.progress.state = "waiting for workers"
+        self.progress.state = RunState.WAITING
         waited = time.monotonic()
         while server.pool.active < wanted:
             if local.count and local.all_exited():
@@ -478,7 +479,7 @@ class CoordinatorRun:
         # --steps is the total: after a resume, only the steps still missing are trained.
         steps = max(0, self.options.steps - trainer.step)
         log.info("training %d steps", steps)
-        self.progress.state = "training"
+        self.progress.state = RunState.TRAINING
         if self.cancel.is_set():
             return
         self.in_trainer = True  # no await since the check above: no signal slipped between
@@ -500,14 +501,14 @@ class CoordinatorRun:
             trainer.run(steps, on_step)
 
         await asyncio.to_thread(train)
-        self.progress.state = "done"
+        self.progress.state = RunState.DONE
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop_signal is not None:
             log.warning("%s again: still stopping (checkpoint first)", sig.name)
             return
         self.stop_signal = sig
-        self.progress.state = "stopping"
+        self.progress.state = RunState.STOPPING
         log.info("%s: stopping; the last completed step is checkpointed first", sig.name)
         self.cancel.set()
         # Waiting for workers is safe to cut short; a running step notices ``cancel``.
@@ -526,7 +527,9 @@ class CoordinatorRun:
                 event="checkpoint",
                 step=trainer.checkpointed_step,
             )
-        progress.state = "failed" if failed else "stopped" if self.stop_signal else progress.state
+        progress.state = (
+            RunState.FAILED if failed else RunState.STOPPED if self.stop_signal else progress.state
+        )
         await asyncio.to_thread(local.stop)
         if self._view_task is not None:
             self._view_task.cancel()

@@ -34,6 +34,7 @@ from common.messages import (
 )
 from common.signing import generate_private_key
 from coordinator.step.progress import ALONE_NOTE, FEW_TILES_NOTE, STATE_NOTES, Progress
+from coordinator.step.run_state import RunState
 from coordinator.step.trainer import StepRecord
 
 KEY = generate_private_key()
@@ -192,9 +193,9 @@ def record(step: int, tiles: int, workers: int) -> StepRecord:
 def test_the_note_says_why_workers_get_no_tiles() -> None:
     seen: list[tuple[str, int, str]] = []
     progress = Progress(10, on_change=lambda p: seen.append((p.state, p.step, p.note())))
-    assert progress.note() == STATE_NOTES["starting"]
-    progress.state = "waiting for workers"
-    progress.state = "training"
+    assert progress.note() == STATE_NOTES[RunState.STARTING]
+    progress.state = RunState.WAITING
+    progress.state = RunState.TRAINING
     assert progress.note() == ""  # no step yet: nothing known to say
     progress.add(record(0, tiles=0, workers=2), 1.0, None)
     assert progress.note() == ALONE_NOTE
@@ -202,14 +203,14 @@ def test_the_note_says_why_workers_get_no_tiles() -> None:
     assert progress.note() == FEW_TILES_NOTE
     progress.add(record(2, tiles=12, workers=2), 1.0, None)
     assert progress.note() == "" and progress.status()["note"] == ""
-    progress.state = "done"
+    progress.state = RunState.DONE
     assert seen == [
-        ("waiting for workers", 0, STATE_NOTES["waiting for workers"]),
+        ("waiting for workers", 0, STATE_NOTES[RunState.WAITING]),
         ("training", 0, ""),
         ("training", 1, ALONE_NOTE),
         ("training", 2, FEW_TILES_NOTE),
         ("training", 3, ""),
-        ("done", 3, STATE_NOTES["done"]),
+        ("done", 3, STATE_NOTES[RunState.DONE]),
     ]
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from coordinator.step.run_state import RunState
+
 # A rank not heard from for this long may be gone: nobody is sent there.
 FRESH_S = 10.0
-# States of a rank that takes no more workers (a starting rank already listens).
-CLOSED_STATES = frozenset({"stopping", "done", "stopped", "failed"})
+# What a rank that takes no more workers says its state is (a starting rank listens).
+CLOSED_STATES = frozenset(state.value for state in RunState if state.closed)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from coordinator.step.run_state import RunState
+
 # What generate_latest writes; CONTENT_TYPE_LATEST (version=1.0.0) would also announce
 # UTF-8 metric names, which this page never uses.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -54,7 +56,6 @@ TILE_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("pending", "cleave_tiles_pending", "Tiles submitted and not yet verified."),
 )
 # Training states the coordinator reports; each gets a 0/1 series so alerts can use them.
-STATES = ("starting", "waiting for workers", "training", "stopping", "done", "stopped", "failed")
 
 
 def render_metrics(status: Mapping[str, Any]) -> str:
@@ -230,12 +231,12 @@ def _training(out: _Families, status: Mapping[str, Any]) -> None:
     )
     state = status.get("state")
     if isinstance(state, str):
-        for known in STATES:
+        for known in RunState:
             out.gauge(
                 "cleave_state",
                 "1 for the coordinator's current training state.",
-                int(state == known),
-                {"state": known},
+                int(state == known.value),
+                {"state": known.value},
             )
 
 

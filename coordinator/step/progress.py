@@ -12,17 +12,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from coordinator.step.run_state import RunState
 from coordinator.step.trainer import StepRecord
 
 # What workers are told when no tiles come, by the run's state; while training, the
 # last step says it (``Progress.note``).
 STATE_NOTES = {
-    "starting": "the coordinator is preparing the job",
-    "waiting for workers": "training starts once enough workers have joined",
-    "stopping": "the coordinator is stopping",
-    "stopped": "the coordinator has stopped training",
-    "done": "the training run has finished; there is no more work",
-    "failed": "the training run has stopped after an error",
+    RunState.STARTING: "the coordinator is preparing the job",
+    RunState.WAITING: "training starts once enough workers have joined",
+    RunState.STOPPING: "the coordinator is stopping",
+    RunState.STOPPED: "the coordinator has stopped training",
+    RunState.DONE: "the training run has finished; there is no more work",
+    RunState.FAILED: "the training run has stopped after an error",
 }
 ALONE_NOTE = "the coordinator needs no help with this job right now; it computes faster alone"
 FEW_TILES_NOTE = "this job has fewer tiles in a step than there are workers, so some workers wait"
@@ -41,7 +42,7 @@ class Progress:
         # Called after each step and each change of state, on the thread that made it
         # (the workers' JobState follows it).
         self._on_change = on_change
-        self._state = "starting"
+        self._state = RunState.STARTING
         self.step = 0  # steps completed, counting resumed ones: the next step's number
         self.steps = steps
         self.step_gflop: float | None = None  # GEMM work in one step, once traced
@@ -52,12 +53,12 @@ class Progress:
         self._lock = threading.Lock()
 
     @property
-    def state(self) -> str:
+    def state(self) -> RunState:
         return self._state
 
     @state.setter
-    def state(self, state: str) -> None:
-        self._state = state
+    def state(self, state: RunState | str) -> None:
+        self._state = RunState(state)
         self._changed()
 
     def _changed(self) -> None:
@@ -97,7 +98,7 @@ class Progress:
             return self._note()
 
     def _note(self) -> str:
-        if self.state != "training":
+        if self.state is not RunState.TRAINING:
             return STATE_NOTES.get(self.state, "")
         if not self._history:
             return ""
@@ -113,7 +114,7 @@ class Progress:
         with self._lock:
             history = list(self._history)
             return {
-                "state": self.state,
+                "state": self.state.value,
                 "note": self._note(),
                 "step": self.step,
                 "steps": self.steps,
