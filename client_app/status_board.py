@@ -9,6 +9,7 @@ the observers, and tells them a snapshot only when it differs from the last one.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,15 @@ from client_app.status import StatusObserver, WorkerStatus, refusal_line
 
 log = logging.getLogger(__name__)
 
-LINKS = ("connecting", "reconnecting", "refused", "stopped")
+
+class Link(str, enum.Enum):
+    """What the pump knows of its connection (the session knows the rest); each value is
+    also the state a status shows while the link is in it."""
+
+    CONNECTING = "connecting"
+    RECONNECTING = "reconnecting"  # waiting out a backoff
+    REFUSED = "refused"  # for good: the key changed, a ban, a join token
+    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,7 @@ class Activity:
 def build_status(
     *,
     url: str,
-    link: str,
+    link: Link,
     line: str,
     detail: str,
     session: WorkerSession | None,
@@ -96,16 +105,16 @@ def _job(session: WorkerSession) -> dict[str, Any]:
 
 def _state_and_line(
     url: str,
-    link: str,
+    link: Link,
     line: str,
     detail: str,
     session: WorkerSession | None,
     activity: Activity,
 ) -> tuple[str, str]:
-    if link == "refused":
-        return "refused", refusal_line(detail)
-    if link == "stopped":
-        return "stopped", "Stopped"
+    if link is Link.REFUSED:
+        return link.value, refusal_line(detail)
+    if link is Link.STOPPED:
+        return link.value, "Stopped"
     if session is not None and session.phase is Phase.READY:
         if session.paused_reason is not None:
             return "paused", f"Paused: {session.paused_reason}"
@@ -118,7 +127,7 @@ def _state_and_line(
         if note:
             return "waiting", f"Waiting for tiles: {note}"
         return "waiting", f"Waiting for tiles ({session.stats.tiles_done} done)"
-    return link, line or f"Connecting to {url}"
+    return link.value, line or f"Connecting to {url}"
 
 
 class StatusBoard:
@@ -126,7 +135,7 @@ class StatusBoard:
 
     def __init__(self, url: str, observer: StatusObserver | None = None) -> None:
         self.url = url
-        self.link = "connecting"  # one of LINKS
+        self.link = Link.CONNECTING
         self.detail = ""  # why the worker was refused
         self._line = ""
         self._observers: list[StatusObserver] = [observer] if observer else []

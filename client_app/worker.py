@@ -41,7 +41,7 @@ from client_app.pacing import Pacer
 from client_app.profile import build_profile, describe_profile
 from client_app.session import Actions, PinCheck, TileJob, WorkerSession
 from client_app.status import StatusObserver, WorkerStatus
-from client_app.status_board import Activity, StatusBoard
+from client_app.status_board import Activity, Link, StatusBoard
 from client_app.summary import TileSummary
 from common.messages import DeviceProfile, Result
 from common.signing import generate_private_key
@@ -272,7 +272,7 @@ class WorkerCore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cleave-compute")
         result = RunResult.STOPPED
         try:
-            self._board.link = "connecting"
+            self._board.link = Link.CONNECTING
             self._publish(line="Measuring this device")
             self.session = self._new_session(await self._device_profile())
             if self._pause_reason is not None:
@@ -283,7 +283,7 @@ class WorkerCore:
             self._executor.shutdown(wait=False, cancel_futures=True)
             for task in list(self._background):
                 task.cancel()
-            self._board.link = "refused" if result is RunResult.REFUSED else "stopped"
+            self._board.link = Link.REFUSED if result is RunResult.REFUSED else Link.STOPPED
             self._publish()
             self._loop = None
         return result
@@ -317,7 +317,7 @@ class WorkerCore:
         assert self.session is not None
         attempt = 0
         while not self._stop_event.is_set():
-            self._board.link = "connecting"
+            self._board.link = Link.CONNECTING
             self._welcomed.clear()
             self._publish(line=f"Connecting to {self.url}")
             try:
@@ -351,7 +351,7 @@ class WorkerCore:
                 rng=self.options.rng,
             )
             attempt += 1
-            self._board.link = "reconnecting"
+            self._board.link = Link.RECONNECTING
             self._publish(line=f"Reconnecting in {math.ceil(delay)} s")
             log.info("reconnecting to %s in %.1f s", self.url, delay)
             with contextlib.suppress(asyncio.TimeoutError):

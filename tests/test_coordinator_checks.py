@@ -18,6 +18,7 @@ from coordinator.serve import checks as checks_module
 from coordinator.serve.checks import ON_LOOP_MAX_MACS, CheckThread
 from coordinator.step.cpu_costs import COSTS
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
+from coordinator.tiles.verify import CheckReason
 
 KEY = generate_private_key()
 
@@ -85,7 +86,7 @@ def test_small_tiles_are_checked_on_the_loop_and_large_ones_on_the_thread(side: 
     passed, failed = asyncio.run(main())
     on_loop = side**3 <= ON_LOOP_MAX_MACS
     assert passed.verdict.ok and passed.finished
-    assert not failed.verdict.ok and failed.verdict.reason == "mismatch"
+    assert not failed.verdict.ok and failed.verdict.reason is CheckReason.MISMATCH
     assert (threads == [threading.get_ident()]) is on_loop  # asyncio.run's loop is ours
     assert (COSTS.snapshot().get("check_on_loop", 0.0) > before) is on_loop
 

@@ -20,6 +20,7 @@ from coordinator.tiles.honest_error import threshold
 from coordinator.tiles.verify import (
     CheckCache,
     CheckPlan,
+    CheckReason,
     check_product,
     check_products,
     new_generator,
@@ -370,12 +371,12 @@ def test_the_margin_reports_how_close_a_result_came() -> None:
     assert honest_result.ok and 0 < honest_result.margin < 0.5
     assert honest_result.statistics == 64 * 4  # a statistic per row and vector
     wrong = check_product(a, b, c * (1 + 1e-4), gen(1))
-    assert not wrong.ok and wrong.margin > 1 and wrong.reason == "mismatch"
-    assert check_product(a, b, c.double(), gen(1)).reason == "dtype"
-    assert check_product(a, b, c[:-1], gen(1)).reason == "shape"
+    assert not wrong.ok and wrong.margin > 1 and wrong.reason is CheckReason.MISMATCH
+    assert check_product(a, b, c.double(), gen(1)).reason is CheckReason.DTYPE
+    assert check_product(a, b, c[:-1], gen(1)).reason is CheckReason.SHAPE
     poisoned = c.clone()
     poisoned[0, 0] = math.nan
-    assert check_product(a, b, poisoned, gen(1)).reason == "non-finite"
+    assert check_product(a, b, poisoned, gen(1)).reason is CheckReason.NON_FINITE
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from test_worker_session import join, new_session, task
 from client_app.config import PinStore
 from client_app.session import WorkerSession
 from client_app.status import WorkerStatus
-from client_app.status_board import Activity, StatusBoard, build_status
+from client_app.status_board import Activity, Link, StatusBoard, build_status
 from common.signing import generate_private_key
 
 URL = "ws://127.0.0.1:9/ws"
@@ -19,7 +19,7 @@ RESTING = Activity(threads=2, device="cpu", resting=True, cpu_percent=40)
 
 
 def line(
-    link: str,
+    link: Link,
     session: WorkerSession | None = None,
     activity: Activity = IDLE,
     **pump: str,
@@ -37,34 +37,34 @@ def line(
 
 
 def test_the_pump_speaks_for_the_link_until_the_session_is_ready(tmp_path: Path) -> None:
-    assert line("connecting") == ("connecting", f"Connecting to {URL}")
-    assert line("reconnecting", line="Reconnecting in 4 s") == (
+    assert line(Link.CONNECTING) == ("connecting", f"Connecting to {URL}")
+    assert line(Link.RECONNECTING, line="Reconnecting in 4 s") == (
         "reconnecting",
         "Reconnecting in 4 s",
     )
-    assert line("stopped") == ("stopped", "Stopped")
-    assert line("refused", detail="this worker is banned") == (
+    assert line(Link.STOPPED) == ("stopped", "Stopped")
+    assert line(Link.REFUSED, detail="this worker is banned") == (
         "refused",
         "Refused: this computer is banned by the coordinator",
     )
     session = new_session(PinStore.in_dir(tmp_path))
-    assert line("connecting", session, line="Joining it") == ("connecting", "Joining it")
+    assert line(Link.CONNECTING, session, line="Joining it") == ("connecting", "Joining it")
 
 
 def test_a_ready_session_says_what_the_worker_does(tmp_path: Path) -> None:
     key = generate_private_key()
     session = new_session(PinStore.in_dir(tmp_path))
     join(session, key)
-    assert line("connecting", session) == ("waiting", "Waiting for tiles (0 done)")
+    assert line(Link.CONNECTING, session) == ("waiting", "Waiting for tiles (0 done)")
     # Resting under the CPU limit is still at work: "computing".
-    assert line("connecting", session, RESTING) == ("computing", "Resting (CPU limit 40%)")
+    assert line(Link.CONNECTING, session, RESTING) == ("computing", "Resting (CPU limit 40%)")
     session.receive(task(key, "t-9")[0], 0.0)
     assert session.next_tile() is not None
-    assert line("connecting", session, RESTING) == ("computing", "Computing tile t-9")
+    assert line(Link.CONNECTING, session, RESTING) == ("computing", "Computing tile t-9")
     session.pause("on battery")
-    assert line("connecting", session) == ("paused", "Paused: on battery")
+    assert line(Link.CONNECTING, session) == ("paused", "Paused: on battery")
     # A refusal or a stop outranks whatever the session was doing.
-    assert line("stopped", session) == ("stopped", "Stopped")
+    assert line(Link.STOPPED, session) == ("stopped", "Stopped")
 
 
 def test_the_snapshot_carries_the_totals_and_the_activity(tmp_path: Path) -> None:
@@ -73,7 +73,7 @@ def test_the_snapshot_carries_the_totals_and_the_activity(tmp_path: Path) -> Non
     join(session, key)
     session.stats.flop_done = 3_000_000_000
     status = build_status(
-        url=URL, link="connecting", line="", detail="", session=session, activity=IDLE
+        url=URL, link=Link.CONNECTING, line="", detail="", session=session, activity=IDLE
     )
     assert status.worker_id == "w-7" and status.gflop_done == 3.0
     assert status.bytes_in == session.stats.bytes_in > 0
@@ -90,7 +90,7 @@ def test_observers_hear_each_change_once_and_a_broken_one_is_survived(
     assert [s.line for s in late] == ["Not started"]  # the current status, at once
     board.publish(None, IDLE)
     board.publish(None, IDLE)  # nothing changed: nobody is told
-    board.link = "reconnecting"
+    board.link = Link.RECONNECTING
     board.publish(None, IDLE, line="Reconnecting in 2 s")
     board.publish(None, IDLE)  # the line stays until the pump says another
     assert [s.line for s in seen] == [f"Connecting to {URL}", "Reconnecting in 2 s"]
@@ -102,7 +102,7 @@ def test_observers_hear_each_change_once_and_a_broken_one_is_survived(
 
     board.add_observer(broken)
     board.remove_observer(late.append)
-    board.link = "stopped"
+    board.link = Link.STOPPED
     board.publish(None, IDLE)  # the broken observer goes first: the others still hear
     assert seen[-1].state == "stopped" and board.status is seen[-1]
     assert len(late) == 3 and "status observer" in caplog.text

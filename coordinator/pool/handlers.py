@@ -12,7 +12,7 @@ from common.messages import Ack, Bye, Error, Heartbeat, Pause, Received, Result,
 from coordinator.pool.effects import Check, CloseCode, Effects, Send
 from coordinator.pool.reputation import after_failed, ban_reason, is_banned
 from coordinator.pool.workers import Worker, WorkerState
-from coordinator.tiles.verify import CheckResult
+from coordinator.tiles.verify import CheckReason, CheckResult
 
 if TYPE_CHECKING:
     from coordinator.pool.core import CoordinatorCore
@@ -169,6 +169,6 @@ HANDLERS: dict[type, Callable[[CoordinatorCore, Worker, Any, Effects], None]] = 
 def _why(check: CheckResult | None) -> str:
     if check is None:
         return "undecodable"
-    if check.reason == "mismatch":
+    if check.reason is CheckReason.MISMATCH:
         return f"{check.margin:.3g}x its rounding threshold"
-    return check.reason
+    return str(check.reason)

@@ -27,6 +27,7 @@ tile that block takes part in.
 
 from __future__ import annotations
 
+import enum
 import math
 import secrets
 import threading
@@ -149,6 +150,18 @@ class CheckPlan:
         return self.rows * self.chunks * self.vectors
 
 
+class CheckReason(str, enum.Enum):
+    """Why a tile failed its check (in the worker's error message and the logs)."""
+
+    SHAPE = "shape"  # the result's shape is not the product's
+    DTYPE = "dtype"  # a dtype the tile was not sent in, or one the check does not know
+    NON_FINITE = "non-finite"  # inf/NaN from finite operands, in float64 too
+    MISMATCH = "mismatch"  # farther from the product than rounding can explain
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class CheckResult:
     """The verdict on one tile. ``margin`` is the largest statistic over its threshold:
@@ -158,7 +171,7 @@ class CheckResult:
     ok: bool
     margin: float
     statistics: int = 0
-    reason: str = ""  # why a tile failed: "shape", "dtype", "non-finite", "mismatch"
+    reason: CheckReason | None = None  # why a tile failed
 
 
 @dataclass(frozen=True)
@@ -296,20 +309,20 @@ def check_product(
         return CheckResult(True, 0.0)
     if work != torch.float64:
         verdict = _check(a, b, c, torch.float64, generator, None, None)
-    return verdict or CheckResult(False, math.inf, reason="non-finite")
+    return verdict or CheckResult(False, math.inf, reason=CheckReason.NON_FINITE)
 
 
 def _without_arithmetic(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> CheckResult | None:
     """The verdict on a tile that is malformed or has no sum to check; None for the rest."""
     if c.shape != a.shape[:-1] + b.shape[-1:] or a.dim() not in (2, 3) or a.dim() != b.dim():
-        return CheckResult(False, math.inf, reason="shape")
+        return CheckResult(False, math.inf, reason=CheckReason.SHAPE)
     if c.dtype != a.dtype or b.dtype != a.dtype or a.dtype not in UNIT_ROUNDOFF:
-        return CheckResult(False, math.inf, reason="dtype")
+        return CheckResult(False, math.inf, reason=CheckReason.DTYPE)
     if c.numel() == 0:
         return CheckResult(True, 0.0)
     if a.shape[-1] == 0:
         ok = bool((c == 0).all())  # an empty sum is exactly zero
-        return CheckResult(ok, 0.0 if ok else math.inf, reason="" if ok else "mismatch")
+        return CheckResult(ok, 0.0 if ok else math.inf, reason=None if ok else CheckReason.MISMATCH)
     return None
 
 
@@ -372,7 +385,9 @@ def _verdict(worst: float, plan: CheckPlan) -> CheckResult | None:
         return None
     limit = threshold(plan.statistics)
     ok = worst <= limit * limit
-    return CheckResult(ok, math.sqrt(worst) / limit, plan.statistics, "" if ok else "mismatch")
+    return CheckResult(
+        ok, math.sqrt(worst) / limit, plan.statistics, None if ok else CheckReason.MISMATCH
+    )
 
 
 def check_products(
