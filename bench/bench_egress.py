@@ -7,7 +7,7 @@ One coordinator process (this one) serves workers in other processes on 127.0.0.
           frame of the result's size: the same bytes each way, and no protocol work.
 - cleave: the real ``CoordinatorServer`` and 2 real ``cleave-worker`` processes (1
           thread each). GEMMs are cut into side x side @ side x side tiles by
-          ``TiledGemm.iter_jobs`` on a thread of their own, as the training thread does
+          ``TiledGemm.iter_tiles`` on a thread of their own, as the training thread does
           (slice, copy into the frame, hash each block once, sign), and submitted to the
           server, which picks each worker's task frame (operands it holds by reference),
           sends it, receives the result and has it checked (Freivalds) on its check thread.
@@ -172,7 +172,7 @@ async def cleave(side: int, gemms: int, state: Path) -> tuple[int, float, float,
                 a, b = operands[g]
                 ahead.acquire()
                 gemm = TiledGemm(f"g{g}", plan, a, b, finished)
-                for job in gemm.iter_jobs(key):
+                for job in gemm.iter_tiles(key):
                     tiles += 1
                     loop.call_soon_threadsafe(server.submit, [job])
             cut_cpu = time.thread_time() - started

@@ -4,7 +4,7 @@ Three kinds of process, so that the load never shares the coordinator's event lo
 
 - the coordinator: a real ``CoordinatorServer`` (ledger, scheduler, Freivalds checks on
   its verify thread) plus a feeder that keeps a backlog of small GEMMs submitted (cut
-  with ``TiledGemm.iter_jobs`` on a worker thread, as the training thread does) and
+  with ``TiledGemm.iter_tiles`` on a worker thread, as the training thread does) and
   checks every assembled GEMM against ``torch.matmul``;
 - one or more load processes, each a single asyncio loop holding its share of the N
   connections. Every simulated worker has its own Ed25519 key and speaks the real
@@ -185,7 +185,7 @@ class GemmStream:
             loop.call_soon_threadsafe(self._finished, gemm_id, a, b, out)
 
         tiled = TiledGemm(gemm_id, self.plan, a, b, on_done)
-        return list(tiled.iter_jobs(self.server.key))
+        return list(tiled.iter_tiles(self.server.key))
 
     def _finished(self, gemm_id: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         self._outstanding_tiles -= self._outstanding.pop(gemm_id)
@@ -215,7 +215,7 @@ class GemmStream:
             await asyncio.gather(*self._checks)
         self.report.drained = not self._outstanding
         # Tiles still in the server's job map were never verified (nor computed here).
-        self.report.tiles_lost = len(self.server.jobs)
+        self.report.tiles_lost = len(self.server.tiles)
         return self.report
 
     async def stop_feeding(self) -> None:

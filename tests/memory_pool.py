@@ -109,8 +109,8 @@ class MemoryWorker:
 
     def answer_held(self, answer: Answer = Answer.HONEST) -> None:
         """Compute and send the tiles held so far, oldest first."""
-        while (job := self.session.next_tile()) is not None:
-            self._finish(job, answer)
+        while (tile := self.session.next_tile()) is not None:
+            self._finish(tile, answer)
 
     def leave(self, *, bye: bool) -> None:
         """Say bye (the coordinator closes normally), or just drop the connection."""
@@ -133,11 +133,11 @@ class MemoryWorker:
             self.session.connection_lost()
             self.pool._lost(self)
 
-    def _finish(self, job: Any, answer: Answer) -> None:
-        c = torch.bmm(job.a, job.b) if job.op == TileOp.BMM else torch.mm(job.a, job.b)
+    def _finish(self, tile: Any, answer: Answer) -> None:
+        c = torch.bmm(tile.a, tile.b) if tile.op == TileOp.BMM else torch.mm(tile.a, tile.b)
         if answer is Answer.WRONG:
             c[(0,) * c.dim()] += 100.0 * (1.0 + float(c.abs().max()))
-        frame = self.session.tile_finished(job, c, compute_s=0.001)
+        frame = self.session.tile_finished(tile, c, compute_s=0.001)
         if frame is not None:
             self.pool._from_worker(self, frame)
 
@@ -169,8 +169,8 @@ class MemoryPool:
     def pool(self) -> PoolView:
         return self.core.pool
 
-    def submit(self, jobs: list[SignedTile]) -> None:
-        self._pump(lambda: self.core.submit(jobs, self.clock()))
+    def submit(self, tiles: list[SignedTile]) -> None:
+        self._pump(lambda: self.core.submit(tiles, self.clock()))
 
     def kept_here(self, gemm_id: str, tiles: int, finished: bool) -> None:
         self._pump(lambda: self.core.kept_here(gemm_id, tiles, finished, self.clock()))
@@ -262,7 +262,7 @@ class MemoryPool:
         """As the server: the core hears the outcome, then a finished GEMM is released."""
         effects = self.core.checked(check, outcome, self.clock())
         if outcome.finished:
-            check.job.gemm.release()
+            check.tile.gemm.release()
         return effects
 
     def _carry_out(self, effects: Effects) -> None:
@@ -283,8 +283,8 @@ class MemoryPool:
         for check in effects.checks:
             outcome = self._checker.run(check)
             self._queue.append(lambda check=check, o=outcome: self._checked(check, o))
-        for job in effects.compute_here:
-            finished = self._checker.compute_here(job)
+        for tile in effects.compute_here:
+            finished = self._checker.compute_here(tile)
             self._queue.append(
-                lambda job=job, f=finished: self.core.delivered(job, f, self.clock())
+                lambda tile=tile, f=finished: self.core.delivered(tile, f, self.clock())
             )

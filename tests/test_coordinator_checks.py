@@ -31,7 +31,7 @@ def one_tile(side: int) -> SignedTile:
         GemmShape("mm", 1, side, side, side, 4), PlanConfig(min_offload_flops=1, target_tiles=1)
     )
     assert plan is not None and len(plan.tiles) == 1
-    (job,) = TiledGemm(f"g{side}", plan, a, b, lambda out: None).iter_jobs(KEY)
+    (job,) = TiledGemm(f"g{side}", plan, a, b, lambda out: None).iter_tiles(KEY)
     return job
 
 

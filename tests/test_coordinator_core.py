@@ -1,6 +1,6 @@
 """CoordinatorCore without sockets: inputs with an injected time, exact effects out.
 
-Tiles are real (``TiledGemm.iter_jobs``: signed frames, content block ids), results are
+Tiles are real (``TiledGemm.iter_tiles``: signed frames, content block ids), results are
 real products checked by the real Freivalds check, so a verdict here is the server's.
 """
 
@@ -90,7 +90,7 @@ class Harness:
         assert plan is not None
         owners = {region.index: owner for region in plan.tiles} if owner else None
         tiled = TiledGemm(gemm_id, plan, a, b, lambda out: None, owners=owners)
-        return list(tiled.iter_jobs(self.key))
+        return list(tiled.iter_tiles(self.key))
 
     def receive(self, worker_id: str, msg: Message, tensors: Any = None) -> Effects:
         return self.core.receive(worker_id, encode_message(msg, tensors), self.now)
@@ -419,7 +419,7 @@ def test_a_tile_every_worker_refuses_is_computed_here(h: Harness) -> None:
     assert [job.tile_id for job in effects.compute_here] == [jobs[0].tile_id]
     assert h.core.counters.computed_here == 1
     assert h.core.counters.flops_computed_here == jobs[0].flops
-    assert jobs[0].tile_id not in h.core.jobs
+    assert jobs[0].tile_id not in h.core.tiles
 
 
 def test_a_tile_over_every_workers_memory_cap_is_computed_here(h: Harness) -> None:
@@ -429,7 +429,7 @@ def test_a_tile_over_every_workers_memory_cap_is_computed_here(h: Harness) -> No
     assert joined.sends == [] and joined.compute_here == []
     effects = h.core.tick(h.now)
     assert [job.tile_id for job in effects.compute_here] == [job.tile_id for job in jobs]
-    assert h.core.counters.tiles_sent == 0 and h.core.jobs == {}
+    assert h.core.counters.tiles_sent == 0 and h.core.tiles == {}
 
 
 def test_an_error_without_a_tile_changes_nothing(h: Harness) -> None:

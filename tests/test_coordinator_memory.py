@@ -60,8 +60,8 @@ class Gemm:
         assert plan is not None
         self.out: list[torch.Tensor] = []
         self.tiled = TiledGemm(gemm_id, plan, self.a, self.b, self.out.append)
-        self.jobs = list(self.tiled.iter_jobs(pool.key))
-        pool.submit(self.jobs)
+        self.tiles = list(self.tiled.iter_tiles(pool.key))
+        pool.submit(self.tiles)
 
     @property
     def done(self) -> bool:
@@ -87,14 +87,14 @@ def test_two_workers_share_a_gemm_and_each_is_credited_for_its_tiles(pool: Memor
     gemm = Gemm(pool, "g", (96, 80, 72))
     gemm.check()
     counters = pool.core.counters
-    assert counters.tiles_verified == counters.tiles_sent == len(gemm.jobs)
+    assert counters.tiles_verified == counters.tiles_sent == len(gemm.tiles)
     assert (counters.rejected, counters.refused, counters.duplicates) == (0, 0, 0)
     rows = {name: ledger_row(pool, name) for name in ("alice", "bob")}
     assert rows["alice"].tiles == len(alice.tasks) > 0 and rows["bob"].tiles == len(bob.tasks) > 0
-    assert rows["alice"].flops + rows["bob"].flops == sum(job.flops for job in gemm.jobs)
+    assert rows["alice"].flops + rows["bob"].flops == sum(job.flops for job in gemm.tiles)
     # Bob's cache: tiles that share a block of A or B send it to him once.
     assert bob.session.cached_blocks > 0
-    assert pool.core.jobs == {} and pool.core.scheduler.pending() == 0
+    assert pool.core.tiles == {} and pool.core.scheduler.pending() == 0
 
 
 def test_a_gemm_is_handed_back_only_once_its_last_tile_is_credited(pool: MemoryPool) -> None:
@@ -107,7 +107,7 @@ def test_a_gemm_is_handed_back_only_once_its_last_tile_is_credited(pool: MemoryP
     tiled = TiledGemm(
         "g", plan, a, b, lambda out: credited_at_release.append(ledger_row(pool, "dave").tiles)
     )
-    jobs = list(tiled.iter_jobs(pool.key))
+    jobs = list(tiled.iter_tiles(pool.key))
     pool.submit(jobs)
     # The step that waits for this GEMM goes on only after the credit of every tile it
     # used is made: a coordinator stopped then loses none of it.
@@ -141,7 +141,7 @@ def test_wrong_results_are_rejected_reissued_and_the_cheat_is_banned_by_key(
     assert cheat.closed is not None and cheat.closed[0] == CloseCode.POLICY
     assert counters.rejected == 3 and counters.banned == 1
     assert pool.core.scheduler.stats.reissued >= 3
-    tiles = sum(len(gemm.jobs) for gemm in gemms)
+    tiles = sum(len(gemm.tiles) for gemm in gemms)
     assert counters.tiles_verified == tiles
     row = ledger_row(pool, "cheat")
     assert (row.tiles, row.rejected) == (0, 3)
@@ -175,7 +175,7 @@ def test_tiles_of_a_worker_that_leaves_are_finished_by_the_other(
     gemm.check()
     assert pool.core.scheduler.stats.reissued >= 2
     assert ledger_row(pool, "leaves").tiles == 0
-    assert ledger_row(pool, "stays").tiles == len(gemm.jobs)
+    assert ledger_row(pool, "stays").tiles == len(gemm.tiles)
     assert [w.name for w in pool.workers.values()] == ["stays"]
 
 
@@ -198,7 +198,7 @@ def test_a_silent_worker_is_dropped_at_its_timeout_and_its_tiles_finished(
         assert silent.closed == (CloseCode.TIMEOUT, "heartbeat timeout")
         assert clock.t == pytest.approx(101.2)  # at the first tick past its timeout
         gemm.check()
-        assert ledger_row(pool, "alive").tiles == len(gemm.jobs)
+        assert ledger_row(pool, "alive").tiles == len(gemm.tiles)
     finally:
         pool.close()
 
@@ -335,7 +335,7 @@ async def test_the_cost_planner_shares_a_step_with_the_coordinator(pool: MemoryP
     assert stats.gemms_offloaded == len(plans) > 0
     await asyncio.sleep(0)  # the last kept_here call the offload handed to the loop
     counters = pool.core.counters
-    assert pool.core.jobs == {}
+    assert pool.core.tiles == {}
     assert counters.kept_here == sum(kept for _, kept in plans) > 0
     assert counters.tiles_verified == sum(t - kept for t, kept in plans) > 0
     assert pool.status()["tiles"]["kept_here"] == counters.kept_here
@@ -364,7 +364,7 @@ async def test_tiles_that_name_their_worker_go_to_it_or_are_stolen(pool: MemoryP
     assert_outputs_match(got, want)
     assert stats.gemms_offloaded == len(named) > 0
     assert pool.core.counters.tiles_verified == sum(named) > 0
-    assert pool.core.jobs == {}
+    assert pool.core.tiles == {}
     assert pool.core.scheduler.pending() == 0 and pool.core.scheduler.queued_count() == 0
 
 
@@ -385,7 +385,7 @@ async def test_the_offload_declines_what_it_cannot_tile(pool: MemoryPool) -> Non
     # 1 kFLOP is far below PlanConfig().min_offload_flops: run it at the coordinator.
     assert offload.start("tiny", "mm", small, small, never) == 0
     await asyncio.sleep(0)
-    assert submitted == [] and pool.core.jobs == {} and pool.core.counters.tiles_sent == 0
+    assert submitted == [] and pool.core.tiles == {} and pool.core.counters.tiles_sent == 0
 
 
 async def test_tiles_over_the_only_workers_memory_cap_are_computed_at_the_coordinator(
@@ -411,7 +411,7 @@ async def test_tiles_over_the_only_workers_memory_cap_are_computed_at_the_coordi
     started = await asyncio.to_thread(offload.start, "mm", "mm", a, b, products.append)
     assert started == 2 * 64 * 48 * 40  # handed over whole (then computed here)
     await asyncio.sleep(0)  # the tiles reach the pool through the event loop
-    assert pool.core.jobs and not products  # queued: too big for the only worker
+    assert pool.core.tiles and not products  # queued: too big for the only worker
     pool.tick()  # the server's expiry timer: stranded tiles are computed here
     [product] = products
     torch.testing.assert_close(product, a @ b)

@@ -2,7 +2,7 @@
 
 Honest workers are real ``client_app.worker.WorkerCore`` instances running in the same
 event loop; clients that must misbehave are raw websockets connections speaking
-``common.messages``. GEMMs are cut with ``TiledGemm.iter_jobs`` as ``TileOffload`` does,
+``common.messages``. GEMMs are cut with ``TiledGemm.iter_tiles`` as ``TileOffload`` does,
 and every assembled output is checked against ``torch.matmul``.
 """
 
@@ -136,10 +136,10 @@ class Gemm:
             loop.call_soon_threadsafe(self.result.set_result, out)
 
         self.tiled = TiledGemm(gemm_id, plan, self.a, self.b, on_done)
-        self.jobs = list(self.tiled.iter_jobs(server.key))
-        self.tile_ids = [job.tile_id for job in self.jobs]
-        self.flops = sum(job.flops for job in self.jobs)
-        server.submit(self.jobs)
+        self.tiles = list(self.tiled.iter_tiles(server.key))
+        self.tile_ids = [job.tile_id for job in self.tiles]
+        self.flops = sum(job.flops for job in self.tiles)
+        server.submit(self.tiles)
 
     async def check(self, seconds: float = 20.0) -> torch.Tensor:
         out = await within(self.result, seconds)
@@ -303,17 +303,17 @@ async def test_two_workers_compute_every_tile_get_credit_and_show_in_status(tmp_
         server = coord.server
         mm = Gemm(server, "s0:mm", (96, 80, 72))
         bmm = Gemm(server, "s0:bmm", (3, 40, 300, 24), K_SPLIT_PLAN, seed=1)
-        assert bmm.tiled.plan.k_split and len(mm.jobs) >= 8
+        assert bmm.tiled.plan.k_split and len(mm.tiles) >= 8
         await mm.check()
         await bmm.check()
-        tiles = len(mm.jobs) + len(bmm.jobs)
+        tiles = len(mm.tiles) + len(bmm.tiles)
         counters = server.counters
         assert counters.tiles_verified == counters.tiles_sent == tiles
         assert (counters.rejected, counters.refused, counters.duplicates) == (0, 0, 0)
-        assert server.jobs == {} and server.scheduler.pending() == 0
+        assert server.tiles == {} and server.scheduler.pending() == 0
         # Each worker caches operand blocks: tiles that share a row block of A (or a
         # column block of B) send it once per worker, not once per tile.
-        assert counters.bytes_down_uncached == sum(len(j.bundle) for j in mm.jobs + bmm.jobs)
+        assert counters.bytes_down_uncached == sum(len(j.bundle) for j in mm.tiles + bmm.tiles)
         assert counters.bytes_down < 0.9 * counters.bytes_down_uncached
 
         # The pump commits the credit on its own (no read of the ledger asked for it).
@@ -400,7 +400,7 @@ async def test_a_hostile_connection_is_closed_and_the_honest_worker_finishes(
         assert coord.conn_ids() == {"honest": honest_id}  # never dropped or reconnected
         assert coord.server.scheduler.stats.reissued >= len(held)
         assert ledger_row(coord, "mallory").tiles == 0
-        assert ledger_row(coord, "honest").tiles == len(gemm.jobs)
+        assert ledger_row(coord, "honest").tiles == len(gemm.tiles)
 
 
 async def test_a_client_that_never_says_hello_is_closed_after_the_handshake_timeout(
@@ -470,7 +470,7 @@ async def test_an_honest_worker_core_joins_a_private_pool_with_its_token(tmp_pat
         await gemm.check()
         # Credit follows the worker's key, which the ledger names it by.
         row = coord.ledger.get(public_key_hex(core.identity))
-        assert row.name == "with-token" and row.tiles == len(gemm.jobs)
+        assert row.name == "with-token" and row.tiles == len(gemm.tiles)
         core.stop()
         assert await within(task) is RunResult.STOPPED
 

@@ -107,7 +107,7 @@ def tiled(case: tuple, seed: int = 0) -> tuple[TiledGemm, list[SignedTile], Done
         assert plan.grid == grid
     done = Done()
     gemm = TiledGemm(f"g{seed}", plan, a, b, done)
-    return gemm, list(gemm.iter_jobs(KEY)), done, want
+    return gemm, list(gemm.iter_tiles(KEY)), done, want
 
 
 def product(job: SignedTile) -> torch.Tensor:
@@ -226,7 +226,7 @@ def test_tiles_kept_at_the_coordinator_are_not_sent_and_complete_the_product(cas
     local = {t.index for t in plan.tiles[::2]}  # every other tile (K partials included)
     done = Done()
     gemm = TiledGemm("g", plan, a, b, done, local=local)
-    jobs = list(gemm.iter_jobs(KEY))
+    jobs = list(gemm.iter_tiles(KEY))
     assert {j.region.index for j in jobs} == {t.index for t in plan.tiles} - local
     random.Random(0).shuffle(jobs)
     half = len(jobs) // 2
@@ -247,7 +247,7 @@ def test_the_coordinators_share_can_finish_the_gemm() -> None:
     done = Done()
     owners = {t.index: f"w{i % 2}" for i, t in enumerate(plan.tiles[:-1])}
     gemm = TiledGemm("g", plan, a, b, done, local={plan.tiles[-1].index}, owners=owners)
-    jobs = list(gemm.iter_jobs(KEY))
+    jobs = list(gemm.iter_tiles(KEY))
     assert len(jobs) == 5
     # Each ticket names the worker the planner placed its tile on.
     assert {j.region.index: j.ticket.planned_for for j in jobs} == owners
@@ -265,7 +265,7 @@ def test_operand_blocks_are_keyed_by_content() -> None:
     # Two GEMMs that read the same A (an activation feeding two layers) and different Bs.
     fwd = TiledGemm("fwd", plan, x, w, Done())
     other = TiledGemm("other", plan, x, w * 2, Done())
-    fwd_jobs, other_jobs = list(fwd.iter_jobs(KEY)), list(other.iter_jobs(KEY))
+    fwd_jobs, other_jobs = list(fwd.iter_tiles(KEY)), list(other.iter_tiles(KEY))
     assert fwd.plan.grid == (1, 2, 2, 1)
     assert [j.blocks[0] for j in fwd_jobs] == [j.blocks[0] for j in other_jobs]
     assert not {j.blocks[1] for j in fwd_jobs} & {j.blocks[1] for j in other_jobs}

@@ -187,7 +187,7 @@ def test_tiles_carry_image_blocks_and_assemble_the_product(operand: str, target:
     assert plan is not None
     done: list[torch.Tensor] = []
     gemm = TiledGemm("g", plan, a, b, done.append, unfold=spec)
-    jobs = list(gemm.iter_jobs(KEY))
+    jobs = list(gemm.iter_tiles(KEY))
     per_row, per_col = 16, 9  # one image's positions, one channel's kernel entries
     for job in jobs:
         r = job.region

@@ -101,7 +101,7 @@ class CoordinatorCore:
         self.scheduler = Scheduler(config.scheduler)
         self.counters = Counters()
         self.workers: dict[str, Worker] = {}
-        self.jobs: dict[str, Any] = {}  # tile id -> Tile, until it is verified or taken over
+        self.tiles: dict[str, Any] = {}  # tile id -> Tile, until it is verified or taken over
         self.pool = PoolView()
         self._estimates_moved = False
         # How far the training has come and why workers may wait (signed once per
@@ -192,13 +192,13 @@ class CoordinatorCore:
             worker.job_state = state
             effects.sends.append(Send(worker.worker_id, frame=self._job_state_frame))
 
-    def submit(self, jobs: Iterable[Any], now: float) -> Effects:
+    def submit(self, tiles: Iterable[Any], now: float) -> Effects:
         """Queue a GEMM's tiles."""
         self.now = now
-        jobs = list(jobs)
-        for job in jobs:
-            self.jobs[job.tile_id] = job
-        self.scheduler.submit(job.ticket for job in jobs)
+        tiles = list(tiles)
+        for tile in tiles:
+            self.tiles[tile.tile_id] = tile
+        self.scheduler.submit(tile.ticket for tile in tiles)
         effects = Effects()
         self.dispatch(effects)
         return effects
@@ -271,7 +271,7 @@ class CoordinatorCore:
         worker.last_seen = now
         self.scheduler.heartbeat(worker_id, now)
         if isinstance(msg, Result):
-            ticket = self.jobs[msg.tile_id].ticket if msg.tile_id in self.jobs else None
+            ticket = self.tiles[msg.tile_id].ticket if msg.tile_id in self.tiles else None
             on_result(self, worker, msg, None, ticket.up_bytes if ticket else 0, effects)
         else:
             HANDLERS[type(msg)](self, worker, msg, effects)
@@ -290,7 +290,7 @@ class CoordinatorCore:
         else:
             self._judge(worker, check, outcome, effects)
         if outcome.finished:  # after the credit: stragglers' copies of its tiles go
-            self._forget_gemm(check.job.ticket.gemm_id, effects)
+            self._forget_gemm(check.tile.ticket.gemm_id, effects)
         return effects
 
     def _judge(self, worker: Worker, check: Check, outcome: Checked, effects: Effects) -> None:
@@ -306,34 +306,34 @@ class CoordinatorCore:
         if verdict is None or not verdict.ok:
             failed_check(self, worker, check.tile_id, effects, verdict)
             return
-        job = check.job
+        tile = check.tile
         completion = self.scheduler.complete(worker.worker_id, check.tile_id, now)
         if completion.verdict is not Verdict.ACCEPTED:
             self.counters.duplicates += 1
             self._placed_anyway(check, outcome, effects)
             return
-        self.jobs.pop(check.tile_id, None)
+        self.tiles.pop(check.tile_id, None)
         held_s = now - worker.sent_at.pop(check.tile_id, now)
         up = check.up_bytes
-        worker.learn(job, check.compute_s, held_s, up, now)
+        worker.learn(tile, check.compute_s, held_s, up, now)
         self._estimates_moved = True
         worker.tiles_session += 1
         self.counters.tiles_verified += 1
         self.counters.compute_s += min(check.compute_s, held_s)
         self.counters.bytes_up += up
-        if job.half:
+        if tile.half:
             self.counters.bytes_half += up
         before = self.ledger.get(worker.key)
         self.ledger.credit(
             worker.key,
             name=worker.name,
             reputation=after_verified(before.reputation, self.config.reputation),
-            flops=job.flops,
-            bytes_down=worker.sent_bytes.pop(check.tile_id, len(job.bundle)),
+            flops=tile.flops,
+            bytes_down=worker.sent_bytes.pop(check.tile_id, len(tile.bundle)),
             bytes_up=up,
             compute_s=min(check.compute_s, held_s),
             now=self.wall_time(),
-            ticket=job.ticket,
+            ticket=tile.ticket,
         )
         for other in completion.cancel:
             self.cancel(other, check.tile_id, effects)
@@ -346,17 +346,17 @@ class CoordinatorCore:
         for a tile the step did not use."""
         if outcome.verdict is None or not outcome.verdict.ok:
             return
-        if self.jobs.pop(check.tile_id, None) is None:
+        if self.tiles.pop(check.tile_id, None) is None:
             return  # another result was accepted (and placed) first
         for holder in self.scheduler.take_over(check.tile_id):
             self.cancel(holder, check.tile_id, effects)
 
-    def delivered(self, job: Any, finished: bool, now: float) -> Effects:
+    def delivered(self, tile: Any, finished: bool, now: float) -> Effects:
         """A tile computed here is in its GEMM; ``finished``: the GEMM is."""
         self.now = now
         effects = Effects()
         if finished:
-            self._forget_gemm(job.ticket.gemm_id, effects)
+            self._forget_gemm(tile.ticket.gemm_id, effects)
         return effects
 
     def disconnected(self, worker_id: str, now: float) -> Effects:
@@ -463,8 +463,8 @@ class CoordinatorCore:
 
     def _send(self, assignment: Assignment, effects: Effects) -> None:
         worker = self.workers.get(assignment.worker_id)
-        job = self.jobs.get(assignment.tile_id)
-        if worker is None or job is None:  # pragma: no cover - scheduler and maps agree
+        tile = self.tiles.get(assignment.tile_id)
+        if worker is None or tile is None:  # pragma: no cover - scheduler and maps agree
             log.error(
                 "scheduler assigned %s to %s, which is unknown",
                 assignment.tile_id,
@@ -478,19 +478,19 @@ class CoordinatorCore:
             worker.sent_at = {t: at for t, at in worker.sent_at.items() if t in held}
             worker.sent_bytes = {t: n for t, n in worker.sent_bytes.items() if t in held}
             worker.sent_idle &= held
-        if not any(t in worker.sent_at for t in held if t != job.tile_id):
+        if not any(t in worker.sent_at for t in held if t != tile.tile_id):
             # Nothing sent ahead of it (tiles assigned with it go out after it): its
             # round trip is transfer and compute alone.
-            worker.sent_idle.add(job.tile_id)
-        frame = worker.task_frame(job, self.key)
-        effects.sends.append(Send(worker.worker_id, frame, job.tile_id))
-        worker.sent_at[job.tile_id] = self.now
-        worker.sent_bytes[job.tile_id] = len(frame)
+            worker.sent_idle.add(tile.tile_id)
+        frame = worker.task_frame(tile, self.key)
+        effects.sends.append(Send(worker.worker_id, frame, tile.tile_id))
+        worker.sent_at[tile.tile_id] = self.now
+        worker.sent_bytes[tile.tile_id] = len(frame)
         self.counters.tiles_sent += 1
         self.counters.reissued += assignment.reissue
         self.counters.bytes_down += len(frame)
-        self.counters.bytes_down_uncached += len(job.bundle)
-        if job.half:
+        self.counters.bytes_down_uncached += len(tile.bundle)
+        if tile.half:
             self.counters.bytes_half += len(frame)
 
     def _speculate(self, effects: Effects) -> None:
@@ -528,9 +528,9 @@ class CoordinatorCore:
         sent = worker.sent_at.get(tile_id, self.now)
         expected = 0.0
         for held in self.scheduler.in_flight(worker_id):
-            job = self.jobs.get(held)
-            if job is not None and worker.sent_at.get(held, self.now) <= sent:
-                expected += self._run_time(worker_id, job.ticket)
+            tile = self.tiles.get(held)
+            if tile is not None and worker.sent_at.get(held, self.now) <= sent:
+                expected += self._run_time(worker_id, tile.ticket)
         return overdue_finish(queued_start(sent, worker.last_result_at), expected, self.now)
 
     def _forget_gemm(self, gemm_id: str, effects: Effects) -> None:
@@ -544,17 +544,17 @@ class CoordinatorCore:
         for tile_id in self.scheduler.stranded():
             for worker_id in self.scheduler.take_over(tile_id):
                 self.cancel(worker_id, tile_id, effects)
-            job = self.jobs.pop(tile_id, None)
-            if job is None:  # pragma: no cover - the scheduler and the job map agree
+            tile = self.tiles.pop(tile_id, None)
+            if tile is None:  # pragma: no cover - the scheduler and the tile map agree
                 continue
             self.counters.computed_here += 1
-            self.counters.flops_computed_here += job.flops
+            self.counters.flops_computed_here += tile.flops
             log.warning(
                 "no connected worker may take tile %s (refused by all, or over every memory "
                 "cap): computing it at the coordinator",
                 tile_id,
             )
-            effects.compute_here.append(job)
+            effects.compute_here.append(tile)
 
     def cancel(self, worker_id: str, tile_id: str, effects: Effects) -> None:
         if worker_id in self.workers:

@@ -51,7 +51,7 @@ class Check:
 
     worker_id: str
     tile_id: str
-    job: Any  # the Tile
+    tile: Any  # the Tile
     result: Received | None  # the result's frame, decoded by the checker (None: the simulator's)
     up_bytes: int
     compute_s: float

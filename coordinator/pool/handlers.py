@@ -32,8 +32,8 @@ def on_result(
         core.counters.duplicates += 1  # the same result again: one check is enough
         return
     worker.last_result_at = core.now
-    job = core.jobs.get(msg.tile_id)
-    if job is None:
+    tile = core.tiles.get(msg.tile_id)
+    if tile is None:
         # Done already (a slower copy, or a result after a cancel): nothing to do.
         core.counters.duplicates += 1
         return
@@ -48,7 +48,7 @@ def on_result(
     # them) are read while the check runs.
     worker.verifying.add(msg.tile_id)
     effects.checks.append(
-        Check(worker.worker_id, msg.tile_id, job, result, up_bytes, max(0.0, msg.compute_s))
+        Check(worker.worker_id, msg.tile_id, tile, result, up_bytes, max(0.0, msg.compute_s))
     )
 
 
@@ -85,15 +85,15 @@ def on_bye(core: CoordinatorCore, worker: Worker, msg: Bye, effects: Effects) ->
 
 def on_error(core: CoordinatorCore, worker: Worker, msg: Error, effects: Effects) -> None:
     held = msg.tile_id in core.scheduler.in_flight(worker.worker_id)
-    job = core.jobs.get(msg.tile_id)
-    if msg.code == ErrorCode.MISSING_BLOCK and job is not None and held:
+    tile = core.tiles.get(msg.tile_id)
+    if msg.code == ErrorCode.MISSING_BLOCK and tile is not None and held:
         # Its cache and our mirror of it disagree (it dropped the tile that would
         # have cached a block, say). It emptied its cache; so do we, and resend whole.
         log.info("worker %s lacks an operand block of %s: resending", worker.who, msg.tile_id)
         worker.blocks.clear()
-        frame = worker.task_frame(job, core.key)
-        effects.sends.append(Send(worker.worker_id, frame, job.tile_id))
-        worker.sent_bytes[job.tile_id] = worker.sent_bytes.get(job.tile_id, 0) + len(frame)
+        frame = worker.task_frame(tile, core.key)
+        effects.sends.append(Send(worker.worker_id, frame, tile.tile_id))
+        worker.sent_bytes[tile.tile_id] = worker.sent_bytes.get(tile.tile_id, 0) + len(frame)
         core.counters.bytes_down += len(frame)
         return
     if msg.tile_id and held:

@@ -85,7 +85,7 @@ class Worker:
     def fingerprint(self) -> str:
         return fingerprint(self.key)
 
-    def task_frame(self, job: Tile, key: Ed25519PrivateKey) -> Sized:
+    def task_frame(self, tile: Tile, key: Ed25519PrivateKey) -> Sized:
         """The task frame for this worker: the shared bundle, or (for a worker with an
         operand cache) one that refers to the operand blocks it already holds.
 
@@ -94,15 +94,15 @@ class Worker:
         to the most recently used end; then the least recently used go past the budget.
         """
         if self.blocks.budget <= 0:
-            return job.bundle
-        ids = dict(zip(("a", "b"), job.blocks, strict=True))
-        sizes = dict(zip(("a", "b"), job.block_bytes(), strict=True))
+            return tile.bundle
+        ids = dict(zip(("a", "b"), tile.blocks, strict=True))
+        sizes = dict(zip(("a", "b"), tile.block_bytes(), strict=True))
         refs = frozenset(name for name in ("a", "b") if ids[name] in self.blocks)
         order = [n for n in ("a", "b") if n not in refs] + sorted(refs)  # the task's order
         self.blocks.record((ids[name], sizes[name]) for name in order)
-        return job.task_frame(refs, key)
+        return tile.task_frame(refs, key)
 
-    def learn(self, job: Tile, claimed_s: float, held_s: float, up: int, now: float) -> None:
+    def learn(self, tile: Tile, claimed_s: float, held_s: float, up: int, now: float) -> None:
         """Move the estimate toward what this tile showed. Its claimed compute time counts
         no higher than the time the worker held the tile; the rest of the round trip
         measures the links only if the tile did not wait behind another one."""
@@ -110,15 +110,15 @@ class Worker:
             return
         compute_s = max(0.0, min(claimed_s, held_s))
         transfer_s: float | None = None
-        if job.tile_id in self.sent_idle:
+        if tile.tile_id in self.sent_idle:
             transfer_s = held_s - compute_s
-        self.sent_idle.discard(job.tile_id)
-        down = self.sent_bytes.get(job.tile_id, len(job.bundle))  # what went over the link
+        self.sent_idle.discard(tile.tile_id)
+        down = self.sent_bytes.get(tile.tile_id, len(tile.bundle))  # what went over the link
         share = down / (down + up) if down + up else 0.0
         self.estimate = observe(
             self.estimate,
             TileObservation(
-                flops=job.flops,
+                flops=tile.flops,
                 down_bytes=down,
                 up_bytes=up,
                 down_s=transfer_s * share if transfer_s else None,

@@ -84,29 +84,29 @@ class Checker:
                     outcomes[i] = Checked(None, error=exc)
                     continue
                 if c is not None:
-                    decoded.append((i, check.job, c))
+                    decoded.append((i, check.tile, c))
         with COSTS.timed(verify):
             verdicts = check_products(
-                [(*job.matrices(), c) for _, job, c in decoded],
+                [(*tile.matrices(), c) for _, tile, c in decoded],
                 self._vectors,
                 cache=self._cache,
-                blocks=[job.check_blocks if all(job.blocks) else None for _, job, _ in decoded],
+                blocks=[tile.check_blocks if all(tile.blocks) else None for _, tile, _ in decoded],
             )
         # The GEMM is released by the pump once the core has credited the tile: no
         # training step goes on before the credit of the tiles it used is made.
         with COSTS.timed(assemble):
-            for (i, job, c), verdict in zip(decoded, verdicts, strict=True):
-                finished = verdict.ok and job.gemm.deliver(job.region, c, release=False)
+            for (i, tile, c), verdict in zip(decoded, verdicts, strict=True):
+                finished = verdict.ok and tile.gemm.deliver(tile.region, c, release=False)
                 outcomes[i] = Checked(verdict, finished=finished)
         return outcomes
 
     @staticmethod
-    def compute_here(job: SignedTile) -> bool:
+    def compute_here(tile: SignedTile) -> bool:
         """Compute and place a tile here; True when that completed its GEMM."""
-        a, b = job.matrices()
+        a, b = tile.matrices()
         with COSTS.timed("stranded_tiles"), computing():
-            product = torch.bmm(a, b) if job.gemm.op == TileOp.BMM else torch.mm(a, b)
-        return job.gemm.deliver(job.region, product)
+            product = torch.bmm(a, b) if tile.gemm.op == TileOp.BMM else torch.mm(a, b)
+        return tile.gemm.deliver(tile.region, product)
 
 
 def _check_thread_started() -> None:
@@ -130,7 +130,7 @@ class CheckThread:
         self._draining = False
 
     async def run(self, check: Check) -> Checked:
-        if check.job.flops <= 2 * ON_LOOP_MAX_MACS:
+        if check.tile.flops <= 2 * ON_LOOP_MAX_MACS:
             return await self._on_loop_soon(check)  # small: cheaper here (above)
         return await self._on_thread_soon(check)
 
@@ -175,8 +175,8 @@ class CheckThread:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(_hand_back, settled)
 
-    async def compute_here(self, job: SignedTile) -> bool:
-        return await self._run(self._checker.compute_here, job)
+    async def compute_here(self, tile: SignedTile) -> bool:
+        return await self._run(self._checker.compute_here, tile)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

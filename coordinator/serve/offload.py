@@ -35,7 +35,7 @@ class TileSink(Protocol):
     @property
     def pool(self) -> PoolView: ...  # read from the training thread: a snapshot
 
-    def submit(self, jobs: list[SignedTile]) -> None: ...
+    def submit(self, tiles: list[SignedTile]) -> None: ...
 
     def kept_here(self, gemm_id: str, tiles: int, finished: bool) -> None: ...
 
@@ -99,8 +99,8 @@ class TileOffload:
         )
         local = gemm.local
         sent = sum(r.flops for r in gemm.plan.tiles if r.index not in local)
-        for job in gemm.iter_jobs(self._key):
-            self._loop.call_soon_threadsafe(self._server.submit, [job])
+        for tile in gemm.iter_tiles(self._key):
+            self._loop.call_soon_threadsafe(self._server.submit, [tile])
         if local:
             finished = gemm.compute_local()
             self._loop.call_soon_threadsafe(

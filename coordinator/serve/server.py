@@ -151,8 +151,8 @@ class CoordinatorServer:
         return self.core.workers
 
     @property
-    def jobs(self) -> dict[str, Any]:
-        return self.core.jobs
+    def tiles(self) -> dict[str, Any]:
+        return self.core.tiles
 
     @property
     def scheduler(self) -> Scheduler:
@@ -213,9 +213,9 @@ class CoordinatorServer:
 
     # ---- work in (event loop thread only) -------------------------------------------
 
-    def submit(self, jobs: list[SignedTile]) -> None:
+    def submit(self, tiles: list[SignedTile]) -> None:
         """Queue a GEMM's tiles."""
-        self._apply(self.core.submit(jobs, self.clock()))
+        self._apply(self.core.submit(tiles, self.clock()))
 
     def set_job_state(self, state: JobState) -> None:
         """Tell every worker how far the training has come (and why none may get tiles).
@@ -247,8 +247,8 @@ class CoordinatorServer:
                 self._spawn(self._cut_after_grace(conn))
         for check in effects.checks:
             self._spawn(self._check_result(check))
-        for job in effects.compute_here:
-            self._spawn(self._compute_here(job))
+        for tile in effects.compute_here:
+            self._spawn(self._compute_here(tile))
         if effects.workers_changed:
             self._workers_changed.set()
         if self.ledger.queued and not self._flush_due:
@@ -288,11 +288,11 @@ class CoordinatorServer:
         outcome = await self._checks.run(check)
         self._apply(self.core.checked(check, outcome, self.clock()))
         if outcome.finished:
-            check.job.gemm.release()
+            check.tile.gemm.release()
 
-    async def _compute_here(self, job: SignedTile) -> None:
-        finished = await self._checks.compute_here(job)
-        self._apply(self.core.delivered(job, finished, self.clock()))
+    async def _compute_here(self, tile: SignedTile) -> None:
+        finished = await self._checks.compute_here(tile)
+        self._apply(self.core.delivered(tile, finished, self.clock()))
 
     async def _expire_loop(self) -> None:
         while True:

@@ -319,9 +319,9 @@ class Simulation:
             finished = self._place(check.tile_id)
             self._apply(self.core.checked(check, Checked(_CORRECT, finished), self.now))
             self._tile_done(check.tile_id)
-        for job in effects.compute_here:
+        for tile in effects.compute_here:
             self.taken_over += 1
-            self._run_locally(job.flops, job.tile_id)
+            self._run_locally(tile.flops, tile.tile_id)
 
     def _place(self, tile_id: str) -> bool:
         """A tile is in its GEMM: True when that made the GEMM whole."""

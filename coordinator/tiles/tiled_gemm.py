@@ -168,7 +168,7 @@ class TiledGemm:
             b = self._b[r.k0 : r.k1, r.n0 : r.n1]
         return a, b
 
-    def iter_jobs(self, key: Ed25519PrivateKey) -> Iterator[SignedTile]:
+    def iter_tiles(self, key: Ed25519PrivateKey) -> Iterator[SignedTile]:
         """Sign tiles one at a time, so the first can be on its way to a worker while
         the rest are still being cut. Each operand block is copied out of its matrix and
         hashed once, by the first tile that needs it; the tiles sharing it send it from
@@ -209,7 +209,7 @@ class TiledGemm:
 
     def compute_local(self) -> bool:
         """Compute the tiles kept at the coordinator on the calling thread and place them
-        (after iter_jobs has sent the rest, so workers compute meanwhile). Returns True
+        (after iter_tiles has sent the rest, so workers compute meanwhile). Returns True
         when this completed the GEMM. They need no check: nobody else touched them."""
         finished = False
         for region in self.plan.tiles:
