@@ -85,8 +85,8 @@ def test_small_tiles_are_checked_on_the_loop_and_large_ones_on_the_thread(side: 
     before = COSTS.snapshot().get("check_on_loop", 0.0)
     passed, failed = asyncio.run(main())
     on_loop = side**3 <= ON_LOOP_MAX_MACS
-    assert passed.verdict.ok and passed.finished
-    assert not failed.verdict.ok and failed.verdict.reason is CheckReason.MISMATCH
+    assert passed.result.ok and passed.finished
+    assert not failed.result.ok and failed.result.reason is CheckReason.MISMATCH
     assert (threads == [threading.get_ident()]) is on_loop  # asyncio.run's loop is ours
     assert (COSTS.snapshot().get("check_on_loop", 0.0) > before) is on_loop
 
@@ -126,7 +126,7 @@ def test_small_results_of_one_turn_are_checked_together(monkeypatch: pytest.Monk
             checks.shutdown()
 
     outcomes = asyncio.run(main())
-    assert [o.verdict.ok for o in outcomes] == [i % 3 != 0 for i in range(len(jobs))]
+    assert [o.result.ok for o in outcomes] == [i % 3 != 0 for i in range(len(jobs))]
     assert calls == [4, 4, 3]  # one turn's results, a stack's worth at a time
 
 
@@ -165,7 +165,7 @@ def test_large_results_that_queue_while_the_thread_is_busy_are_checked_together(
             checks.shutdown()
 
     outcomes = asyncio.run(main())
-    assert [o.verdict.ok for o in outcomes] == [True, True, False, True]
+    assert [o.result.ok for o in outcomes] == [True, True, False, True]
     assert calls == [3, 1]  # all four queued behind the held job: a batch's worth at a time
 
 

@@ -112,7 +112,7 @@ class Harness:
         out = Effects()
         for check in effects.checks:
             outcome = self._checker.run(check)
-            if outcome.verdict is not None and outcome.verdict.ok:
+            if outcome.result is not None and outcome.result.ok:
                 self.delivered.append(check.tile_id)
             _merge(out, self.core.checked(check, outcome, self.now))
         return out

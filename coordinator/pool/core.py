@@ -297,14 +297,14 @@ class CoordinatorCore:
         """Credit a verified tile (and send its worker more), or fail it."""
         now = self.now
         worker.verifying.discard(check.tile_id)
-        verdict = outcome.verdict
+        result = outcome.result
         if outcome.error is not None:
             # Counted as a wrong result (it is one), and the sender is told why.
             error = outcome.error
             log.warning("worker %s sent an undecodable result: %s", worker.who, error.message)
             effects.send(worker.worker_id, Error(error.code, error.message, check.tile_id))
-        if verdict is None or not verdict.ok:
-            failed_check(self, worker, check.tile_id, effects, verdict)
+        if result is None or not result.ok:
+            failed_check(self, worker, check.tile_id, effects, result)
             return
         tile = check.tile
         completion = self.scheduler.complete(worker.worker_id, check.tile_id, now)
@@ -344,7 +344,7 @@ class CoordinatorCore:
         handed the tile on) is in its GEMM all the same: unless another result already
         closed the tile, the copies handed on are cancelled, so that nobody is credited
         for a tile the step did not use."""
-        if outcome.verdict is None or not outcome.verdict.ok:
+        if outcome.result is None or not outcome.result.ok:
             return
         if self.tiles.pop(check.tile_id, None) is None:
             return  # another result was accepted (and placed) first

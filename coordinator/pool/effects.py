@@ -61,7 +61,7 @@ class Check:
 class Checked:
     """What came of a ``Check``."""
 
-    verdict: CheckResult | None  # None: the result did not decode, so it fails
+    result: CheckResult | None  # the check's; None: the result did not decode, so it fails
     finished: bool = False  # placing the tile completed its GEMM
     error: ProtocolError | None = None  # why it did not decode
 

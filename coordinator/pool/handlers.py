@@ -141,12 +141,14 @@ def failed_check(
     worker.sent_at.pop(tile_id, None)
     core.scheduler.reject(worker.worker_id, tile_id, core.now, reason="failed verification")
     # Tell the worker: an honest volunteer with faulty hardware should learn of it.
-    verdict = Error(
-        ErrorCode.FAILED_CHECK,
-        f"the result failed verification and was discarded; reputation now {reputation:.2f}",
-        tile_id,
+    effects.send(
+        worker.worker_id,
+        Error(
+            ErrorCode.FAILED_CHECK,
+            f"the result failed verification and was discarded; reputation now {reputation:.2f}",
+            tile_id,
+        ),
     )
-    effects.send(worker.worker_id, verdict)
     if banned:
         core.counters.banned += 1
         log.warning("banning worker %s: %s", worker.who, banned)

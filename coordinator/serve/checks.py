@@ -86,7 +86,7 @@ class Checker:
                 if c is not None:
                     decoded.append((i, check.tile, c))
         with COSTS.timed(verify):
-            verdicts = check_products(
+            results = check_products(
                 [(*tile.matrices(), c) for _, tile, c in decoded],
                 self._vectors,
                 cache=self._cache,
@@ -95,9 +95,9 @@ class Checker:
         # The GEMM is released by the pump once the core has credited the tile: no
         # training step goes on before the credit of the tiles it used is made.
         with COSTS.timed(assemble):
-            for (i, tile, c), verdict in zip(decoded, verdicts, strict=True):
-                finished = verdict.ok and tile.gemm.deliver(tile.region, c, release=False)
-                outcomes[i] = Checked(verdict, finished=finished)
+            for (i, tile, c), result in zip(decoded, results, strict=True):
+                finished = result.ok and tile.gemm.deliver(tile.region, c, release=False)
+                outcomes[i] = Checked(result, finished=finished)
         return outcomes
 
     @staticmethod
