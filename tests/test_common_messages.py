@@ -16,7 +16,6 @@ from common.job_about import JobAbout
 from common.limits import WireLimits
 from common.messages import (
     MESSAGE_TYPES,
-    TILE_OPS,
     Ack,
     Bye,
     Cancel,
@@ -40,6 +39,7 @@ from common.messages import (
     verify_task,
     verify_task_blocks,
 )
+from common.ops import TILE_OPS
 from common.signing import generate_private_key, public_key_hex
 from common.tensors import content_id
 
