@@ -226,7 +226,7 @@ def pool_for_cli(n: int, seed: int, spec: PoolSpec, stragglers: int) -> list[Dev
 
 INTRO = """# Simulated pools
 
-Everything below is produced by `python -m coordinator.sim report` (seed 1, ~10 minutes
+Everything below is produced by `python -m coordinator.sim report` (seed 1, ~20 minutes
 on 2 cores) and can be re-run; `python -m coordinator.sim run --help` simulates one pool and
 writes JSON (`--json FILE`).
 
@@ -252,7 +252,9 @@ writes JSON (`--json FILE`).
 - Devices: GFLOP/s log-normal (median 200, 5 GFLOP/s to 100 TFLOP/s), memory caps 128 MiB
   to 1 GiB, downlink log-normal, uplink 2-10x slower. Each tile is download (device link
   and the coordinator's shared 10 Gbit/s egress, FIFO) -> compute -> upload, with a
-  prefetch window of 2. Results are always correct; verification costs nothing.
+  prefetch window of 2. Results are always correct. The coordinator's own CPU (cutting,
+  sending, checking) costs nothing, except in section (f), which models it per tile and
+  per byte, and where coordinator ranks are simulated.
 - The operand cache is the live server's (`coordinator/pool/workers.py` `Worker.task_frame`): each
   device keeps the operand blocks it was sent (A block `{gemm}/a/{b}.{m}.{k}`, B block
   `{gemm}/b/{b}.{k}.{n}`), up to its memory cap, least recently used first out; the
@@ -320,5 +322,17 @@ writes JSON (`--json FILE`).
   cost little; speculative copies change the step by under 0.1 s here (the cache saves
   ~1.7 s). Their benefit shows in compute-bound pools (see
   tests/test_sim.py::test_speculation_rescues_stragglers).
+- (f) Coordinator ranks, with the coordinator's CPU modelled from the benches: where
+  every GEMM is sent (grid), that CPU is what binds, 97-100% busy on every rank, and a
+  step shrinks with the workers each rank serves: 1,000 workers take 1,055 s a step with
+  one rank and 470, 218, 107 s with 2, 4, 8; 10,000 take 511, 248, 123 s with 8, 16, 32
+  ranks. The all-reduce (0.4-0.8 s over 10 Gbit/s) is small beside it. The grid cuts
+  2N/R tiles a GEMM, so a bigger pool means more, smaller tiles and more CPU per step:
+  10,000 workers need 32 ranks to step as fast as 1,000 do with 4. With the cost
+  planner (the default) the ranks mostly add coordinator compute, each computing its
+  slice of the batch: 56 s with one rank to 4.0 s with 8 at 1,000 workers, 46 s with 8
+  to 2.7 s with 32 at 10,000. At 10,000 workers and 8 ranks it sends 40% of the FLOPs
+  and steps slower than at 1,000: its cost model counts a tile's fixed CPU but not the
+  CPU its bytes cost the coordinator.
 
 """
