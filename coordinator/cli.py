@@ -17,8 +17,9 @@ from pathlib import Path
 from common.errors import ConfigError
 from coordinator.config_file import read_config
 from coordinator.plan.live import Planner
-from coordinator.run import CoordinatorRun, ServeOptions
+from coordinator.run import CoordinatorRun
 from coordinator.serve.local_workers import die_with_parent
+from coordinator.serve_options import ServeOptions
 from coordinator.step.job import Job
 from coordinator.step.ranks import from_environment, rank_environment
 from coordinator.structured_log import LOG_FORMATS, configure

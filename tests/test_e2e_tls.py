@@ -138,7 +138,7 @@ def test_status_https_and_untrusted_or_plain_clients_are_refused(tmp_path: Path)
 
 def test_tls_cert_and_key_go_together(tmp_path: Path) -> None:
     from coordinator.cli import parse_args
-    from coordinator.run import ServeOptions
+    from coordinator.serve_options import ServeOptions
 
     def options(*tls: str) -> ServeOptions:
         return ServeOptions.from_args(parse_args(["serve", "--coordinator-gflops", "0", *tls]))

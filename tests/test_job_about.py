@@ -220,7 +220,7 @@ def test_the_note_says_why_workers_get_no_tiles() -> None:
 def test_the_operator_describes_the_job_on_the_command_line() -> None:
     from coordinator.cli import parse_args
     from coordinator.jobs.tiny_gpt import make_job
-    from coordinator.run import ServeOptions
+    from coordinator.serve_options import ServeOptions
 
     job = make_job()
     own = ServeOptions.from_args(parse_args(["serve"])).about(job)

@@ -21,8 +21,8 @@ from coordinator.plan.live import Commitments, LiveChoice, LivePlanning
 from coordinator.plan.placement import PoolPlan, candidate_configs, fastest, plan_for_pool
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.workers import PoolView
-from coordinator.run import coordinator_gflops
 from coordinator.serve.offload import TileOffload
+from coordinator.serve_options import coordinator_gflops
 
 CONFIG = PlanConfig(min_offload_flops=1, min_tile_flops=1, target_tiles=4)
 BIG = GemmShape("mm", 1, 512, 512, 512, 4)
