@@ -1,10 +1,10 @@
 """One ``cleave-coordinator serve`` run: validated options, then start, wait for workers,
 train, shut down, each its own step.
 
-``cli.py`` parses the command line into ``ServeOptions`` (``serve_options.py``: every check happens there,
-before anything is created); ``CoordinatorRun`` composes the parts (ledger, server,
-local workers, offload, trainer) and owns their order: a checkpoint always lands before
-the workers go and the server closes, whatever ends the run.
+``cli.py`` parses the command line into ``ServeOptions`` (``serve_options.py``: every
+check happens there, before anything is created); ``CoordinatorRun`` composes the parts
+(ledger, server, local workers, offload, trainer) and owns their order: a checkpoint
+always lands before the workers go and the server closes, whatever ends the run.
 """
 
 from __future__ import annotations
