@@ -32,13 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from coordinator.tiles.verify import (  # noqa: E402
-    CheckCache,
-    CheckPlan,
-    check_product,
-    check_products,
-    new_generator,
-)
+from coordinator.tiles.check_parts import CheckCache, CheckPlan, new_generator  # noqa: E402
+from coordinator.tiles.verify import check_product, check_products  # noqa: E402
 
 SHAPES = [  # (batch or None, m, k, n, dtype)
     (None, 256, 256, 256, torch.float32),

@@ -48,8 +48,9 @@ from bench.tile_cases import (  # noqa: E402
     scale_cheat,
     shapes_label,
 )
+from coordinator.tiles.check_parts import CheckPlan  # noqa: E402
 from coordinator.tiles.honest_error import threshold  # noqa: E402
-from coordinator.tiles.verify import CheckPlan, check_product  # noqa: E402
+from coordinator.tiles.verify import check_product  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,9 @@ import random
 import pytest
 import torch
 
+from coordinator.tiles.check_parts import CheckCache, CheckPlan, new_generator
 from coordinator.tiles.honest_error import threshold
-from coordinator.tiles.verify import (
-    CheckCache,
-    CheckPlan,
-    CheckReason,
-    check_product,
-    check_products,
-    new_generator,
-)
+from coordinator.tiles.verify import CheckReason, check_product, check_products
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Largest |value| used per dtype: fp16 overflows at 65504, so its products stay small.

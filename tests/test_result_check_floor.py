@@ -23,7 +23,8 @@ from bench.tile_cases import (
     scale_cheat,
 )
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
-from coordinator.tiles.verify import CheckPlan, check_product, check_products, summarize_right
+from coordinator.tiles.check_parts import CheckPlan, summarize_right
+from coordinator.tiles.verify import check_product, check_products
 
 SHAPES: tuple[Shape, ...] = (
     (None, 16, 16, 16),

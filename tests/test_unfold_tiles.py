@@ -23,8 +23,9 @@ from common.signing import generate_private_key
 from common.tensors import content_id
 from common.unfold import Unfold
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.tiles.check_parts import new_generator
 from coordinator.tiles.tiled_gemm import TiledGemm
-from coordinator.tiles.verify import check_product, new_generator
+from coordinator.tiles.verify import check_product
 
 KEY = generate_private_key()
 SPEC = Unfold("a", kernel=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1))

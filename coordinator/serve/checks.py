@@ -36,8 +36,9 @@ from common.ops import TileOp
 from coordinator.pool.effects import Check, Checked
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.torch_threads import computing, orchestrate_on_one_thread
+from coordinator.tiles.check_parts import CheckCache, new_generator
 from coordinator.tiles.tiled_gemm import SignedTile
-from coordinator.tiles.verify import CheckCache, check_products, new_generator
+from coordinator.tiles.verify import check_products
 
 T = TypeVar("T")
 

@@ -1,0 +1,224 @@
+"""What a result check is made of: its secret vectors, how it cuts a tile's shape
+(``CheckPlan``), what it needs of each operand block (row norms, ``b ρ``: the summaries)
+and the ``CheckCache`` that shares those between the tiles of a block.
+``coordinator.tiles.verify`` says how they make a check."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TypeVar
+
+import torch
+
+SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
+MAX_CHUNKS = 32  # column chunks per row, and at most one per 128 columns (below)
+K_BLOCK = 256  # longest fp32 chain of the reference a (b ρ) on split tiles
+LOOKS = 64  # statistics a tile gets at least, where its shape allows (more vectors)
+# Rows are independent looks at a dense error only when the rows of c differ; where they
+# share one direction (non-negative activations, a large common mean) every row's c ρ
+# is about the same number, so an error along that direction escapes every row at once
+# when the vector happens to be nearly orthogonal to it. Only the vectors are
+# independent: with four, all four must be.
+MIN_VECTORS = 4
+MAX_VECTORS = 8
+
+
+def new_generator() -> torch.Generator:
+    """A private, unpredictable source of check vectors.
+
+    Never the global RNG: that one is predictable from the job's seed (a cheater could
+    craft results that pass) and drawing from it would shift the training's own random
+    stream (dropout masks).
+    """
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
+def check_vectors(
+    width: int, count: int, dtype: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
+    """``count`` secret vectors of ``width`` entries, as columns: random sign, magnitude
+    uniform in [1, 2).
+
+    Bounded away from zero, so one wrong entry moves its statistic by at least its own
+    error; continuous magnitudes, so errors in two entries cancel only by chance.
+    """
+    signed = torch.rand(width, count, dtype=dtype, generator=generator).mul_(2.0).sub_(1.0)
+    return signed.add_(torch.ones_like(signed).copysign_(signed))  # [-1, 1) -> ±[1, 2)
+
+
+def _fewest_parts(size: int, longest: int, most: int) -> int:
+    """The fewest equal parts of ``size`` no longer than ``longest``, at most ``most``;
+    ``most`` parts (or the nearest count that divides ``size``) when none is short enough."""
+    for parts in range(-(-size // longest), most + 1):
+        if size % parts == 0:
+            return parts
+    return next(p for p in range(min(size, most), 0, -1) if size % p == 0)
+
+
+def times_skinny(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``x @ v`` for a tall ``x [..., r, w]`` and a skinny ``v [..., w, V]`` (V a few
+    columns), as ``(vᵀ xᵀ)ᵀ``: BLAS packs the left operand of a product, and in ``x @ v``
+    that is all of ``x``, which made these products several times slower than a pass
+    over ``x``; with ``vᵀ`` on the left only the small one is packed and ``x`` is read
+    once, in place (``xᵀ`` is a view). The sums are the same dot products: each still a
+    chain over ``w`` at most, which is what the rounding model assumes."""
+    return (v.transpose(-1, -2) @ x.transpose(-1, -2)).transpose(-1, -2)
+
+
+def as_float64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, laid out in order (``times_skinny`` answers a transposed view)."""
+    return t.to(torch.float64, memory_format=torch.contiguous_format)
+
+
+def rows_times(x: torch.Tensor, width: int, v: torch.Tensor) -> torch.Tensor:
+    """``x`` cut into rows of ``width`` (its last dim a whole number of them), each times
+    ``v [width, V]``: ``[rows, V]`` for every row of every chunk, one product."""
+    return times_skinny(x.reshape(-1, width), v)
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    """How the check cuts one tile shape: ``rows`` output rows (all batches), each cut
+    into ``chunks`` column chunks of ``width``, ``vectors`` statistics per chunk, and
+    the reference summed over K in ``k_blocks`` blocks."""
+
+    rows: int
+    chunks: int
+    width: int
+    vectors: int
+    k_blocks: int
+
+    @classmethod
+    @lru_cache(maxsize=4096)
+    def for_shape(cls, batch: int, m: int, k: int, n: int) -> CheckPlan:
+        rows = batch * m
+        # A tile with few rows gets more vectors (independent looks at a dense error).
+        vectors = min(MAX_VECTORS, n, max(MIN_VECTORS, -(-LOOKS // rows)))
+        # The reference a (b ρ) has a column per chunk and vector, and its cost grows
+        # with them: one per 128 columns of the tile adds under 1% to the GEMM's FLOPs.
+        most = max(1, min(MAX_CHUNKS, n // 128 // vectors))
+        chunks = _fewest_parts(n, max(1, SPLIT_ABOVE // k), most)
+        width = n // chunks
+        vectors = min(vectors, width)  # beyond the width the statistics repeat one another
+        # Large tiles also sum the reference in short blocks of K (below, the plain
+        # product is faster and its rounding is modelled as it is).
+        k_blocks = _fewest_parts(k, K_BLOCK, 4 * -(-k // K_BLOCK)) if k * n > SPLIT_ABOVE else 1
+        if k_blocks > 1 and (k // k_blocks) * 4 < K_BLOCK:
+            k_blocks = 1  # K has no divisor near the block length: one chain
+        return cls(rows, chunks, width, vectors, k_blocks)
+
+    @property
+    def statistics(self) -> int:
+        return self.rows * self.chunks * self.vectors
+
+
+@dataclass(frozen=True)
+class LeftSummary:
+    """What the check needs of ``a`` besides ``a`` itself: its squared row norms."""
+
+    row_sq: torch.Tensor  # [batch, m] float64
+
+
+@dataclass(frozen=True)
+class RightSummary:
+    """What the check needs of ``b`` for one plan: the vectors it drew, ``b ρ``, and the
+    row norms of each column chunk: their largest (squared), and the norms themselves
+    where they are so uneven that the bound on the terms built from the largest would be
+    loose (None otherwise)."""
+
+    vectors: torch.Tensor  # ρ, [width, V]
+    projected: torch.Tensor  # b ρ, [batch, k, chunks * V]
+    largest_row_sq: torch.Tensor  # max_l ||b[l, chunk]||², [batch, chunks] float64
+    uneven_row_sq: torch.Tensor | None  # ||b[l, chunk]||², [batch, k, chunks] float64
+    # In a stack of tiles (check_products) where only some are uneven: which, [tiles].
+    uneven_tiles: torch.Tensor | None = None
+
+
+UNEVEN = 4.0  # largest over mean squared row norm of b beyond which terms are summed exactly
+RHO_SQ = 4.0  # the largest square of a check vector's entry: |ρ| < 2
+
+
+def summarize_left(a3: torch.Tensor) -> LeftSummary:
+    return LeftSummary(torch.linalg.vector_norm(a3, dim=-1).to(torch.float64).square_())
+
+
+def summarize_right(
+    b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator, tiles: int = 1
+) -> RightSummary:
+    """``tiles``: how many tiles ``b3`` stacks (each ``batch / tiles`` of its batches),
+    each uneven or not on its own."""
+    batch, k, _ = b3.shape
+    rho = check_vectors(plan.width, plan.vectors, b3.dtype, generator)
+    b4 = b3.reshape(batch, k, plan.chunks, plan.width)
+    # Chains of a chunk: [batch, k, chunks * V].
+    projected = rows_times(b3, plan.width, rho).reshape(batch, k, plan.chunks * plan.vectors)
+    norms = torch.linalg.vector_norm(b4, dim=-1)  # [batch, k, chunks]
+    largest = norms.amax(dim=1)
+    # The mean square over l is the norm of the norms over sqrt(k).
+    spread = largest > math.sqrt(UNEVEN / k) * torch.linalg.vector_norm(norms, dim=1)
+    uneven = spread.view(tiles, -1).any(dim=1)  # [tiles]
+    count = int(uneven.sum())
+    row_sq = norms.to(torch.float64).square_() if count else None
+    mixed = uneven if 0 < count < tiles else None
+    return RightSummary(rho, projected, largest.to(torch.float64).square_(), row_sq, mixed)
+
+
+_Summary = TypeVar("_Summary", LeftSummary, RightSummary)
+
+
+class CheckCache:
+    """Operand summaries shared by the tiles of one operand block (by its content id),
+    so a block's row norms and ``b ρ`` are computed once, not once per tile. Reusing ρ
+    across the tiles of a block is as sound as a fresh one: workers never see it.
+    Thread-safe; keeps the most recently used summaries within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int = 128 << 20) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[Hashable, LeftSummary | RightSummary] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def left(self, key: Hashable, a3: torch.Tensor) -> LeftSummary:
+        found = self._get(("a", key))
+        if not isinstance(found, LeftSummary):
+            found = self._put(("a", key), summarize_left(a3))
+        return found
+
+    def right(
+        self, key: Hashable, b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator
+    ) -> RightSummary:
+        full_key = ("b", key, plan.chunks, plan.vectors)
+        found = self._get(full_key)
+        if not isinstance(found, RightSummary):
+            found = self._put(full_key, summarize_right(b3, plan, generator))
+        return found
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _get(self, key: Hashable) -> LeftSummary | RightSummary | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def _put(self, key: Hashable, summary: _Summary) -> _Summary:
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = summary
+                self._bytes += _nbytes(summary)
+            while self._bytes > self.budget_bytes and len(self._entries) > 1:
+                self._bytes -= _nbytes(self._entries.popitem(last=False)[1])
+        return summary
+
+
+def _nbytes(summary: LeftSummary | RightSummary) -> int:
+    tensors = [getattr(summary, name) for name in summary.__dataclass_fields__]
+    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
