@@ -617,8 +617,8 @@ def test_the_predicted_finish_counts_the_tiles_sent_before_it(h: Harness) -> Non
     h.core.submit(jobs[:1], h.now)
     h.now += 1e-6
     h.core.submit(jobs[1:2], h.now)
-    first, second = (h.core.predicted_finish(w1, job.tile_id) for job in jobs[:2])
-    run = [h.core._run_time(w1, job.ticket) for job in jobs[:2]]
+    first, second = (h.core.predict.finish_at(w1, job.tile_id) for job in jobs[:2])
+    run = [h.core.predict.run_time(w1, job.ticket) for job in jobs[:2]]
     assert first == pytest.approx(start + run[0])
     assert second == pytest.approx(h.now + run[0] + run[1])  # it waits behind the first
 

@@ -42,12 +42,11 @@ from common.token_bucket import TokenBucket
 from coordinator.plan.estimates import (
     DeviceEstimate,
     from_profile,
-    overdue_finish,
-    queued_start,
 )
 from coordinator.pool.effects import Check, Checked, CloseCode, Effects, Send
 from coordinator.pool.handlers import HANDLERS, failed_check, on_result
 from coordinator.pool.ledger import Ledger
+from coordinator.pool.predictions import Predictions
 from coordinator.pool.reputation import (
     ReputationPolicy,
     after_verified,
@@ -58,7 +57,6 @@ from coordinator.schedule.scheduler import (
     Assignment,
     Scheduler,
     SchedulerConfig,
-    TileTicket,
     Verdict,
 )
 
@@ -103,6 +101,7 @@ class CoordinatorCore:
         self.workers: dict[str, Worker] = {}
         self.tiles: dict[str, Any] = {}  # tile id -> Tile, until it is verified or taken over
         self.pool = PoolView()
+        self.predict = Predictions(self.workers, self.tiles, self.scheduler, lambda: self.now)
         self._estimates_moved = False
         # How far the training has come and why workers may wait (signed once per
         # change): each worker is sent the newest one as it joins and with its next ack.
@@ -446,20 +445,12 @@ class CoordinatorCore:
         predict = len(self.workers) <= MAX_PREDICTED_WORKERS
         for assignment in self.scheduler.assign(
             self.now,
-            prefers=self._holds_a_block,
-            finish_at=self.predicted_finish if predict else None,
-            run_time=self._run_time if predict else None,
-            busy_time=self._busy_time if predict else None,
+            prefers=self.predict.holds_a_block,
+            finish_at=self.predict.finish_at if predict else None,
+            run_time=self.predict.run_time if predict else None,
+            busy_time=self.predict.busy_time if predict else None,
         ):
             self._send(assignment, effects)
-
-    def _holds_a_block(self, worker_id: str, ticket: TileTicket) -> bool:
-        """Whether the worker's operand cache already holds one of the tile's operands:
-        then it should get the tile, and the coordinator sends one operand, not two."""
-        worker = self.workers.get(worker_id)
-        if worker is None or not worker.blocks:
-            return False
-        return any(block in worker.blocks for block in ticket.blocks)
 
     def _send(self, assignment: Assignment, effects: Effects) -> None:
         worker = self.workers.get(assignment.worker_id)
@@ -496,42 +487,12 @@ class CoordinatorCore:
     def _speculate(self, effects: Effects) -> None:
         """Copy tiles predicted late (a slow or withholding worker) to idle workers; the
         first verified result wins and the other holder is cancelled."""
-        for copy in self.scheduler.speculate(self.now, self.predicted_finish, self._run_time):
+        for copy in self.scheduler.speculate(
+            self.now, self.predict.finish_at, self.predict.run_time
+        ):
             log.info("tile %s looks late: a copy goes to %s", copy.tile_id, copy.worker_id)
             self.counters.speculated += 1
             self._send(copy, effects)
-
-    def _run_time(self, worker_id: str, ticket: TileTicket) -> float:
-        """Seconds from sending ``ticket`` to an idle ``worker_id`` until its result."""
-        worker = self.workers.get(worker_id)
-        if worker is None or worker.estimate is None:
-            return float("inf")
-        return worker.estimate.tile_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
-
-    def _busy_time(self, worker_id: str, ticket: TileTicket) -> float:
-        """Seconds ``ticket`` adds behind a worker's other tiles (its prefetch window
-        overlaps transfers with compute)."""
-        worker = self.workers.get(worker_id)
-        if worker is None or worker.estimate is None:
-            return float("inf")
-        if worker.window < 2:
-            return self._run_time(worker_id, ticket)
-        return worker.estimate.pipelined_seconds(ticket.flops, ticket.down_bytes, ticket.up_bytes)
-
-    def predicted_finish(self, worker_id: str, tile_id: str) -> float:
-        """When ``worker_id`` will return ``tile_id``: after the tiles sent to it before
-        this one (it computes one at a time), later once it is overdue."""
-        worker = self.workers.get(worker_id)
-        if worker is None:
-            return float("inf")
-        # A tile the scheduler handed out in the assign call asking is sent right after.
-        sent = worker.sent_at.get(tile_id, self.now)
-        expected = 0.0
-        for held in self.scheduler.in_flight(worker_id):
-            tile = self.tiles.get(held)
-            if tile is not None and worker.sent_at.get(held, self.now) <= sent:
-                expected += self._run_time(worker_id, tile.ticket)
-        return overdue_finish(queued_start(sent, worker.last_result_at), expected, self.now)
 
     def _forget_gemm(self, gemm_id: str, effects: Effects) -> None:
         # Keeps the scheduler's record of done tiles bounded by the GEMMs in flight.
