@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cleave-installed
 STEPS ?= 30
 
-.PHONY: setup demo test test-fast bench lint clean package
+.PHONY: setup demo test test-fast bench plots lint clean package
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ bench: setup
 	$(BIN)/python bench/bench_egress.py
 	$(BIN)/python bench/bench_verify.py
 	$(BIN)/python bench/bench_step.py
+
+# Every picture in docs/: the benchmarks' from their tables in docs/benchmarks.md (seconds),
+# the simulator's by running its report again (about 20 minutes on 2 cores).
+plots: setup
+	$(BIN)/python bench/plots.py
+	$(BIN)/python -m coordinator.sim report
 
 lint: setup
 	$(BIN)/ruff check common coordinator client_app tests bench docs/examples
