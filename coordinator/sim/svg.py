@@ -37,16 +37,10 @@ def line_chart(
     def py(y: float) -> float:
         return _T + ph - (fy(y) - y0) / (y1 - y0) * ph
 
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-        f'font-family="sans-serif" font-size="11">',
-        f'<rect width="{_W}" height="{_H}" fill="white"/>',
-        f'<text x="{_W / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)}</text>',
-        f'<rect x="{_L}" y="{_T}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>',
-        f'<text x="{_L + pw / 2}" y="{_H - 10}" text-anchor="middle">{escape(x_label)}</text>',
-        f'<text transform="translate(14,{_T + ph / 2}) rotate(-90)" text-anchor="middle">'
-        f"{escape(y_label)}</text>",
-    ]
+    out = _frame(title, y_label)
+    out.append(
+        f'<text x="{_L + pw / 2}" y="{_H - 10}" text-anchor="middle">{escape(x_label)}</text>'
+    )
     for i in range(5):
         gy = y0 + (y1 - y0) * i / 4
         value = 10**gy if log_y else gy
@@ -72,6 +66,20 @@ def line_chart(
         out.append(f'<text x="{_W - _R + 32}" y="{ly}">{escape(name)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _frame(title: str, y_label: str) -> list[str]:
+    """A chart's opening: the canvas, its title, the plot's frame and the y axis's label."""
+    pw, ph = _W - _L - _R, _H - _T - _B
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
+        f'font-family="sans-serif" font-size="11">',
+        f'<rect width="{_W}" height="{_H}" fill="white"/>',
+        f'<text x="{_W / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)}</text>',
+        f'<rect x="{_L}" y="{_T}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>',
+        f'<text transform="translate(14,{_T + ph / 2}) rotate(-90)" text-anchor="middle">'
+        f"{escape(y_label)}</text>",
+    ]
 
 
 def _nice(value: float) -> float:
@@ -116,15 +124,7 @@ def bar_chart(
     def py(y: float) -> float:
         return _T + ph - y / top * ph
 
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-        f'font-family="sans-serif" font-size="11">',
-        f'<rect width="{_W}" height="{_H}" fill="white"/>',
-        f'<text x="{_W / 2}" y="18" text-anchor="middle" font-size="13">{escape(title)}</text>',
-        f'<rect x="{_L}" y="{_T}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>',
-        f'<text transform="translate(14,{_T + ph / 2}) rotate(-90)" text-anchor="middle">'
-        f"{escape(y_label)}</text>",
-    ]
+    out = _frame(title, y_label)
     for i in range(5):
         value = top * i / 4
         y = py(value)
