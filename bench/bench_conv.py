@@ -1,4 +1,4 @@
-"""Convolutions on workers: how the CNN of tests/real_models.py fares by lowering.
+"""Convolutions on workers: how the CNN of tests/support/real_models.py fares by lowering.
 
 Cleave lowers a convolution to GEMMs over its input's patch matrix (im2col). Where the
 patch matrix is formed decides the bytes on the wire: it repeats every input value up to

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from procs import reap_all
+from support.procs import reap_all
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 

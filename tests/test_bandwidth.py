@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_worker_loopback import PROFILE, FakeCoordinator, stop
-from test_worker_pacing import FakeTime, until
+from support.fake_coordinator import PROFILE, FakeCoordinator, stop
+from support.fake_time import FakeTime, until
 
 from client_app.bandwidth import BYTES_PER_KB, TokenBucket, bytes_per_s
 from client_app.config import PinStore, WorkerSettings

@@ -8,11 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from memory_pool import PROFILE
+from support.hellos import hello_frame
 
 from common import PROTOCOL_VERSION
-from common.auth import answer_challenge, check_welcome, new_nonce
+from common.auth import check_welcome
 from common.frames import encode_frame
 from common.messages import Error, Heartbeat, Welcome, encode_message, parse_message
 from common.signing import generate_private_key, public_key_hex
@@ -29,22 +28,6 @@ def core(tmp_path: Path) -> CoordinatorCore:
 
 def admission(core: CoordinatorCore, token: str = "") -> Admission:
     return Admission(core.key, core, "job", 2.0, 1 << 20, join_token=token)
-
-
-def hello_frame(
-    a: Admission, key: Ed25519PrivateKey | None = None, token: str = "", name: str = "w"
-) -> bytes:
-    hello = answer_challenge(
-        a.challenge,
-        key=key or generate_private_key(),
-        nonce=new_nonce(),
-        name=name,
-        profile=PROFILE,
-        window=1,
-        client="test",
-        token=token,
-    )
-    return encode_message(hello)
 
 
 def error_code(verdict: Refusal) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from memory_pool import PROFILE, wire_bytes
+from support.memory_pool import PROFILE, wire_bytes
 
 from common import PROTOCOL_VERSION
 from common.errors import ErrorCode

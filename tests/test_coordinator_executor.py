@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from support.small_nets import BatchNormNet
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job
@@ -312,17 +313,6 @@ def test_independent_gemms_are_in_flight_together() -> None:
     assert stats.max_gemms_in_flight >= 2
     first_two = {n for n, _ in offload.started[:2]}
     assert len(first_two) == 2
-
-
-class BatchNormNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(12, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.relu(self.bn(self.inp(x))))
 
 
 @pytest.mark.parametrize("offloaded", [False, True])

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pg_cluster import fresh_database, postgres_url  # noqa: F401  (fixtures)
+from support.pg_cluster import fresh_database, postgres_url  # noqa: F401  (fixtures)
 
 from coordinator.pool.ledger import Contribution, Ledger
 from coordinator.pool.ledger_stores import LedgerStore, MemoryStore, RowChange

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from memory_pool import PROFILE, Answer, FakeClock, MemoryPool
+from support.memory_pool import PROFILE, Answer, FakeClock, MemoryPool
 from torch import nn
 
 from common.errors import ErrorCode

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from memory_pool import PROFILE
+from support.memory_pool import PROFILE
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 

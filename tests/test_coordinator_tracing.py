@@ -9,7 +9,7 @@ import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
-from test_coordinator_executor import BatchNormNet
+from support.small_nets import BatchNormNet
 from torch import nn
 from torch.fx import Node
 

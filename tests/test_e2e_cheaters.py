@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from procs import TESTS, Coordinator, Worker, assert_losses_match, wait_until
-from real_models import make_cnn_job
+from support.procs import TESTS, Coordinator, Worker, assert_losses_match, wait_until
+from support.real_models import make_cnn_job
 
 from bench.tile_cases import CHEATS
 from coordinator import Job, train_locally
@@ -62,7 +62,7 @@ def test_cheats_on_convolution_tiles_are_rejected_and_banned(tmp_path: Path) -> 
     """A CNN's tiles carry image blocks that workers unfold; the coordinator checks the
     product over the same patches, so a cheat there is caught like any other."""
     cheats = ["bf16 operands", "scale 1+1e-4", "1 entry +-1e-3 max"]
-    _cheaters_banned(tmp_path, "real_models:make_cnn_job", make_cnn_job, cheats)
+    _cheaters_banned(tmp_path, "support.real_models:make_cnn_job", make_cnn_job, cheats)
 
 
 def _cheaters_banned(tmp_path: Path, job: str, make_job: Any, cheats: Any) -> None:
@@ -90,7 +90,7 @@ def _cheaters_banned(tmp_path: Path, job: str, make_job: Any, cheats: Any) -> No
                 name,
                 "--window",
                 "1",
-                program=TESTS / "cheating_worker.py",
+                program=TESTS / "support" / "cheating_worker.py",
                 env={"CLEAVE_CHEAT": cheat, "CLEAVE_CHEAT_LOG": str(tmp_path / f"{name}.tiles")},
             )
         )

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from procs import Coordinator, Worker, assert_losses_match, wait_until
+from support.procs import Coordinator, Worker, assert_losses_match, wait_until
 from torch import nn
 
 import coordinator.step.checkpoint as checkpoint

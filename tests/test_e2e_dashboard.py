@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import ROOT, Coordinator, Worker, wait_until
-from test_metrics import parse_exposition
+from support.exposition import parse_exposition
+from support.procs import ROOT, Coordinator, Worker, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from procs import Coordinator, Worker, assert_losses_match
+from support.procs import Coordinator, Worker, assert_losses_match
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -336,7 +336,7 @@ def test_hostile_client_during_a_run_changes_nothing(tmp_path: Path) -> None:
     workers = [Worker(tmp_path, coord.url, f"honest-{i}", "--token", TOKEN) for i in range(2)]
     pid = coord.proc.pid
     try:
-        from procs import wait_until
+        from support.procs import wait_until
 
         wait_until(lambda: coord.status()["step"] >= 1, 120, "training to start")
         asyncio.run(attack_handshakes(coord.url))

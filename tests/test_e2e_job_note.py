@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from procs import Coordinator, Worker, wait_until
+from support.procs import Coordinator, Worker, wait_until
 
 from coordinator.step.progress import ALONE_NOTE
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from pg_cluster import fresh_database, postgres_url  # noqa: F401  (fixtures)
-from procs import Coordinator, env_for
+from support.pg_cluster import fresh_database, postgres_url  # noqa: F401  (fixtures)
+from support.procs import Coordinator, env_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import Coordinator, assert_losses_match
-from real_models import (
+from support.procs import Coordinator, assert_losses_match
+from support.real_models import (
     make_cnn_job,
     make_convnext_job,
     make_data_dependent_job,
@@ -24,7 +24,7 @@ from real_models import (
     make_resnext_job,
     make_sdpa_job,
 )
-from test_real_models import BF16_REL
+from support.recording_offload import BF16_REL
 
 from coordinator.jobs.tiny_gpt import make_bf16_job
 from coordinator.step.job import train_locally
@@ -59,20 +59,20 @@ def _losses(coord: Coordinator) -> list[float]:
 
 
 def test_transformer_with_fused_attention_at_sequence_256(tmp_path: Path) -> None:
-    coord, flops = _train(tmp_path, "real_models:make_sdpa_job")
+    coord, flops = _train(tmp_path, "support.real_models:make_sdpa_job")
     assert_losses_match(_losses(coord), train_locally(make_sdpa_job(), STEPS))
     assert flops["workers_share"] >= 0.95, flops
     assert "workers computed" in coord.output()
 
 
 def test_cnn_with_batch_norm_pooling_and_a_residual(tmp_path: Path) -> None:
-    coord, flops = _train(tmp_path, "real_models:make_cnn_job")
+    coord, flops = _train(tmp_path, "support.real_models:make_cnn_job")
     assert_losses_match(_losses(coord), train_locally(make_cnn_job(), STEPS))
     assert flops["workers_share"] >= 0.90, flops
 
 
 def test_model_with_data_dependent_python_runs_eagerly_and_says_why(tmp_path: Path) -> None:
-    coord, flops = _train(tmp_path, "real_models:make_data_dependent_job")
+    coord, flops = _train(tmp_path, "support.real_models:make_data_dependent_job")
     assert_losses_match(_losses(coord), train_locally(make_data_dependent_job(), STEPS))
     assert flops["workers_share"] >= 0.90, flops
     out = coord.output()
@@ -88,27 +88,27 @@ def test_builtin_job_under_bf16_autocast(tmp_path: Path) -> None:
 
 
 def test_mixture_of_experts_with_grouped_gemms(tmp_path: Path) -> None:
-    coord, flops = _train(tmp_path, "real_models:make_moe_job")
+    coord, flops = _train(tmp_path, "support.real_models:make_moe_job")
     assert_losses_match(_losses(coord), train_locally(make_moe_job(), STEPS))
     assert flops["workers_share"] >= 0.95 and flops["uncounted"] == [], flops
     assert all(r["captured"] for r in coord.steps())
 
 
 def test_mixture_of_experts_as_a_python_loop(tmp_path: Path) -> None:
-    coord, flops = _train(tmp_path, "real_models:make_moe_loop_job")
+    coord, flops = _train(tmp_path, "support.real_models:make_moe_loop_job")
     assert_losses_match(_losses(coord), train_locally(make_moe_loop_job(), STEPS))
     assert flops["workers_share"] >= 0.95, flops
     assert "torch.where(cond)" in coord.output()
 
 
 def test_grouped_convolutions(tmp_path: Path) -> None:
-    coord, flops = _train(tmp_path, "real_models:make_resnext_job")
+    coord, flops = _train(tmp_path, "support.real_models:make_resnext_job")
     assert_losses_match(_losses(coord), train_locally(make_resnext_job(), STEPS))
     assert flops["workers_share"] >= 0.95, flops
 
 
 def test_depthwise_convolutions_stay_here_and_the_share_says_so(tmp_path: Path) -> None:
-    coord, flops = _train(tmp_path, "real_models:make_convnext_job")
+    coord, flops = _train(tmp_path, "support.real_models:make_convnext_job")
     assert_losses_match(_losses(coord), train_locally(make_convnext_job(), STEPS))
     assert flops["workers_share"] >= 0.90, flops
     kept = {k["op"]: k["why"] for k in flops["kept_here"]}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procs import Coordinator, Worker, wait_until
+from support.procs import Coordinator, Worker, wait_until
 
 from client_app.config import WorkerSettings
 from client_app.options import WorkerOptions

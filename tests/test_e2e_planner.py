@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from procs import TESTS, Coordinator, Worker, assert_losses_match
+from support.procs import TESTS, Coordinator, Worker, assert_losses_match
 
 from coordinator import train_locally
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
@@ -63,7 +63,7 @@ def test_a_coordinator_share_and_two_workers_train_together(tmp_path: Path) -> N
             tmp_path,
             coord.url,
             name,
-            program=TESTS / "fixed_speed_worker.py",
+            program=TESTS / "support" / "fixed_speed_worker.py",
             env={"CLEAVE_GFLOPS": "200"},
         )
         for name in ("w1", "w2")

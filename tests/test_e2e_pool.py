@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import ROOT, env_for
+from support.procs import ROOT, env_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 EXAMPLE = ROOT / "docs" / "examples" / "own_training_loop.py"

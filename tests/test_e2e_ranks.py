@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from procs import Coordinator, Worker, assert_losses_match, env_for, wait_until
-from real_models import make_cnn_job, make_sdpa_job
+from support.procs import Coordinator, Worker, assert_losses_match, env_for, wait_until
+from support.real_models import make_cnn_job, make_sdpa_job
 
 from coordinator.jobs.tiny_gpt import GPTConfig, make_job
 from coordinator.step.checkpoint import load_checkpoint
@@ -116,7 +116,7 @@ def test_two_ranks_train_a_gpt2_style_transformer_like_local_torch(tmp_path: Pat
     coord = Coordinator(
         tmp_path,
         *("--ranks", "2", "--steps", str(STEPS), "--local-workers", "1"),
-        *("--job", "real_models:make_sdpa_job"),
+        *("--job", "support.real_models:make_sdpa_job"),
     )
     assert coord.wait(300) == 0, coord.output()
     records = coord.steps()
@@ -162,7 +162,7 @@ def test_two_ranks_train_a_batchnorm_cnn_as_data_parallel_torch_does(tmp_path: P
     coord = Coordinator(
         tmp_path,
         *("--ranks", "2", "--steps", str(STEPS), "--local-workers", "1"),
-        *("--job", "real_models:make_cnn_job"),
+        *("--job", "support.real_models:make_cnn_job"),
     )
     assert coord.wait(300) == 0, coord.output()
     want_losses, want_buffers = train_as_ranks(make_cnn_job(), STEPS, 2)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from netns import Hosts
-from procs import assert_losses_match, env_for, read_steps
+from support.netns import Hosts
+from support.procs import assert_losses_match, env_for, read_steps
 
 from coordinator.jobs.tiny_gpt import make_job
 from coordinator.step.job import train_locally

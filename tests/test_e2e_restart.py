@@ -8,7 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from procs import Coordinator, Worker, wait_until
+from support.procs import Coordinator, Worker, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from procs import Coordinator, assert_losses_match, wait_until
+from support.procs import Coordinator, assert_losses_match, wait_until
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job

@@ -16,7 +16,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from procs import Coordinator, Worker, assert_losses_match, wait_until
+from support.procs import Coordinator, Worker, assert_losses_match, wait_until
 from websockets.sync.client import connect as ws_connect
 
 from coordinator import train_locally

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from procs import Coordinator, Worker, assert_losses_match, wait_until
+from support.procs import Coordinator, Worker, assert_losses_match, wait_until
 
 from coordinator import Job, train_locally
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt

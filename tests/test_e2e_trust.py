@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from procs import TESTS, Coordinator, Worker, assert_losses_match, wait_until
+from support.procs import TESTS, Coordinator, Worker, assert_losses_match, wait_until
 
 from coordinator import train_locally
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
@@ -67,7 +67,7 @@ def test_a_worker_returning_wrong_results_is_caught_every_time_and_banned(
         "cheat",
         "--window",
         "1",
-        program=TESTS / "perturbing_worker.py",
+        program=TESTS / "support" / "perturbing_worker.py",
         env={"CLEAVE_PERTURB_EVERY": "3", "CLEAVE_PERTURB_LOG": str(log)},
     )
     banned: list[dict[str, Any]] = []

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import real_models
 import torch
-from test_real_models import RecordingOffload
+from support import real_models
+from support.recording_offload import RecordingOffload
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from coordinator.step.flops import FlopTally, describe, op_flops, uncounted

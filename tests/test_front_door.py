@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_coordinator_admission import hello_frame
-from test_worker_session import URL, new_session, say_hello, welcome_frame
+from support.hellos import hello_frame
+from support.worker_sessions import URL, new_session, say_hello, welcome_frame
 
 from client_app.config import PinStore
 from common.auth import answer_challenge, check_welcome, new_nonce

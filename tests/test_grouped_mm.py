@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from real_models import make_moe_job
-from test_real_models import RecordingOffload
+from support.real_models import make_moe_job
+from support.recording_offload import RecordingOffload
 
 from common.ops import TileOp
 from common.unfold import Unfold

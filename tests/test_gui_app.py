@@ -23,13 +23,13 @@ import torch
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
 
-from procs import Coordinator, Worker, assert_losses_match, wait_until  # noqa: E402
 from PySide6.QtCore import Qt, QTimer  # noqa: E402
 from PySide6.QtGui import QImage, QKeySequence  # noqa: E402
 from PySide6.QtWidgets import QApplication, QLabel, QScrollArea  # noqa: E402
 from pytestqt.qtbot import QtBot  # noqa: E402
-from sample_status import JOB_STATUS  # noqa: E402
-from test_worker_loopback import PROFILE, FakeCoordinator, HeldComputer, operands  # noqa: E402
+from support.fake_coordinator import PROFILE, FakeCoordinator, HeldComputer, operands  # noqa: E402
+from support.procs import Coordinator, Worker, assert_losses_match, wait_until  # noqa: E402
+from support.sample_status import JOB_STATUS  # noqa: E402
 
 from client_app.compute import TileComputer  # noqa: E402
 from client_app.config import (  # noqa: E402
@@ -621,7 +621,7 @@ def test_a_real_coordinators_job_and_step_reach_the_window_and_tray(
 
 # ---- (f) the same look offscreen and under a real X server, at 1x and 2x ------------------
 
-PROBE = Path(__file__).resolve().parent / "window_probe.py"
+PROBE = Path(__file__).resolve().parent / "support" / "window_probe.py"
 
 
 def _probe(platform: str, scale: int, picture: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtGui import QColor, QImage  # noqa: E402
 from pytestqt.qtbot import QtBot  # noqa: E402
-from test_history import st as status  # one status builder for both history tests
+from support.statuses import st as status  # one status builder for both history tests
 
 from client_app.gui.charts import DailyChart, ThroughputChart, compact_number, nice_axis  # noqa: E402
 from client_app.gui.stats_view import (  # noqa: E402

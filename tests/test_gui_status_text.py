@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from sample_status import JOB_STATUS
+from support.sample_status import JOB_STATUS
 
 from client_app.gui.status_text import (
     MAX_DESCRIPTION_CHARS,

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from test_metrics import parse_exposition
+from support.exposition import parse_exposition
 
 from coordinator.serve import http_api
 

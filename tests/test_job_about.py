@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_worker_session import (
+from support.worker_sessions import (
     HEARTBEAT_S,
     decode,
     new_session,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from real_models import make_cnn_job, make_sdpa_job
+from support.real_models import make_cnn_job, make_sdpa_job
 
 from coordinator.step import lowering
 from coordinator.step.eager import EagerOffloadMode

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from real_models import (
+from support.real_models import (
     make_cnn_job,
     make_convnext_job,
     make_data_dependent_job,
@@ -20,49 +20,16 @@ from real_models import (
     make_resnext_job,
     make_sdpa_job,
 )
+from support.recording_offload import BF16_REL, RecordingOffload
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.unfold import Unfold
 from coordinator.jobs.tiny_gpt import make_bf16_job
-from coordinator.step.executor import GemmDone
 from coordinator.step.flops import FlopTally, describe
 from coordinator.step.job import Job, train_locally
 from coordinator.step.tracing import CaptureError, trace_step
 from coordinator.step.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
-
-# bf16 keeps 8 significant bits: two correct bf16 steps that round their intermediates at
-# different points (graph vs eager order, autocast's weight cache) give losses a few 1e-5
-# apart, growing as training diverges; 1e-3 is a quarter of bf16's unit roundoff (2^-9)
-# and still catches a wrong GEMM, which moves the loss by far more.
-BF16_REL = 1e-3
-
-
-class RecordingOffload:
-    """Computes each GEMM on the calling thread, like a worker that answers at once, and
-    records what was offloaded; hands all of its FLOPs to "workers"."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, torch.dtype]] = []
-        self.flops = 0  # of every GEMM handed here, from the shapes it saw
-
-    def start(
-        self,
-        name: str,
-        op: str,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        done: GemmDone,
-        unfold: Unfold | None = None,
-    ) -> int:
-        self.calls.append((name, "unfold_mm" if unfold else op, a.dtype))
-        if unfold is not None:
-            a, b = unfold.matrices(a, b)
-        done(torch.bmm(a, b) if op == "bmm" else a @ b)
-        flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if op == "bmm" else 1)
-        self.flops += flops
-        return flops
 
 
 def _distributed(make: Any, steps: int) -> tuple[Trainer, RecordingOffload, list[float]]:

@@ -4,8 +4,8 @@ predictions (`SchedulerConfig.leave_for_faster`)."""
 from __future__ import annotations
 
 import pytest
-from test_scheduler_speculation import run_times, ticket
-from test_scheduler_speculation import table as finishing
+from support.scheduler_tables import run_times, ticket
+from support.scheduler_tables import table as finishing
 
 from coordinator.schedule.scheduler import Assignment, Scheduler, SchedulerConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from test_scheduler_speculation import run_times, ticket
-from test_scheduler_speculation import table as finishing
+from support.scheduler_tables import run_times, ticket
+from support.scheduler_tables import table as finishing
 
 from coordinator.schedule.scheduler import STEAL_MARGIN, Assignment, Scheduler, SchedulerConfig
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.scheduler_tables import run_times, table, ticket
 
 from coordinator.schedule.scheduler import (
     Assignment,
@@ -10,23 +11,10 @@ from coordinator.schedule.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerStats,
-    TileTicket,
     Verdict,
 )
 
 SPECULATE = SchedulerConfig(heartbeat_timeout_s=10.0, tile_timeout_s=300.0, speculate_after=2.0)
-
-
-def ticket(tile_id: str, wire: int = 100) -> TileTicket:
-    return TileTicket(tile_id, "g", flops=1000, down_bytes=wire - 10, up_bytes=10)
-
-
-def table(finish: dict[tuple[str, str], float]):  # type: ignore[no-untyped-def]
-    return lambda worker_id, tile_id: finish[(worker_id, tile_id)]
-
-
-def run_times(seconds: dict[str, float]):  # type: ignore[no-untyped-def]
-    return lambda worker_id, _ticket: seconds[worker_id]
 
 
 def two_tiles_on_slow_and_fast() -> Scheduler:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_worker_loopback import FakeCoordinator, within
+from support.fake_coordinator import FakeCoordinator, within
 
 from client_app import cli
 from client_app.config import PinStore, WorkerSettings

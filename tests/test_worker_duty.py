@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_worker_loopback import PROFILE, FakeCoordinator, Link, stop
-from test_worker_pacing import FakeTime, until
+from support.fake_coordinator import PROFILE, FakeCoordinator, Link, stop
+from support.fake_time import FakeTime, until
 
 from client_app.compute import TileComputer
 from client_app.config import PinStore, WorkerSettings

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_worker_loopback import FakeCoordinator, within
+from support.fake_coordinator import FakeCoordinator, within
 
 from client_app import cli, readings
 from client_app.config import WorkerSettings

@@ -5,11 +5,26 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from support.worker_sessions import (
+    HEARTBEAT_S,
+    NONCES,
+    PROFILE,
+    URL,
+    WORKER_KEY,
+    challenge_frame,
+    decode,
+    join,
+    new_session,
+    only_error,
+    say_hello,
+    task,
+    welcome_frame,
+    welcomed,
+)
 
 from client_app.config import PinStore
 from client_app.session import Actions, Phase, WorkerSession
@@ -22,13 +37,10 @@ from common.messages import (
     Bye,
     Cancel,
     Challenge,
-    DeviceProfile,
     Error,
     Heartbeat,
     Hello,
-    Message,
     Pause,
-    Received,
     Result,
     Resume,
     encode_message,
@@ -38,16 +50,7 @@ from common.messages import (
 from common.signing import fingerprint, generate_private_key, public_key_hex
 from common.tensors import content_id
 
-URL = "ws://127.0.0.1:9/ws"
-PROFILE = DeviceProfile(
-    device="cpu",
-    device_name="test cpu",
-    threads=1,
-    ram_bytes=1 << 33,
-    mem_cap_bytes=1 << 20,
-    gflops=10.0,
-)
-HEARTBEAT_S = 5.0
+# ---- joining --------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -58,100 +61,6 @@ def key() -> Ed25519PrivateKey:
 @pytest.fixture
 def pins(tmp_path: Path) -> PinStore:
     return PinStore.in_dir(tmp_path)
-
-
-WORKER_KEY = generate_private_key()
-NONCES = iter(f"{i:064x}" for i in range(1 << 30))
-
-
-def new_session(pins: PinStore, **kwargs: object) -> WorkerSession:
-    options: dict[str, object] = dict(
-        name="w", identity=WORKER_KEY, profile=PROFILE, pin_check=pins.check
-    )
-    options.update(kwargs)
-    return WorkerSession(URL, nonce_source=lambda: next(NONCES), **options)  # type: ignore[arg-type]
-
-
-def challenge_frame(key: Ed25519PrivateKey, token_required: bool = False) -> bytes:
-    return encode_message(Challenge(next(NONCES), public_key_hex(key), token_required))
-
-
-def say_hello(session: WorkerSession, key: Ed25519PrivateKey, now: float) -> Received:
-    """Connect and answer the coordinator's challenge: the hello as the coordinator reads it."""
-    session.connect(now)
-    challenge = challenge_frame(key)
-    actions = session.receive(challenge, now)
-    assert session.phase is Phase.HELLO_SENT and len(actions.send) == 1
-    received = parse_message(actions.send[0])
-    hello = received.message
-    assert isinstance(hello, Hello)
-    check = parse_message(challenge).message
-    assert isinstance(check, Challenge)
-    check_hello(hello, received.frame.header, check)  # the proof verifies
-    return received
-
-
-def welcome_frame(
-    key: Ed25519PrivateKey, hello: Received, max_frame_bytes: int = 1 << 26, **ranks: Any
-) -> bytes:
-    """The signed welcome for ``hello`` (``ranks``: make_welcome's rank, ranks, serve_at)."""
-    assert isinstance(hello.message, Hello)
-    return encode_message(
-        make_welcome(
-            key,
-            hello.message,
-            worker_id="w-7",
-            heartbeat_interval_s=HEARTBEAT_S,
-            max_frame_bytes=max_frame_bytes,
-            job="test",
-            **ranks,
-        )
-    )
-
-
-def join(
-    session: WorkerSession,
-    key: Ed25519PrivateKey,
-    now: float = 0.0,
-    max_frame_bytes: int = 1 << 26,
-) -> Actions:
-    """Connect, answer the challenge and take the welcome; the welcome's actions."""
-    hello = say_hello(session, key, now)
-    return session.receive(welcome_frame(key, hello, max_frame_bytes), now)
-
-
-def decode(frame: bytes) -> Message:
-    return parse_message(frame).message
-
-
-def welcomed(pins: PinStore, key: Ed25519PrivateKey, now: float = 0.0) -> WorkerSession:
-    session = new_session(pins)
-    actions = join(session, key, now)
-    assert actions.welcome is not None and not actions.refusal
-    return session
-
-
-def task(
-    key: Ed25519PrivateKey,
-    tile_id: str = "t-1",
-    shape: tuple[int, int, int] = (4, 6, 3),
-    dtype: torch.dtype = torch.float32,
-) -> tuple[bytes, torch.Tensor, torch.Tensor]:
-    m, k, n = shape
-    gen = torch.Generator().manual_seed(hash(tile_id) % 1000)
-    a = torch.randn(m, k, generator=gen).to(dtype)
-    b = torch.randn(k, n, generator=gen).to(dtype)
-    return encode_task(tile_id, "mm", a, b, key), a, b
-
-
-def only_error(frames: tuple[bytes, ...]) -> Error:
-    assert len(frames) == 1
-    msg = decode(frames[0])
-    assert isinstance(msg, Error), msg
-    return msg
-
-
-# ---- joining --------------------------------------------------------------------------
 
 
 def test_challenge_is_answered_with_a_signed_hello(pins: PinStore, key: Ed25519PrivateKey) -> None:

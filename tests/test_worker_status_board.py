@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_worker_session import join, new_session, task
+from support.worker_sessions import join, new_session, task
 
 from client_app.config import PinStore
 from client_app.session import WorkerSession

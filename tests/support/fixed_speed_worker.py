@@ -4,7 +4,7 @@ speed in the Hello instead of measuring it.
 What the cost planner sends a worker first depends on that figure, and a loaded machine
 can measure anything: a test that needs the planner to offload fixes it here.
 
-Run as ``python tests/fixed_speed_worker.py <cleave-worker arguments>``.
+Run as ``python tests/support/fixed_speed_worker.py <cleave-worker arguments>``.
 """
 
 from __future__ import annotations

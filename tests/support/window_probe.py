@@ -13,12 +13,13 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a checkout, uninstalled
+# The tests' folder (for support.*) and the checkout (for an uninstalled client_app).
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
 
 from PySide6.QtWidgets import QApplication, QLabel, QPushButton  # noqa: E402
-from sample_status import JOB_STATUS  # noqa: E402
 
 from client_app.config import WorkerSettings  # noqa: E402
+from support.sample_status import JOB_STATUS  # noqa: E402
 
 
 def cut_off(widget: QLabel | QPushButton) -> bool:

@@ -7,7 +7,7 @@ product passed through that cheat. Each tile is logged to ``CLEAVE_CHEAT_LOG`` a
 "cheated", or "honest" where the cheat had nothing to change (a replay needs an earlier
 tile of the same shape), so the test can match the coordinator's verdicts to the truth.
 
-Run as ``python tests/cheating_worker.py <cleave-worker arguments>``.
+Run as ``python tests/support/cheating_worker.py <cleave-worker arguments>``.
 """
 
 from __future__ import annotations

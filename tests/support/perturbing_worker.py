@@ -5,7 +5,7 @@ tile's largest magnitude: a subtle cheat (one number in thousands) that would st
 poison training. Each computed tile is logged to ``CLEAVE_PERTURB_LOG`` as "honest" or
 "perturbed", so the test can match the coordinator's verdicts against the truth.
 
-Run as ``python tests/perturbing_worker.py <cleave-worker arguments>``.
+Run as ``python tests/support/perturbing_worker.py <cleave-worker arguments>``.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 # Every process a test starts, so that one failing half-way never leaves a coordinator
 # or worker running into the next test (conftest reaps them after each test).
 _STARTED: list[subprocess.Popen[bytes]] = []

@@ -1,5 +1,5 @@
 """A worker's status with a job on show: what the window tests and the window probe
-(tests/window_probe.py) lay out."""
+(tests/support/window_probe.py) lay out."""
 
 from __future__ import annotations
 
