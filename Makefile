@@ -25,9 +25,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# The unit tier: one process, no network, about a minute.
+# The unit tier (tests/unit/): one process, no network, about two minutes.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m unit
+	$(BIN)/python -m pytest -q tests/unit
 
 bench: setup
 	$(BIN)/python bench/bench_tile.py

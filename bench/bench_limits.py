@@ -1,7 +1,7 @@
 """The owner's limits, measured in real time: how close a worker comes to them.
 
-The test suite checks the limits exactly on an injected clock (tests/test_worker_duty.py,
-tests/test_bandwidth.py), where no load on the machine can move a figure. What a real
+The test suite checks the limits exactly on an injected clock (tests/loopback/test_worker_duty.py,
+tests/loopback/test_bandwidth.py), where no load on the machine can move a figure. What a real
 worker reaches in real time, with the CPU time the OS accounts and the bytes a socket
 carries, is measured here, each figure as a ratio to its target, with a real
 ``WorkerCore`` on the loopback fake coordinator. Run on a quiet machine:

@@ -17,7 +17,7 @@ Three kinds of process, so that the load never shares the coordinator's event lo
 Run: ``python bench/bench_load.py [--workers 1000] [--seconds 20] [--tile 64] [--json F]``.
 ``--ranks R`` starts R coordinator processes, each serving its share of the connections
 as coordinator ranks do (``--ledger postgresql://...`` for one ledger they share).
-The pieces are importable: ``tests/test_load_smoke.py`` runs ``run_load`` with 30 workers.
+The pieces are importable: ``tests/loopback/test_load_smoke.py`` runs ``run_load`` with 30 workers.
 """
 
 from __future__ import annotations

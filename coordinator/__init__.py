@@ -1,7 +1,7 @@
 """The Cleave coordinator: a parameter server that trains a model with volunteers' GEMMs.
 
 The packages follow the data flow, and each imports only the ones below it (the
-import-linter contracts in pyproject.toml, run by ``make lint`` and tests/test_layers.py):
+import-linter contracts in pyproject.toml, run by ``make lint`` and tests/unit/test_layers.py):
 
     cli, sim       composition roots: the ``cleave-coordinator`` command; the simulator
     serve/         I/O: the WebSocket server (a pump around the core), HTTP, metrics,

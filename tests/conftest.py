@@ -1,5 +1,5 @@
 """Shared test set-up: offscreen Qt, no test ever touches the user's real config, and
-every test belongs to one tier (a marker, set here from its file):
+every test belongs to one tier (a marker, set here from the folder its file is in):
 
 - ``unit``: one process, no network (enforced: opening an IP socket fails the test);
 - ``loopback``: real sockets on 127.0.0.1 within the test's process;
@@ -21,29 +21,20 @@ from support.procs import reap_all
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-GUI_FILES = {"test_gui_app.py", "test_gui_stats.py", "test_settings_dialog.py"}
-LOOPBACK_FILES = {
-    "test_bandwidth.py",
-    "test_coordinator_ledger.py",  # the PostgreSQL store's server on 127.0.0.1
-    "test_coordinator_server.py",
-    "test_http_api.py",
-    "test_load_smoke.py",
-    "test_worker_cli.py",
-    "test_worker_duty.py",
-    "test_worker_loopback.py",
-    "test_worker_policy_runner.py",
-}
+TIERS = ("unit", "loopback", "gui", "e2e")
 
 
 def _tier(item: pytest.Item) -> str:
-    name = Path(str(item.fspath)).name
-    if item.get_closest_marker("e2e") is not None or name.startswith("test_e2e_"):
+    """The folder's tier; a test marked e2e in another folder (the app's window drawn by
+    a process of its own) is e2e."""
+    if item.get_closest_marker("e2e") is not None:
         return "e2e"
-    if name in GUI_FILES:
-        return "gui"
-    if name in LOOPBACK_FILES:
-        return "loopback"
-    return "unit"
+    folder = Path(str(item.fspath)).parent.name
+    if folder not in TIERS:
+        raise pytest.UsageError(
+            f"{item.fspath}: a test file belongs in tests/{{{','.join(TIERS)}}}/"
+        )
+    return folder
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,8 +53,8 @@ def _off_the_network(method: str) -> Callable[..., object]:
     def guard(self: socket.socket, *args: object) -> object:
         if self.family in (socket.AF_INET, socket.AF_INET6):
             raise AssertionError(
-                f"a unit test called socket.{method}: keep it off the network, or list its "
-                "file in LOOPBACK_FILES (tests/conftest.py)"
+                f"a unit test called socket.{method}: keep it off the network, or move its "
+                "file to tests/loopback/"
             )
         return real(self, *args)
 

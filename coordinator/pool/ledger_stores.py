@@ -11,7 +11,7 @@ additive changes, one transaction each; the ledger (``coordinator.pool.ledger``)
 rows in memory and decides when to commit. Beside the rows, a store journals what each GEMM
 of the steps no checkpoint covers yet has paid (``coordinator.pool.payouts``), committed
 in the same transaction as the credit it records. The same test suite runs against all three
-(``tests/test_coordinator_ledger.py``).
+(``tests/loopback/test_coordinator_ledger.py``).
 """
 
 from __future__ import annotations

@@ -321,7 +321,7 @@ writes JSON (`--json FILE`).
 - (e) With a pull scheduler and a window of 2, 10x stragglers in a bandwidth-bound pool
   cost little; speculative copies change the step by under 0.1 s here (the cache saves
   ~1.7 s). Their benefit shows in compute-bound pools (see
-  tests/test_sim.py::test_speculation_rescues_stragglers).
+  tests/unit/test_sim.py::test_speculation_rescues_stragglers).
 - (f) Coordinator ranks, with the coordinator's CPU modelled from the benches: where
   every GEMM is sent (grid), that CPU is what binds, 97-100% busy on every rank, and a
   step shrinks with the workers each rank serves: 1,000 workers take 1,055 s a step with

@@ -1,7 +1,7 @@
 """Lay out the app's main window with a job on show and print what a person would see,
 as JSON: the Qt platform, the scale, the window's size, and every visible label's text
 and whether it is cut off. Run under a platform (offscreen, or xcb on an X server) and a
-``QT_SCALE_FACTOR`` chosen by the caller (tests/test_gui_app.py), in a process of its own
+``QT_SCALE_FACTOR`` chosen by the caller (tests/gui/test_gui_app.py), in a process of its own
 because both are fixed when Qt starts."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 attention and convolutions to GEMMs, counts every op's FLOPs and who computed them, and
 trains bf16 autocast jobs with bf16 GEMMs. Losses are compared with ``train_locally``.
 
-The end-to-end tier (real workers over sockets) is tests/test_e2e_models.py.
+The end-to-end tier (real workers over sockets) is tests/e2e/test_e2e_models.py.
 """
 
 from __future__ import annotations

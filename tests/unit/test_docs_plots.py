@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.sim.svg import bar_chart
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import plots  # noqa: E402
 

@@ -104,7 +104,7 @@ def test_a_batch_that_does_not_split_across_the_ranks_is_refused_with_its_sizes(
         "--local-workers",
         "1",
         "--job",
-        "test_e2e_ranks:make_odd_batch_job",
+        "e2e.test_e2e_ranks:make_odd_batch_job",
     )
     assert coord.wait(300) != 0
     out = coord.output()

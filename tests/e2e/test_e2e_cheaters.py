@@ -55,7 +55,7 @@ def slug(cheat: str) -> str:
 
 
 def test_every_cheat_is_rejected_every_time_and_its_key_banned(tmp_path: Path) -> None:
-    _cheaters_banned(tmp_path, "test_e2e_cheaters:make_deep_mlp_job", make_deep_mlp_job, CHEATS)
+    _cheaters_banned(tmp_path, "e2e.test_e2e_cheaters:make_deep_mlp_job", make_deep_mlp_job, CHEATS)
 
 
 def test_cheats_on_convolution_tiles_are_rejected_and_banned(tmp_path: Path) -> None:

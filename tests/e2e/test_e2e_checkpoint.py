@@ -314,7 +314,7 @@ def test_a_coordinator_killed_mid_checkpoint_write_resumes_from_the_previous_one
     path = state / "checkpoint.pt"
     args = (
         *("--port", str(port), "--state-dir", str(state), "--min-workers", "1"),
-        *("--steps", str(TORN_STEPS), "--job", "test_e2e_checkpoint:make_large_checkpoint_job"),
+        *("--steps", str(TORN_STEPS), "--job", "e2e.test_e2e_checkpoint:make_large_checkpoint_job"),
     )
     runs: list[Coordinator] = []
     worker: Worker | None = None

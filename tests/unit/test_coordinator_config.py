@@ -11,7 +11,7 @@ from common.errors import ConfigError
 from coordinator.cli import build_parser, parse_args, subcommand_parser
 from coordinator.config_file import config_values
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "packaging" / "server" / "coordinator.toml"
 
 

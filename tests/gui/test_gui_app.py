@@ -621,7 +621,7 @@ def test_a_real_coordinators_job_and_step_reach_the_window_and_tray(
 
 # ---- (f) the same look offscreen and under a real X server, at 1x and 2x ------------------
 
-PROBE = Path(__file__).resolve().parent / "support" / "window_probe.py"
+PROBE = Path(__file__).resolve().parents[1] / "support" / "window_probe.py"
 
 
 def _probe(platform: str, scale: int, picture: Path) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def test_model_defined_in_test_file_through_job_contract(tmp_path: Path) -> None
     coord = Coordinator(
         tmp_path,
         "--job",
-        "test_e2e_training:make_shared_attention_job",
+        "e2e.test_e2e_training:make_shared_attention_job",
         "--steps",
         str(steps),
         "--local-workers",

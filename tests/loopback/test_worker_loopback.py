@@ -44,7 +44,7 @@ from common.signing import fingerprint, generate_private_key, public_key_hex
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_result(received: Received, tile_id: str, a: torch.Tensor, b: torch.Tensor) -> None:

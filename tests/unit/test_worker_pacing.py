@@ -1,8 +1,9 @@
 """The pacer: rests and bandwidth waits, exact under an injected clock and wait.
 
-``FakeTime`` is also the time that tests/test_worker_duty.py and tests/test_bandwidth.py
-give a whole ``WorkerCore``: its clocks move only when a wait passes (or a test says
-so), so every rate comes out exact however loaded the machine is.
+``FakeTime`` (tests/support/fake_time.py) is also the time that
+tests/loopback/test_worker_duty.py and tests/loopback/test_bandwidth.py give a whole
+``WorkerCore``: its clocks move only when a wait passes (or a test says so), so every
+rate comes out exact however loaded the machine is.
 """
 
 from __future__ import annotations
