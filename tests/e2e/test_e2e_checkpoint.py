@@ -194,7 +194,7 @@ def test_a_process_whose_trainer_was_never_closed_exits_after_its_last_write(
     # trainer by hand and never closes it must still exit (with its checkpoint whole).
     path = tmp_path / "checkpoint.pt"
     script = (
-        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "import sys; sys.path[:0] = sys.argv[2:]\n"
         "from pathlib import Path\n"
         "from test_e2e_checkpoint import _mlp_job\n"
         "from coordinator.step.trainer import Trainer\n"
@@ -202,7 +202,8 @@ def test_a_process_whose_trainer_was_never_closed_exits_after_its_last_write(
         "t.train_step(); t.train_step()\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(path), str(Path(__file__).parent)],
+        # This file's folder, and the tests' (for support.*), as pytest has them.
+        [sys.executable, "-c", script, str(path), *map(str, Path(__file__).parents[:2])],
         timeout=90,
         capture_output=True,
         text=True,
