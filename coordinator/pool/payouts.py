@@ -45,9 +45,6 @@ class Payouts:
         for payout in paid:
             self._add(payout)
 
-    def __len__(self) -> int:
-        return len(self._paid)
-
     def paid(self, gemm_id: str) -> int:
         payout = self._paid.get(gemm_id)
         return payout.flops if payout is not None else 0
