@@ -442,14 +442,8 @@ class CoordinatorCore:
         # Steals of planned tiles and earliest-finish holds (leave_for_faster) cost a
         # prediction per worker per call: past a few hundred workers, the planned workers
         # first, then the pull order, decide.
-        predict = len(self.workers) <= MAX_PREDICTED_WORKERS
-        for assignment in self.scheduler.assign(
-            self.now,
-            prefers=self.predict.holds_a_block,
-            finish_at=self.predict.finish_at if predict else None,
-            run_time=self.predict.run_time if predict else None,
-            busy_time=self.predict.busy_time if predict else None,
-        ):
+        timed = len(self.workers) <= MAX_PREDICTED_WORKERS
+        for assignment in self.scheduler.assign(self.now, self.predict, timed=timed):
             self._send(assignment, effects)
 
     def _send(self, assignment: Assignment, effects: Effects) -> None:
@@ -487,9 +481,7 @@ class CoordinatorCore:
     def _speculate(self, effects: Effects) -> None:
         """Copy tiles predicted late (a slow or withholding worker) to idle workers; the
         first verified result wins and the other holder is cancelled."""
-        for copy in self.scheduler.speculate(
-            self.now, self.predict.finish_at, self.predict.run_time
-        ):
+        for copy in self.scheduler.speculate(self.now, self.predict):
             log.info("tile %s looks late: a copy goes to %s", copy.tile_id, copy.worker_id)
             self.counters.speculated += 1
             self._send(copy, effects)

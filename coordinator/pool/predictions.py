@@ -14,7 +14,7 @@ from coordinator.schedule.scheduler import Scheduler, TileTicket
 
 
 class Predictions:
-    """Predictions from the core's own maps, read as they are at each call."""
+    """The core's ``Predictor``: from its own maps, read as they are at each call."""
 
     def __init__(
         self,
@@ -28,7 +28,7 @@ class Predictions:
         self._scheduler = scheduler
         self._now = now
 
-    def holds_a_block(self, worker_id: str, ticket: TileTicket) -> bool:
+    def prefers(self, worker_id: str, ticket: TileTicket) -> bool:
         """Whether the worker's operand cache already holds one of the tile's operands:
         then it should get the tile, and the coordinator sends one operand, not two."""
         worker = self._workers.get(worker_id)

@@ -20,23 +20,23 @@ Planned tiles: a ticket may name the worker the cost-model planner placed it on
 (`TileTicket.planned_for`). It waits in that worker's own queue and goes to it first; a
 worker left with free slots takes the last planned tile of the worker that would finish
 it latest, when it would return that tile clearly sooner (work stealing by earliest
-finish, with the caller's predictions and `STEAL_MARGIN`; without predictions, from the
-longest planned queue). So the schedule
-the planner predicted is the one that runs, and a wrong prediction costs a steal, not a
-stall.
+finish, with the caller's `Predictor` and `STEAL_MARGIN`; without predictions, from the
+longest planned queue). So the schedule the planner predicted is the one that runs, and a
+wrong prediction costs a steal, not a stall.
 
 Speculative copies (opt-in, `SchedulerConfig.speculate_after`): `speculate(now, ...)`
 hands a copy of a tile whose holder is predicted to be late to an idle worker that would
-finish it much sooner. The caller's cost model supplies the predictions; the scheduler
+finish it much sooner. The caller's `Predictor` supplies the predictions; the scheduler
 only decides which tile goes where, and the usual first-result-wins rule cancels the
 loser.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from coordinator.schedule.assignment import PREFERENCE_LOOKAHEAD, STEAL_MARGIN, assign_tiles
+from coordinator.schedule.predictor import Predictor
 from coordinator.schedule.records import (
     Assignment,
     Completion,
@@ -60,6 +60,7 @@ __all__ = [
     "Assignment",
     "Completion",
     "Expiry",
+    "Predictor",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",
@@ -153,12 +154,7 @@ class Scheduler:
         state.bump("submitted", len(batch))
 
     def assign(
-        self,
-        now: float,
-        prefers: Callable[[str, TileTicket], bool] | None = None,
-        finish_at: Callable[[str, str], float] | None = None,
-        run_time: Callable[[str, TileTicket], float] | None = None,
-        busy_time: Callable[[str, TileTicket], float] | None = None,
+        self, now: float, predictor: Predictor | None = None, *, timed: bool = True
     ) -> list[Assignment]:
         """Fill free window slots: first each worker's planned tiles, then the common
         queue FIFO, one slot per worker in turn, then steals of planned tiles.
@@ -167,22 +163,29 @@ class Scheduler:
         already holding it, never refused it, and with a memory cap that fits it. A tile
         nobody may take stays queued in place; the tiles behind it still go out.
 
-        ``prefers(worker_id, ticket)`` (optional): a worker among the next few in turn for
-        which it is true (one that already holds an operand block of the tile, say) takes
-        the tile ahead of its turn.
-
-        The caller's predictions (as for speculate: `finish_at(worker_id, tile_id)` for
-        tiles a worker holds, `run_time(worker_id, ticket)` from handing it over to its
-        result) decide steals: a worker with a free slot takes another's planned tile
-        only when it would return it before that worker, counting each from when it is
-        free of what it holds and, for the planned worker, of its planned tiles ahead;
-        `busy_time(worker_id, ticket)` (default: run_time) is what a tile adds behind
-        other tiles, less than its run time where transfers overlap compute.
-        With `SchedulerConfig.leave_for_faster` they also make a worker pass on a fresh
-        tile of the common queue that another worker would return that many times
-        sooner; the tile waits for that worker.
+        With a ``predictor``, a worker among the next few in turn that it ``prefers`` for
+        a tile takes the tile ahead of its turn. Its timings (unless ``timed`` is false:
+        they cost a prediction per worker per call) decide steals: a worker with a free
+        slot takes another's planned tile only when it would return it before that
+        worker, counting each from when it is free of what it holds (``finish_at``) and,
+        for the planned worker, of its planned tiles ahead (``busy_time`` each). With
+        `SchedulerConfig.leave_for_faster` they also make a worker pass on a fresh tile of
+        the common queue that another worker would return that many times sooner
+        (``run_time``); the tile waits for that worker. Without them, free workers steal
+        from the longest planned queue.
         """
-        return assign_tiles(self._state, now, prefers, finish_at, run_time, busy_time)
+        if predictor is None:
+            return assign_tiles(self._state, now, None, None, None, None)
+        if not timed:
+            return assign_tiles(self._state, now, predictor.prefers, None, None, None)
+        return assign_tiles(
+            self._state,
+            now,
+            predictor.prefers,
+            predictor.finish_at,
+            predictor.run_time,
+            predictor.busy_time,
+        )
 
     def complete(self, worker_id: str, tile_id: str, now: float) -> Completion:
         """A result passed verification. The first one for a tile wins.
@@ -205,25 +208,19 @@ class Scheduler:
             return Completion(Verdict.DUPLICATE)
         return Completion(Verdict.NOT_ASSIGNED)
 
-    def speculate(
-        self,
-        now: float,
-        finish_at: Callable[[str, str], float],
-        run_time: Callable[[str, TileTicket], float],
-    ) -> list[Assignment]:
+    def speculate(self, now: float, predictor: Predictor) -> list[Assignment]:
         """Copy late tiles to idle workers; returns the copies to send. Off (always [])
         unless `SchedulerConfig.speculate_after` is set.
 
-        `finish_at(worker_id, tile_id)` predicts when a holder returns its tile (its queue
-        and measured speed included); `run_time(worker_id, ticket)` predicts how long an
-        idle worker needs from assignment to result. Both come from the caller's cost
-        model. Only workers holding nothing count as idle, so a copy never waits behind
-        other work. Latest tiles are rescued first, each by the idle worker that would
-        return it soonest; a tile gets a copy when every holder's predicted finish is more
-        than `speculate_after` times that worker's run time away. Queued tiles are left
-        to assign(), which serves them anyway.
+        The predictor's ``finish_at`` says when a holder returns its tile, its
+        ``run_time`` how long an idle worker needs from assignment to result. Only
+        workers holding nothing count as idle, so a copy never waits behind other work.
+        Latest tiles are rescued first, each by the idle worker that would return it
+        soonest; a tile gets a copy when every holder's predicted finish is more than
+        `speculate_after` times that worker's run time away. Queued tiles are left to
+        assign(), which serves them anyway.
         """
-        return speculative_copies(self._state, now, finish_at, run_time)
+        return speculative_copies(self._state, now, predictor.finish_at, predictor.run_time)
 
     def stranded(self) -> list[str]:
         """Queued tiles that no connected, unpaused worker may ever take: every one of

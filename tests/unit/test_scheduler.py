@@ -14,6 +14,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from support.scheduler_tables import Table
 
 from coordinator.schedule.scheduler import (
     Assignment,
@@ -817,7 +818,7 @@ def test_a_preferred_worker_takes_a_tile_ahead_of_its_turn() -> None:
                 TileTicket("t-a1b", "g", 10, 10, 10, blocks=("A1", "B1")),
             ]
         )
-        return pairs(sched.assign(1.0, prefers=preference))  # type: ignore[arg-type]
+        return pairs(sched.assign(1.0, Table(holds=preference), timed=False))  # type: ignore[arg-type]
 
     assert run(None) == [("w1", "t-a1"), ("w2", "t-a0"), ("w1", "t-x"), ("w2", "t-a1b")]
     # t-a1 and t-a0 go to their holders out of turn; the rest keep the rotation.

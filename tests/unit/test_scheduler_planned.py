@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from support.scheduler_tables import run_times, ticket
-from support.scheduler_tables import table as finishing
+from support.scheduler_tables import Table, ticket
 
 from coordinator.schedule.scheduler import STEAL_MARGIN, Assignment, Scheduler, SchedulerConfig
 
 CONFIG = SchedulerConfig(heartbeat_timeout_s=10.0, tile_timeout_s=300.0)
 # fast needs 1 s per tile, slow 10 s, mid 2 s (a tile's run time equals what it adds
-# behind other tiles here: busy_time defaults to run_time).
-RUN = run_times({"fast": 1.0, "slow": 10.0, "mid": 2.0})
+# behind other tiles here: the table's busy_time defaults to its run times).
+RUN = {"fast": 1.0, "slow": 10.0, "mid": 2.0}
 
 
 def planned(tile_id: str, worker_id: str | None):  # type: ignore[no-untyped-def]
@@ -47,11 +46,11 @@ def test_a_planned_tile_waits_for_its_busy_worker_when_nobody_is_much_sooner() -
     assert pairs(sched.assign(0.0)) == [("fast", "t0")]
     sched.submit([planned("t1", "fast")])
     # fast returns t0 at 1, then t1 at 2; slow would return t1 at 10 > 2 / margin.
-    finish = finishing({("fast", "t0"): 1.0})
-    assert sched.assign(0.0, finish_at=finish, run_time=RUN) == []
+    finish = {("fast", "t0"): 1.0}
+    assert sched.assign(0.0, Table(finish, RUN)) == []
     assert sched.queued_count() == 1
     sched.complete("fast", "t0", 1.0)
-    assert pairs(sched.assign(1.0, finish_at=finishing({}), run_time=RUN)) == [("fast", "t1")]
+    assert pairs(sched.assign(1.0, Table({}, RUN))) == [("fast", "t1")]
     sched.check_invariants()
 
 
@@ -64,21 +63,21 @@ def test_a_free_worker_steals_the_last_planned_tile_it_would_return_clearly_soon
     # would return it at 2, and 2 x 1.5 = 3 < 5: mid takes t4 (the back of the queue,
     # so fast keeps the tiles it would return first). mid is then full.
     assert STEAL_MARGIN == 1.5
-    finish = finishing({("fast", "t0"): 1.0})
-    assert pairs(sched.assign(0.0, finish_at=finish, run_time=RUN)) == [("mid", "t4")]
+    finish = {("fast", "t0"): 1.0}
+    assert pairs(sched.assign(0.0, Table(finish, RUN))) == [("mid", "t4")]
     sched.complete("mid", "t4", 2.0)
     # At 2: fast holds t0 (overdue: back at 2.5, say), then t1..t3: back at 5.5; mid
     # would return t3 at 2 from now: 3 < 3.5, it steals t3.
-    finish = finishing({("fast", "t0"): 2.5})
-    assert pairs(sched.assign(2.0, finish_at=finish, run_time=RUN)) == [("mid", "t3")]
+    finish = {("fast", "t0"): 2.5}
+    assert pairs(sched.assign(2.0, Table(finish, RUN))) == [("mid", "t3")]
     sched.complete("mid", "t3", 4.0)
     # At 4 (fast still on t0 until 4.5): t1, t2 back at 6.5, 2.5 from now; mid's 2 x 1.5
     # = 3 is not clearly sooner: the rest stays with fast.
-    finish = finishing({("fast", "t0"): 4.5})
-    assert sched.assign(4.0, finish_at=finish, run_time=RUN) == []
+    finish = {("fast", "t0"): 4.5}
+    assert sched.assign(4.0, Table(finish, RUN)) == []
     sched.complete("fast", "t0", 4.5)
-    finish = finishing({("fast", "t1"): 5.5})
-    assert pairs(sched.assign(4.5, finish_at=finish, run_time=RUN)) == [("fast", "t1")]
+    finish = {("fast", "t1"): 5.5}
+    assert pairs(sched.assign(4.5, Table(finish, RUN))) == [("fast", "t1")]
     sched.check_invariants()
 
 
@@ -89,8 +88,8 @@ def test_the_thief_is_counted_busy_with_what_it_holds() -> None:
     sched.submit([planned(f"t{i}", "fast") for i in (1, 2, 3, 4)])
     # mid holds m0 until 3: t4 from mid would be back at 5 (3 + 2); from fast at 5:
     # no steal, although mid has a free slot.
-    finish = finishing({("fast", "t0"): 1.0, ("mid", "m0"): 3.0})
-    assert sched.assign(0.0, finish_at=finish, run_time=RUN) == []
+    finish = {("fast", "t0"): 1.0, ("mid", "m0"): 3.0}
+    assert sched.assign(0.0, Table(finish, RUN)) == []
     assert sched.queued_count() == 4
 
 

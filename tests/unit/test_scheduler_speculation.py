@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from support.scheduler_tables import run_times, table, ticket
+from support.scheduler_tables import Table, ticket
 
 from coordinator.schedule.scheduler import (
     Assignment,
@@ -32,7 +32,7 @@ def test_off_by_default() -> None:
     sched.add_worker("idle", window=1, now=0.0)
     sched.submit([ticket("t0")])
     sched.assign(0.0)
-    assert sched.speculate(1.0, table({("slow", "t0"): 1e9}), run_times({"idle": 1.0})) == []
+    assert sched.speculate(1.0, Table({("slow", "t0"): 1e9}, {"idle": 1.0})) == []
     assert sched.stats.speculated == 0
 
 
@@ -40,7 +40,7 @@ def test_copy_goes_to_idle_worker_and_first_result_wins() -> None:
     sched = two_tiles_on_slow_and_fast()
     assert sched.complete("fast", "t1", 1.0) == Completion(Verdict.ACCEPTED)
     # slow returns t0 at 50 s; fast would need 3 s from now (t=1): 49 > 2 * 3, so copy.
-    copies = sched.speculate(1.0, table({("slow", "t0"): 50.0}), run_times({"fast": 3.0}))
+    copies = sched.speculate(1.0, Table({("slow", "t0"): 50.0}, {"fast": 3.0}))
     assert copies == [Assignment("fast", "t0", 301.0, reissue=True)]
     assert sched.in_flight("fast") == frozenset({"t0"})
     assert sched.in_flight("slow") == frozenset({"t0"})
@@ -63,7 +63,7 @@ def test_copy_goes_to_idle_worker_and_first_result_wins() -> None:
 def test_threshold_is_strict(holder_finish: float, copied: bool) -> None:
     sched = two_tiles_on_slow_and_fast()
     sched.complete("fast", "t1", 1.0)
-    copies = sched.speculate(1.0, table({("slow", "t0"): holder_finish}), run_times({"fast": 2.5}))
+    copies = sched.speculate(1.0, Table({("slow", "t0"): holder_finish}, {"fast": 2.5}))
     assert (copies != []) == copied
 
 
@@ -75,8 +75,8 @@ def test_latest_tile_first_and_fastest_idle_worker() -> None:
     sched.assign(0.0)  # a: t0, b: t1
     sched.add_worker("idle1", window=1, now=1.0)
     sched.add_worker("idle2", window=1, now=1.0)
-    finish = table({("a", "t0"): 40.0, ("b", "t1"): 90.0})
-    copies = sched.speculate(1.0, finish, run_times({"idle1": 5.0, "idle2": 4.0}))
+    finish = {("a", "t0"): 40.0, ("b", "t1"): 90.0}
+    copies = sched.speculate(1.0, Table(finish, {"idle1": 5.0, "idle2": 4.0}))
     # t1 is the later one: it gets the faster idle worker; t0 the other.
     assert [(c.worker_id, c.tile_id) for c in copies] == [("idle2", "t1"), ("idle1", "t0")]
     assert sched.stats.speculated == 2
@@ -94,23 +94,21 @@ def test_busy_capped_refused_and_max_holders_never_take_copies() -> None:
     sched.submit([ticket("t1")])
     sched.assign(0.0)  # t1 -> small? no: wire 100 > 99, so busy
     assert sched.in_flight("busy") == frozenset({"t1"})
-    finish = table({("slow", "t0"): 100.0, ("busy", "t1"): 100.0})
-    assert sched.speculate(1.0, finish, run_times({"small": 1.0, "busy": 1.0})) == []
+    finish = {("slow", "t0"): 100.0, ("busy", "t1"): 100.0}
+    assert sched.speculate(1.0, Table(finish, {"small": 1.0, "busy": 1.0})) == []
     sched.add_worker("refuser", window=1, now=1.0)
     sched.add_worker("copier", window=1, now=1.0)
-    copies = sched.speculate(1.0, finish, run_times({"refuser": 1.0, "copier": 2.0}))
+    copies = sched.speculate(1.0, Table(finish, {"refuser": 1.0, "copier": 2.0}))
     # Both tiles are equally late; ties go by tile id, t0 first, to the faster worker.
     assert [(c.worker_id, c.tile_id) for c in copies] == [("refuser", "t0"), ("copier", "t1")]
     # Every tile now has max_holders holders: a third idle worker gets nothing.
     sched.add_worker("third", window=1, now=2.0)
-    assert sched.speculate(2.0, table({}), run_times({"third": 0.1})) == []
+    assert sched.speculate(2.0, Table({}, {"third": 0.1})) == []
     # A worker that refused a tile is never given a copy of it again.
     sched.remove_worker("third", 3.0)
     assert sched.reject("refuser", "t0", 3.0, reason="refused") is False
     sched.add_worker("fourth", window=1, now=3.0)
-    copies = sched.speculate(
-        3.0, table({("slow", "t0"): 100.0}), run_times({"refuser": 1.0, "fourth": 9.0})
-    )
+    copies = sched.speculate(3.0, Table({("slow", "t0"): 100.0}, {"refuser": 1.0, "fourth": 9.0}))
     assert [(c.worker_id, c.tile_id) for c in copies] == [("fourth", "t0")]
     sched.check_invariants()
 
@@ -118,7 +116,7 @@ def test_busy_capped_refused_and_max_holders_never_take_copies() -> None:
 def test_lost_holder_after_copy_does_not_requeue() -> None:
     sched = two_tiles_on_slow_and_fast()
     sched.complete("fast", "t1", 1.0)
-    sched.speculate(1.0, table({("slow", "t0"): 50.0}), run_times({"fast": 3.0}))
+    sched.speculate(1.0, Table({("slow", "t0"): 50.0}, {"fast": 3.0}))
     # The straggler drops: the copy is still live, so nothing goes back to the queue.
     assert sched.remove_worker("slow", 2.0) == []
     assert sched.queued_count() == 0
