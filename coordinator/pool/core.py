@@ -44,20 +44,19 @@ from coordinator.plan.estimates import (
     from_profile,
 )
 from coordinator.pool.effects import Check, Checked, CloseCode, Effects, Send
-from coordinator.pool.handlers import HANDLERS, failed_check, on_result
+from coordinator.pool.handlers import HANDLERS, on_result
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.predictions import Predictions
 from coordinator.pool.reputation import (
     ReputationPolicy,
-    after_verified,
 )
 from coordinator.pool.status import core_status
+from coordinator.pool.verdicts import judge, placed_anyway
 from coordinator.pool.workers import Counters, PoolView, Worker
 from coordinator.schedule.scheduler import (
     Assignment,
     Scheduler,
     SchedulerConfig,
-    Verdict,
 )
 
 log = logging.getLogger("cleave.coordinator")
@@ -285,70 +284,12 @@ class CoordinatorCore:
             # It left (or was banned) while the check ran: its tiles are already
             # re-issued, and a verdict on it would count twice.
             self.counters.duplicates += 1
-            self._placed_anyway(check, outcome, effects)
-        else:
-            self._judge(worker, check, outcome, effects)
+            placed_anyway(self, check, outcome, effects)
+        elif judge(self, worker, check, outcome, effects):
+            self._estimates_moved = True
         if outcome.finished:  # after the credit: stragglers' copies of its tiles go
             self._forget_gemm(check.tile.ticket.gemm_id, effects)
         return effects
-
-    def _judge(self, worker: Worker, check: Check, outcome: Checked, effects: Effects) -> None:
-        """Credit a verified tile (and send its worker more), or fail it."""
-        now = self.now
-        worker.verifying.discard(check.tile_id)
-        result = outcome.result
-        if outcome.error is not None:
-            # Counted as a wrong result (it is one), and the sender is told why.
-            error = outcome.error
-            log.warning("worker %s sent an undecodable result: %s", worker.who, error.message)
-            effects.send(worker.worker_id, Error(error.code, error.message, check.tile_id))
-        if result is None or not result.ok:
-            failed_check(self, worker, check.tile_id, effects, result)
-            return
-        tile = check.tile
-        completion = self.scheduler.complete(worker.worker_id, check.tile_id, now)
-        if completion.verdict is not Verdict.ACCEPTED:
-            self.counters.duplicates += 1
-            self._placed_anyway(check, outcome, effects)
-            return
-        self.tiles.pop(check.tile_id, None)
-        held_s = now - worker.sent_at.pop(check.tile_id, now)
-        up = check.up_bytes
-        worker.learn(tile, check.compute_s, held_s, up, now)
-        self._estimates_moved = True
-        worker.tiles_session += 1
-        self.counters.tiles_verified += 1
-        self.counters.compute_s += min(check.compute_s, held_s)
-        self.counters.bytes_up += up
-        if tile.half:
-            self.counters.bytes_half += up
-        before = self.ledger.get(worker.key)
-        self.ledger.credit(
-            worker.key,
-            name=worker.name,
-            reputation=after_verified(before.reputation, self.config.reputation),
-            flops=tile.flops,
-            bytes_down=worker.sent_bytes.pop(check.tile_id, len(tile.bundle)),
-            bytes_up=up,
-            compute_s=min(check.compute_s, held_s),
-            now=self.wall_time(),
-            ticket=tile.ticket,
-        )
-        for other in completion.cancel:
-            self.cancel(other, check.tile_id, effects)
-        self.dispatch(effects)
-
-    def _placed_anyway(self, check: Check, outcome: Checked, effects: Effects) -> None:
-        """A verified result the scheduler no longer takes from its worker (it left, or
-        handed the tile on) is in its GEMM all the same: unless another result already
-        closed the tile, the copies handed on are cancelled, so that nobody is credited
-        for a tile the step did not use."""
-        if outcome.result is None or not outcome.result.ok:
-            return
-        if self.tiles.pop(check.tile_id, None) is None:
-            return  # another result was accepted (and placed) first
-        for holder in self.scheduler.take_over(check.tile_id):
-            self.cancel(holder, check.tile_id, effects)
 
     def delivered(self, tile: Any, finished: bool, now: float) -> Effects:
         """A tile computed here is in its GEMM; ``finished``: the GEMM is."""
@@ -386,8 +327,6 @@ class CoordinatorCore:
         if self._estimates_moved:
             self.refresh_pool()
         return effects
-
-    # ---- message handlers (one per type a worker sends) ----------------------------------
 
     # ---- decisions -----------------------------------------------------------------------
 

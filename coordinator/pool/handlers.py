@@ -1,27 +1,24 @@
 """What each message a worker sends does to the core's state: one handler per type
-(``HANDLERS``), plus a result's path from arrival to its verdict."""
+(``HANDLERS``), and a result's path to its check (``on_result``; the check's outcome is
+``verdicts``)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.errors import ErrorCode
 from common.messages import Ack, Bye, Error, Heartbeat, Pause, Received, Result, Resume
+from coordinator.pool.core_api import CoreApi
 from coordinator.pool.effects import Check, CloseCode, Effects, Send
-from coordinator.pool.reputation import after_failed, ban_reason, is_banned
 from coordinator.pool.workers import Worker, WorkerState
-from coordinator.tiles.verify import CheckReason, CheckResult
-
-if TYPE_CHECKING:
-    from coordinator.pool.core import CoordinatorCore
 
 log = logging.getLogger("cleave.coordinator")
 
 
 def on_result(
-    core: CoordinatorCore,
+    core: CoreApi,
     worker: Worker,
     msg: Result,
     result: Received | None,
@@ -52,14 +49,14 @@ def on_result(
     )
 
 
-def on_heartbeat(core: CoordinatorCore, worker: Worker, msg: Heartbeat, effects: Effects) -> None:
+def on_heartbeat(core: CoreApi, worker: Worker, msg: Heartbeat, effects: Effects) -> None:
     worker.state, worker.reason = WorkerState(msg.state), msg.reason
     credit = core.ledger.get(worker.key)
     effects.send(worker.worker_id, Ack(msg.seq, credit.tiles, round(credit.gflop, 6)))
     core.tell_job_state(worker, effects)
 
 
-def on_pause(core: CoordinatorCore, worker: Worker, msg: Pause, effects: Effects) -> None:
+def on_pause(core: CoreApi, worker: Worker, msg: Pause, effects: Effects) -> None:
     worker.state, worker.reason = WorkerState.PAUSED, msg.reason
     requeued = core.scheduler.set_paused(worker.worker_id, True, core.now)
     core.refresh_pool()
@@ -70,7 +67,7 @@ def on_pause(core: CoordinatorCore, worker: Worker, msg: Pause, effects: Effects
     core.dispatch(effects)
 
 
-def on_resume(core: CoordinatorCore, worker: Worker, msg: Resume, effects: Effects) -> None:
+def on_resume(core: CoreApi, worker: Worker, msg: Resume, effects: Effects) -> None:
     worker.state, worker.reason = WorkerState.WORKING, ""
     core.scheduler.set_paused(worker.worker_id, False, core.now)
     core.refresh_pool()
@@ -78,12 +75,12 @@ def on_resume(core: CoordinatorCore, worker: Worker, msg: Resume, effects: Effec
     core.dispatch(effects)
 
 
-def on_bye(core: CoordinatorCore, worker: Worker, msg: Bye, effects: Effects) -> None:
+def on_bye(core: CoreApi, worker: Worker, msg: Bye, effects: Effects) -> None:
     log.info("worker %s is leaving: %s", worker.name, msg.reason or "no reason given")
     core.drop(worker, CloseCode.NORMAL, "bye", effects)
 
 
-def on_error(core: CoordinatorCore, worker: Worker, msg: Error, effects: Effects) -> None:
+def on_error(core: CoreApi, worker: Worker, msg: Error, effects: Effects) -> None:
     held = msg.tile_id in core.scheduler.in_flight(worker.worker_id)
     tile = core.tiles.get(msg.tile_id)
     if msg.code == ErrorCode.MISSING_BLOCK and tile is not None and held:
@@ -112,65 +109,10 @@ def on_error(core: CoordinatorCore, worker: Worker, msg: Error, effects: Effects
         log.warning("worker %s reported %s: %s", worker.name, msg.code, msg.message)
 
 
-def failed_check(
-    core: CoordinatorCore, worker: Worker, tile_id: str, effects: Effects, check: CheckResult | None
-) -> None:
-    """A wrong result: discard it, re-issue the tile, cut the worker's reputation, and
-    ban its key (closing all its connections) once the reputation falls too low."""
-    core.counters.rejected += 1
-    policy = core.config.reputation
-    before = core.ledger.get(worker.key)
-    reputation = after_failed(before.reputation, policy)
-    banned = ""
-    if not before.banned_reason and is_banned(reputation, policy):
-        banned = ban_reason(before.rejected + 1, reputation)
-    core.ledger.reject(
-        worker.key,
-        name=worker.name,
-        reputation=reputation,
-        banned_reason=banned,
-        now=core.wall_time(),
-    )
-    log.warning(
-        "tile %s from %s failed verification (%s; reputation %.2f): re-issuing",
-        tile_id,
-        worker.who,
-        _why(check),
-        reputation,
-    )
-    worker.sent_at.pop(tile_id, None)
-    core.scheduler.reject(worker.worker_id, tile_id, core.now, reason="failed verification")
-    # Tell the worker: an honest volunteer with faulty hardware should learn of it.
-    effects.send(
-        worker.worker_id,
-        Error(
-            ErrorCode.FAILED_CHECK,
-            f"the result failed verification and was discarded; reputation now {reputation:.2f}",
-            tile_id,
-        ),
-    )
-    if banned:
-        core.counters.banned += 1
-        log.warning("banning worker %s: %s", worker.who, banned)
-        for other in [w for w in core.workers.values() if w.key == worker.key]:
-            effects.send(other.worker_id, Error(ErrorCode.BANNED, f"banned: {banned}"))
-            core.drop(other, CloseCode.POLICY, f"banned: {banned}", effects)
-    core.dispatch(effects)
-    core.rescue_stranded(effects)
-
-
-HANDLERS: dict[type, Callable[[CoordinatorCore, Worker, Any, Effects], None]] = {
+HANDLERS: dict[type, Callable[[CoreApi, Worker, Any, Effects], None]] = {
     Heartbeat: on_heartbeat,
     Error: on_error,
     Pause: on_pause,
     Resume: on_resume,
     Bye: on_bye,
 }
-
-
-def _why(check: CheckResult | None) -> str:
-    if check is None:
-        return "undecodable"
-    if check.reason is CheckReason.MISMATCH:
-        return f"{check.margin:.3g}x its rounding threshold"
-    return str(check.reason)

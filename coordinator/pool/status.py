@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from common.signing import fingerprint
-
-if TYPE_CHECKING:
-    from coordinator.pool.core import CoordinatorCore
+from coordinator.pool.core_api import CoreApi
 
 
-def core_status(core: CoordinatorCore, now: float) -> dict[str, Any]:
+def core_status(core: CoreApi, now: float) -> dict[str, Any]:
     workers = []
     for worker in core.workers.values():
         standing = core.ledger.get(worker.key)
