@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from coordinator.plan.live import Planner
-from coordinator.sim.engine import SimConfig, simulate
+from coordinator.sim.config import SimConfig
+from coordinator.sim.engine import simulate
 from coordinator.sim.models import MODELS
 from coordinator.sim.population import PoolSpec
 from coordinator.sim.report import INTRO, pool_for_cli, write_report

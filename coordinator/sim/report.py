@@ -10,7 +10,8 @@ from typing import Any
 
 from coordinator.plan.live import Planner
 from coordinator.sim.baselines import restart_recovery_s
-from coordinator.sim.engine import SimConfig, simulate
+from coordinator.sim.config import SimConfig
+from coordinator.sim.engine import simulate
 from coordinator.sim.population import Device, PoolSpec, make_pool, with_stragglers
 from coordinator.sim.report_bytes import section_bytes
 from coordinator.sim.report_common import CAMPUS, CMD, HOME, SEED, run_pool, table

@@ -9,7 +9,8 @@ from typing import Any
 
 from coordinator.plan.planner import Grid, PlanConfig
 from coordinator.sim.baselines import tensor_parallel_step_bytes
-from coordinator.sim.engine import SimConfig, simulate
+from coordinator.sim.config import SimConfig
+from coordinator.sim.engine import simulate
 from coordinator.sim.models import MODELS, step_stages
 from coordinator.sim.population import make_pool
 from coordinator.sim.report_common import CAMPUS, CMD, SEED, grid_for, table

@@ -6,7 +6,8 @@ import functools
 from typing import Any
 
 from coordinator.plan.planner import GemmShape, Grid, PlanConfig, plan_gemm
-from coordinator.sim.engine import SimConfig, simulate
+from coordinator.sim.config import SimConfig
+from coordinator.sim.engine import simulate
 from coordinator.sim.population import PoolSpec, make_pool, with_stragglers
 
 SEED = 1

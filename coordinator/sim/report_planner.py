@@ -9,7 +9,8 @@ from coordinator.plan.estimates import DeviceEstimate, LinkModel
 from coordinator.plan.live import Planner
 from coordinator.plan.placement import PoolPlan, candidate_configs, place_tiles, plan_for_pool
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
-from coordinator.sim.engine import SimConfig, gemm_makespans
+from coordinator.sim.config import SimConfig
+from coordinator.sim.engine import gemm_makespans
 from coordinator.sim.population import Device, PoolSpec, make_pool
 from coordinator.sim.report_common import CMD, HOME, SEED, grid_for, table
 from coordinator.sim.svg import line_chart

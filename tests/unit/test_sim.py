@@ -14,7 +14,8 @@ from coordinator.sim.baselines import (
     ring_allreduce_bytes,
     tensor_parallel_step_bytes,
 )
-from coordinator.sim.engine import SimConfig, Simulation, gemm_makespans, simulate
+from coordinator.sim.config import SimConfig
+from coordinator.sim.engine import Simulation, gemm_makespans, simulate
 from coordinator.sim.models import MODELS, param_count, step_flops, step_stages
 from coordinator.sim.population import PoolSpec, make_pool, with_stragglers
 from coordinator.sim.report_bytes import cleave_step_bytes
