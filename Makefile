@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.cleave-installed
 STEPS ?= 30
+STATE_DIR ?= cleave-state
 
 .PHONY: setup demo test test-fast bench plots lint clean package
 
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(BIN)/cleave-coordinator serve --job coordinator.jobs.tiny_gpt:make_job \
-		--steps $(STEPS) --local-workers 2 --port 0 --state-dir cleave-state --fresh
+		--steps $(STEPS) --local-workers 2 --port 0 --state-dir $(STATE_DIR) --fresh
 
 test: setup
 	$(BIN)/python -m pytest -q

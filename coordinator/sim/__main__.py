@@ -16,10 +16,7 @@ from coordinator.sim.population import PoolSpec
 from coordinator.sim.report import INTRO, pool_for_cli, write_report
 
 
-def main(argv: list[str] | None = None) -> int:
-    # The core logs what it decides about each worker, for operators; simulated devices
-    # joining, lagging and dying by the thousand are not news.
-    logging.getLogger("cleave.coordinator").setLevel(logging.ERROR)
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m coordinator.sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate training steps on one pool; print a summary")
@@ -80,7 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json", type=Path, help="write the full result here")
     report = sub.add_parser("report", help="write docs/simulation.md and docs/sim/*.svg")
     report.add_argument("--docs", type=Path, default=Path("docs"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # The core logs what it decides about each worker, for operators; simulated devices
+    # joining, lagging and dying by the thousand are not news.
+    logging.getLogger("cleave.coordinator").setLevel(logging.ERROR)
+    args = build_parser().parse_args(argv)
     if args.command == "report":
         elapsed = write_report(args.docs, INTRO)
         print(f"wrote {args.docs / 'simulation.md'} in {elapsed:.0f} s")
