@@ -5,16 +5,15 @@ state as one sentence, this session's contribution in big numbers, then the URL 
 Join/Leave, this computer's key, the tile in progress and the stats view.
 
 A thin view: it shows ``WorkerStatus`` snapshots from the bridge and turns clicks into
-bridge calls and saved settings. The stats view and the settings dialog are separate
-modules; if one of them cannot be imported the window works without it.
+bridge calls and saved settings. The panels above the stats view are in ``panels``. The
+stats view and the settings dialog are separate modules; if one of them cannot be
+imported the window works without it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import platform
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,40 +21,16 @@ from typing import Any
 
 import psutil
 from PySide6.QtCore import QCoreApplication, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QCloseEvent, QFont
-from PySide6.QtWidgets import (
-    QFormLayout,
-    QFrame,
-    QGridLayout,
-    QGroupBox,
-    QHBoxLayout,
-    QLabel,
-    QLineEdit,
-    QMainWindow,
-    QProgressBar,
-    QPushButton,
-    QScrollArea,
-    QVBoxLayout,
-    QWidget,
-)
+from PySide6.QtGui import QCloseEvent
+from PySide6.QtWidgets import QFrame, QMainWindow, QScrollArea, QVBoxLayout, QWidget
 
 from client_app import thermal
 from client_app.config import WorkerSettings, load_identity
 from client_app.gui.bridge import WorkerBridge
-from client_app.gui.status_text import (
-    NOT_JOINED,
-    breakable,
-    clean_text,
-    html_for_plain,
-    job_about,
-    limits_line,
-    progress_text,
-    rank_text,
-    shown_state,
-    status_line,
-)
+from client_app.gui.device_info import device_name, gpu_available, gpu_use
+from client_app.gui.panels import ConnectionPanel, ContributionPanel, JobPanel, StateRow
+from client_app.gui.status_text import NOT_JOINED, shown_state
 from client_app.gui.tray import ICON_SIZE, Tray, state_icon
-from client_app.gui.units import format_count, format_duration, format_gflop
 from client_app.policy import Snooze
 from client_app.policy_runner import local_now
 from client_app.status import WorkerStatus
@@ -66,8 +41,6 @@ log = logging.getLogger(__name__)
 
 USAGE_INTERVAL_MS = 1000
 LEAVE_TIMEOUT_MS = 15_000  # quitting waits this long for a clean leave, then goes anyway
-JOIN_TEXT = "&Join"  # Alt+J
-LEAVE_TEXT = "&Leave"  # Alt+L
 
 # Sibling views built by others: optional, so the window never depends on their state.
 try:
@@ -82,43 +55,6 @@ try:
 except Exception as exc:
     log.info("settings dialog unavailable: %s", exc)
     SettingsDialog = None  # type: ignore[assignment,misc]
-
-
-def device_name() -> str:
-    """What the settings dialog calls this machine's compute device."""
-    torch = sys.modules.get("torch")  # the worker core has imported it already
-    if torch is not None and torch.cuda.is_available():
-        return str(torch.cuda.get_device_name(0))
-    return platform.processor() or platform.machine() or "CPU"
-
-
-def scaled_font(base: QFont, factor: float, *, bold: bool = False) -> QFont:
-    """``base`` times ``factor``: relative sizes keep the window's proportions at any
-    system font size or display scale."""
-    font = QFont(base)
-    if font.pointSizeF() > 0:
-        font.setPointSizeF(font.pointSizeF() * factor)
-    else:  # a font set in pixels
-        font.setPixelSize(max(1, round(font.pixelSize() * factor)))
-    font.setBold(bold)
-    return font
-
-
-def _plain_label(font: QFont | None = None, *, wrap: bool = True) -> QLabel:
-    """A label for text that may come from the coordinator: never interpreted as HTML,
-    selectable, wrapped unless it is one unbreakable token (a key)."""
-    label = QLabel()
-    label.setTextFormat(Qt.TextFormat.PlainText)
-    label.setWordWrap(wrap)
-    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-    if font is not None:
-        label.setFont(font)
-    return label
-
-
-def gpu_available() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_available())
 
 
 class MainWindow(QMainWindow):
@@ -177,10 +113,24 @@ class MainWindow(QMainWindow):
         # area, so large fonts or 2x scaling scroll instead of clipping.
         content = QWidget()
         layout = QVBoxLayout(content)
-        layout.addWidget(self._build_about())
-        layout.addLayout(self._build_state())
-        layout.addWidget(self._build_contribution())
-        layout.addWidget(self._build_details())
+        font = self.font()
+        self.job_panel = JobPanel(font)
+        layout.addWidget(self.job_panel)
+        self.state_row = StateRow(font)
+        layout.addLayout(self.state_row)
+        self.contribution_panel = ContributionPanel(font)
+        layout.addWidget(self.contribution_panel)
+        self.connection_panel = ConnectionPanel(
+            font,
+            url=self.settings.coordinator_url,
+            identity=self._identity_text(),
+            settings_available=SettingsDialog is not None,
+        )
+        layout.addWidget(self.connection_panel)
+        self._name_panel_widgets()
+        self.join_button.clicked.connect(self.toggle_join)
+        self.url_edit.returnPressed.connect(self._join_from_url)
+        self.settings_button.clicked.connect(self.open_settings)
 
         self.stats_view: QWidget | None = None
         self.settings_dialog: QWidget | None = None
@@ -204,171 +154,40 @@ class MainWindow(QMainWindow):
         em = self.fontMetrics().height()  # sizes follow the font, so scaling scales them
         self.resize(44 * em, (52 if self.stats_view is not None else 32) * em)
 
-    def _build_about(self) -> QGroupBox:
-        box = QGroupBox("What this computer helps")
-        column = QVBoxLayout(box)
-        self.job_name_label = _plain_label(scaled_font(self.font(), 1.35, bold=True))
-        self.job_name_label.setAccessibleName("Training job")
-        self.job_description_label = _plain_label()
-        self.job_description_label.setAccessibleName("Job description")
-        self.job_meta_label = _plain_label()  # "Run by ... · 124 M parameters"
-        self.job_meta_label.setAccessibleName("Who runs the job, and the model's size")
-        self.job_link_label = _plain_label()  # text only: a stranger's link is not clicked
-        self.job_link_label.setAccessibleName("The job's web page")
-        for label in (
-            self.job_name_label,
-            self.job_description_label,
-            self.job_meta_label,
-            self.job_link_label,
-        ):
-            column.addWidget(label)
-        key_row = QHBoxLayout()
-        key_caption = QLabel("Coordinator key:")
-        self.fingerprint_label = _plain_label(wrap=False)
-        self.fingerprint_label.setAccessibleName("Coordinator key")
-        self.fingerprint_label.setToolTip(
-            "The fingerprint of the key this coordinator signs its work with. It is "
-            "remembered at the first join; a different key later stops the app."
-        )
-        key_row.addWidget(key_caption)
-        key_row.addWidget(self.fingerprint_label, 1)
-        column.addLayout(key_row)
-        return box
-
-    def _build_state(self) -> QHBoxLayout:
-        row = QHBoxLayout()
-        self.state_icon_label = QLabel()
-        self.state_icon_label.setAccessibleName("State icon")
-        row.addWidget(self.state_icon_label, 0, Qt.AlignmentFlag.AlignTop)
-        column = QVBoxLayout()
-        self.status_label = _plain_label(scaled_font(self.font(), 1.5, bold=True))
-        self.status_label.setAccessibleName("State")
-        self.limits_label = _plain_label()
-        self.limits_label.setAccessibleName("Limits in force")
-        column.addWidget(self.status_label)
-        column.addWidget(self.limits_label)
-        row.addLayout(column, 1)
-        return row
-
-    def _build_contribution(self) -> QGroupBox:
-        box = QGroupBox("This session")
-        grid = QGridLayout(box)
-        big = scaled_font(self.font(), 1.8, bold=True)
-        self.contribution: dict[str, QLabel] = {}
-        self.contribution_captions: dict[str, QLabel] = {}
-        for col, (key, caption, tip) in enumerate(
-            (
-                ("tiles", "tiles computed", "Pieces of work this computer finished."),
-                (
-                    "verified",
-                    "verified",
-                    "Work the coordinator checked and accepted, from its ledger.",
-                ),
-                ("time", "time computing", "Time spent multiplying matrices."),
-            )
-        ):
-            value = QLabel()
-            value.setFont(big)
-            value.setAlignment(Qt.AlignmentFlag.AlignCenter)
-            value.setAccessibleName(caption.capitalize())
-            value.setToolTip(tip)
-            value.setTextFormat(Qt.TextFormat.PlainText)
-            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-            note = QLabel(caption)
-            note.setAlignment(Qt.AlignmentFlag.AlignCenter)
-            note.setToolTip(tip)
-            note.setWordWrap(True)
-            grid.addWidget(value, 0, col)
-            grid.addWidget(note, 1, col)
-            grid.setColumnStretch(col, 1)
-            self.contribution[key] = value
-            self.contribution_captions[key] = note
-        return box
-
-    def _build_details(self) -> QGroupBox:
-        box = QGroupBox("Connection")
-        form = QFormLayout(box)
-        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
-        self.url_edit = QLineEdit(self.settings.coordinator_url)
-        self.url_edit.setPlaceholderText("ws://host:8765/ws")
-        self.url_edit.setAccessibleName("Coordinator URL")
-        self.join_button = QPushButton(JOIN_TEXT)
-        self.join_button.setFont(scaled_font(self.font(), 1.25, bold=True))
-        self.join_button.setDefault(True)  # Enter in the URL field joins
-        self.join_button.setAccessibleName("Join or leave the coordinator")
-        self.join_button.clicked.connect(self.toggle_join)
-        url_row = QHBoxLayout()
-        url_row.addWidget(self.url_edit, 1)
-        url_row.addWidget(self.join_button)
-        url_label = QLabel("Coordinator &URL:")
-        url_label.setBuddy(self.url_edit)
-        form.addRow(url_label, url_row)
-        self.url_edit.returnPressed.connect(self._join_from_url)
-
-        # This computer's identity: credit and reputation follow it, and operators see
-        # it next to the name on their dashboard.
-        self.identity_label = _plain_label(wrap=False)
-        self.identity_label.setText(self._identity_text())
-        self.identity_label.setAccessibleName("Your key")
-        form.addRow("Your key:", self.identity_label)
-
-        # A GEMM is one call with no progress of its own: the bar is busy while a tile
-        # computes, and names it.
-        tile_row = QHBoxLayout()
-        self.tile_label = _plain_label(wrap=False)
-        self.tile_bar = QProgressBar()
-        self.tile_bar.setTextVisible(False)  # a busy bar draws no text in most styles
-        self.tile_bar.setAccessibleName("Tile progress")
-        tile_row.addWidget(self.tile_label)
-        tile_row.addWidget(self.tile_bar, 1)
-        form.addRow("Tile:", tile_row)
-
-        usage_row = QHBoxLayout()
-        self.usage_label = QLabel("CPU 0%")
-        self.settings_button = QPushButton("&Settings…")
-        self.settings_button.setAccessibleName("Settings")
-        self.settings_button.clicked.connect(self.open_settings)
-        self.settings_button.setVisible(SettingsDialog is not None)
-        usage_row.addWidget(self.usage_label, 1)
-        usage_row.addWidget(self.settings_button)
-        form.addRow("This app:", usage_row)
-        return box
+    def _name_panel_widgets(self) -> None:
+        # The window's own handlers use some of these; tests and docs/screenshots.py
+        # reach for the rest here too.
+        job, state = self.job_panel, self.state_row
+        self.job_name_label = job.name_label
+        self.job_description_label = job.description_label
+        self.job_meta_label = job.meta_label
+        self.job_link_label = job.link_label
+        self.fingerprint_label = job.fingerprint_label
+        self.state_icon_label = state.icon_label
+        self.status_label = state.status_label
+        self.limits_label = state.limits_label
+        self.contribution = self.contribution_panel.values
+        self.contribution_captions = self.contribution_panel.captions
+        connection = self.connection_panel
+        self.url_edit = connection.url_edit
+        self.join_button = connection.join_button
+        self.identity_label = connection.identity_label
+        self.tile_label = connection.tile_label
+        self.tile_bar = connection.tile_bar
+        self.usage_label = connection.usage_label
+        self.settings_button = connection.settings_button
 
     # ---- showing --------------------------------------------------------------------------
 
     def show_status(self, status: WorkerStatus) -> None:
         joined = self.bridge.joined
-        self._show_about(status)
-        self.status_label.setText(breakable(status_line(status)))
-        self.status_label.setToolTip(html_for_plain(status.detail or status.line))
-        limits = limits_line(status)
-        self.limits_label.setText(limits)
-        self.limits_label.setVisible(bool(limits))
         look = shown_state(status)
         side = 2 * self.fontMetrics().height()
-        self.state_icon_label.setPixmap(
-            state_icon(look, ICON_SIZE).pixmap(QSize(side, side), self.devicePixelRatioF())
-        )
-        if self.bridge.leaving:
-            self.join_button.setText("Leaving…")
-            self.join_button.setEnabled(False)
-        else:
-            self.join_button.setText(LEAVE_TEXT if joined else JOIN_TEXT)
-            self.join_button.setEnabled(True)
-        self.url_edit.setEnabled(not joined)
-        if status.state == "computing" and status.current_tile:
-            self.tile_bar.setRange(0, 0)  # busy
-            self.tile_label.setText(clean_text(status.current_tile, 60))
-        else:
-            self.tile_bar.setRange(0, 1)
-            self.tile_bar.setValue(0)
-            self.tile_label.setText("none")
-        self.contribution["tiles"].setText(format_count(status.tiles_done))
-        self.contribution["verified"].setText(format_gflop(status.credit_gflop))
-        self.contribution_captions["verified"].setText(
-            f"verified ({format_count(status.credit_tiles)} tiles)"
-        )
-        self.contribution["time"].setText(format_duration(status.compute_s))
+        icon = state_icon(look, ICON_SIZE).pixmap(QSize(side, side), self.devicePixelRatioF())
+        self.job_panel.show_status(status)
+        self.state_row.show_status(status, icon)
+        self.connection_panel.show_status(status, joined=joined, leaving=self.bridge.leaving)
+        self.contribution_panel.show_status(status)
         self.setWindowIcon(state_icon(look))
         self.tray.update_status(status, joined)
         # The stats view records into the history itself; without it, record here so
@@ -381,45 +200,13 @@ class MainWindow(QMainWindow):
             except Exception as exc:
                 log.warning("could not record history: %s", exc)
 
-    def _show_about(self, status: WorkerStatus) -> None:
-        about = job_about(status)
-        fp = status.coordinator_fingerprint
-        self.fingerprint_label.setText(fp + rank_text(status, " · ") if fp else "not known yet")
-        if not about.name:
-            self.job_name_label.setText("No job yet")
-            self.job_description_label.setText(
-                "Join a coordinator to see the training job this computer helps."
-            )
-            self.job_description_label.show()
-            for label in (self.job_meta_label, self.job_link_label):
-                label.hide()
-            return
-        self.job_name_label.setText(breakable(about.name))
-        # The step is here as well as in the sentence: it stays in view between tiles.
-        meta = " · ".join(
-            part
-            for part in (
-                f"Run by {about.operator}" if about.operator else "",
-                about.size,
-                progress_text(status),
-            )
-            if part
-        )
-        for label, text in (
-            (self.job_description_label, about.description),
-            (self.job_meta_label, meta),
-            (self.job_link_label, about.link),
-        ):
-            label.setText(breakable(text))
-            label.setVisible(bool(text))
-
     def _update_usage(self) -> None:
         # psutil reads /proc (or its equivalents): microseconds, fine on the GUI thread.
         cores = psutil.cpu_count() or 1
         cpu = self._process.cpu_percent(None) / cores
         text = f"CPU {cpu:.0f}%"
         if self.bridge.status.device == "cuda":
-            text += f" · GPU {_gpu_use()}"
+            text += f" · GPU {gpu_use()}"
         self.usage_label.setText(text)
 
     # ---- actions --------------------------------------------------------------------------
@@ -545,14 +332,3 @@ class MainWindow(QMainWindow):
             self.quit()
             return
         event.accept()
-
-
-def _gpu_use() -> str:
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return "n/a"
-    try:
-        return f"{torch.cuda.utilization()}%"  # needs pynvml
-    except Exception:
-        used = torch.cuda.memory_allocated() / 2**20
-        return f"{used:.0f} MiB"
