@@ -9,7 +9,7 @@ import math
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
@@ -144,21 +144,41 @@ UNEVEN = 4.0  # largest over mean squared row norm of b beyond which terms are s
 RHO_SQ = 4.0  # the largest square of a check vector's entry: |ρ| < 2
 
 
-def summarize_left(a3: torch.Tensor) -> LeftSummary:
-    return LeftSummary(torch.linalg.vector_norm(a3, dim=-1).to(torch.float64).square_())
+def summarize_left(a3: torch.Tensor | Sequence[torch.Tensor]) -> LeftSummary:
+    """``a3``: one operand, or the distinct blocks of a stack of tiles (each
+    ``[batch, m, k]``), summarised one by one and joined: the blocks are never copied."""
+    blocks = [a3] if isinstance(a3, torch.Tensor) else a3
+    row_sq = [torch.linalg.vector_norm(block, dim=-1).to(torch.float64) for block in blocks]
+    return LeftSummary(_joined(row_sq).square_())
 
 
 def summarize_right(
-    b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator, tiles: int = 1
+    b3: torch.Tensor | Sequence[torch.Tensor],
+    plan: CheckPlan,
+    generator: torch.Generator,
+    tiles: int = 1,
 ) -> RightSummary:
-    """``tiles``: how many tiles ``b3`` stacks (each ``batch / tiles`` of its batches),
-    each uneven or not on its own."""
-    batch, k, _ = b3.shape
-    rho = check_vectors(plan.width, plan.vectors, b3.dtype, generator)
-    b4 = b3.reshape(batch, k, plan.chunks, plan.width)
+    """``b3``: one operand stacking ``tiles`` tiles (each ``batch / tiles`` of its batches),
+    or the distinct blocks of a stack of tiles (each ``[batch, k, n]``, one tile each),
+    summarised one by one with the same vectors and joined: the blocks are never copied.
+    Each tile is uneven or not on its own."""
+    blocks = [b3] if isinstance(b3, torch.Tensor) else b3
+    if not isinstance(b3, torch.Tensor):
+        tiles = len(blocks)
+    rho = check_vectors(plan.width, plan.vectors, blocks[0].dtype, generator)
     # Chains of a chunk: [batch, k, chunks * V].
-    projected = rows_times(b3, plan.width, rho).reshape(batch, k, plan.chunks * plan.vectors)
-    norms = torch.linalg.vector_norm(b4, dim=-1)  # [batch, k, chunks]
+    projected = _joined(
+        [rows_times(block, plan.width, rho).reshape(*block.shape[:2], -1) for block in blocks]
+    )
+    norms = _joined(  # [batch, k, chunks]
+        [
+            torch.linalg.vector_norm(
+                block.reshape(*block.shape[:2], plan.chunks, plan.width), dim=-1
+            )
+            for block in blocks
+        ]
+    )
+    k = norms.shape[1]
     largest = norms.amax(dim=1)
     # The mean square over l is the norm of the norms over sqrt(k).
     spread = largest > math.sqrt(UNEVEN / k) * torch.linalg.vector_norm(norms, dim=1)
@@ -167,6 +187,11 @@ def summarize_right(
     row_sq = norms.to(torch.float64).square_() if count else None
     mixed = uneven if 0 < count < tiles else None
     return RightSummary(rho, projected, largest.to(torch.float64).square_(), row_sq, mixed)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Summaries of blocks along their batch dimension: no copy for one."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 _Summary = TypeVar("_Summary", LeftSummary, RightSummary)

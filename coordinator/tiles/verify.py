@@ -200,10 +200,10 @@ def check_products(
     """``check_product`` of many ``(a, b, c)`` tiles, with the same verdicts in a few
     torch calls for all of them instead of a few dozen for each.
 
-    Small tiles of one shape and dtype (``STACK_MAX_MACS``) are checked together,
-    where a check's few dozen calls cost more than its passes over the tile; larger
-    ones one at a time, where stacking them would only add copies. Each keeps its own plan (that of
-    its shape alone), statistics, unevenness and threshold, so its verdict is the one a
+    Tiles of one shape and dtype up to ``STACK_MAX_MACS`` are checked together, where a
+    check's few dozen calls cost as much as its passes over the tile; larger ones one at
+    a time, with the summaries their blocks left in ``cache``. Each keeps its own plan
+    (that of its shape alone), statistics, unevenness and threshold, so its verdict is the one a
     check of it alone would give with the same check vectors; the tiles of a stack share
     those vectors, which is as sound as fresh ones for each: workers never see them. A
     tile alone in its shape, one that is malformed or empty, and one whose statistics
@@ -230,8 +230,10 @@ def check_products(
     ]
 
 
-# Tiles of at most this many multiply-adds are checked in stacks (check_products).
-STACK_MAX_MACS = 128**3
+# Tiles of at most this many multiply-adds are checked in stacks (check_products): up to
+# there a stack's fewer calls gain more than the operand summaries a stack does not
+# take from the cache cost (bench/bench_verify.py).
+STACK_MAX_MACS = 512**3
 # Results at least this large have c ρ and c's norms taken tile by tile, from the tiles
 # as they are: stacking them would copy every result once more, and a call's fixed cost
 # is small next to a pass over them.
@@ -271,7 +273,9 @@ def _check_stack(
 
     Each distinct ``a`` and ``b`` block is summarised once, and each distinct ``a`` is
     read once for the references of all its tiles (one product against the ``b ρ`` of
-    every distinct ``b``), as in a grid the tiles of a row block share their ``a``."""
+    every distinct ``b``), as in a grid the tiles of a row block share their ``a``. The
+    blocks are read where they lie, one call each, not copied into a stack; the small
+    results are (``STACK_C_BELOW``)."""
     a0, _, c0 = tiles[0]
     count = len(tiles)
     work = accumulation_dtype(a0.dtype)
@@ -279,18 +283,18 @@ def _check_stack(
     plan = CheckPlan.for_shape(tile_batch, c0.shape[-2], a0.shape[-1], c0.shape[-1])
     a_blocks, a_index = _distinct([t[0] for t in tiles], [k[0] if k else None for k in keys])
     b_blocks, b_index = _distinct([t[1] for t in tiles], [k[1] if k else None for k in keys])
-    a3 = _joined(a_blocks, work)  # [A * tile_batch, m, k]
-    b3 = _joined(b_blocks, work)  # [B * tile_batch, k, n]
     if len(a_blocks) * len(b_blocks) > 2 * count:
         # Few tiles share their blocks: the products of every a against every b would
         # cost more than pairing the operands tile by tile.
         return _check_stack_copied(tiles, generator)
-    right = summarize_right(b3, plan, generator, tiles=len(b_blocks))
+    # Joining the blocks would cost a pass over them of its own.
+    a_work = [_batched(a, work) for a in a_blocks]  # each [tile_batch, m, k]
+    right = summarize_right([_batched(b, work) for b in b_blocks], plan, generator)
     if right.uneven_row_sq is not None:
         # The exact sums of terms pair each a with its b: that rare case stacks the
         # operands tile by tile.
         return _check_stack_copied(tiles, generator)
-    left = summarize_left(a3)
+    left = summarize_left(a_work)
     m, cv = c0.shape[-2], plan.chunks * plan.vectors
     a_at = torch.tensor(a_index)
     b_at = torch.tensor(b_index)
@@ -301,43 +305,45 @@ def _check_stack(
     tile_right = RightSummary(
         right.vectors, right.projected, largest.view(count * tile_batch, -1), None
     )
-    reference = _cross_reference(a3, right.projected, plan, len(a_blocks), len(b_blocks))
+    reference = _cross_reference(a_work, right.projected, plan, len(b_blocks))
     # [A, tile_batch, m, B, cv] -> [count, tile_batch, m, cv]
     reference = reference.reshape(len(a_blocks), tile_batch, m, len(b_blocks), cv)[a_at, :, :, b_at]
     if c0.numel() < STACK_C_BELOW:
         claimed, c_sq = _claimed(_joined([t[2] for t in tiles], work), right.vectors, plan)
     else:
-        parts = [_claimed(_joined([t[2]], work), right.vectors, plan) for t in tiles]
+        parts = [_claimed(_batched(t[2], work), right.vectors, plan) for t in tiles]
         claimed = torch.cat([p[0] for p in parts])
         c_sq = torch.cat([p[1] for p in parts])
-    variance = _honest_variance(a3, c_sq, tile_left, tile_right, plan, a0.dtype)
+    variance = _honest_variance(a_work[0], c_sq, tile_left, tile_right, plan, a0.dtype)
     excess = claimed.sub_(reference.reshape(claimed.shape)).square_().div_(variance)
     finite = variance.view(count, -1).amax(dim=1).isfinite().tolist()
     worst = excess.view(count, -1).amax(dim=1).tolist()
     return [_verdict(w, plan) if ok else None for w, ok in zip(worst, finite, strict=True)]
 
 
+def _batched(operand: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """One operand with a batch dimension, in ``work``: no copy for fp32 and fp64."""
+    batched = operand if operand.dim() == 3 else operand.unsqueeze(0)
+    return batched if batched.dtype == work else batched.to(work)
+
+
 def _joined(operands: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
-    """Operands of one shape along one batch dimension, in ``work``: no copy for one."""
-    if len(operands) == 1:
-        joined = operands[0] if operands[0].dim() == 3 else operands[0].unsqueeze(0)
-    else:
-        joined = (torch.stack if operands[0].dim() == 2 else torch.cat)(operands)
+    """Operands of one shape along one batch dimension, in ``work``."""
+    joined = (torch.stack if operands[0].dim() == 2 else torch.cat)(operands)
     return joined if joined.dtype == work else joined.to(work)
 
 
 def _cross_reference(
-    a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan, a_count: int, b_count: int
+    a_blocks: list[torch.Tensor], projected: torch.Tensor, plan: CheckPlan, b_count: int
 ) -> torch.Tensor:
     """``a (b ρ)`` in float64 for every distinct ``a`` against every distinct ``b``,
     ``[A, batch, m, B * chunks * V]``: each ``a`` read once, in the same chains as
     ``_reference`` (the columns of one product are independent sums)."""
-    batch_a, m, k = a3.shape
-    tile_batch = batch_a // a_count
-    a4 = a3.view(a_count, tile_batch, m, k)
+    tile_batch, _, k = a_blocks[0].shape
     # [B * tile_batch, k, cv] -> [tile_batch, k, B * cv]: a small copy of b ρ.
     across = projected.view(b_count, tile_batch, k, -1).permute(1, 2, 0, 3)
-    return _reference(a4, across.reshape(tile_batch, k, -1), plan)
+    across = across.reshape(tile_batch, k, -1)
+    return torch.stack([_reference(a, across, plan) for a in a_blocks])
 
 
 def _check_stack_copied(

@@ -374,7 +374,9 @@ def test_the_margin_reports_how_close_a_result_came() -> None:
 
 
 @pytest.mark.parametrize(
-    "batch, m, k, n", [(None, 64, 64, 64), (None, 2, 1024, 1024), (3, 16, 40, 8)]
+    "batch, m, k, n",
+    # The last: stacked still (STACK_MAX_MACS), with the reference summed in K blocks.
+    [(None, 64, 64, 64), (None, 2, 1024, 1024), (3, 16, 40, 8), (None, 128, 1024, 512)],
 )
 def test_a_batch_of_tiles_sharing_operand_blocks_gets_each_tile_its_own_verdict(
     batch: int | None, m: int, k: int, n: int
