@@ -13,21 +13,22 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from client_app.error_replies import error_message, named_in, sent_by_workers
+from client_app.held_tiles import Finished, HeldTiles
+from client_app.operands import OperandBlocks, check_fits, tile_flop
+from client_app.refusals import NEEDS_TOKEN, TERMINAL_ERRORS, PinCheck, check_pins
 from client_app.session_types import NO_ACTIONS, Actions, Phase, SessionStats, TileJob
 from common.auth import answer_challenge, check_welcome, new_nonce
-from common.block_cache import BlockCache
 from common.errors import ErrorCode, KeyMismatchError, LimitExceeded, ProtocolError
-from common.frames import Buffer, decode_frame
+from common.frames import Buffer
 from common.job_about import JobAbout
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
-    BLOCK_FIELD,
     Ack,
     Bye,
     Cancel,
@@ -52,25 +53,7 @@ from common.signing import fingerprint, public_key_from_hex, public_key_hex
 
 log = logging.getLogger(__name__)
 
-PinCheck = Callable[[str, str], bool]
-"""(coordinator URL, key hex) -> True if pinned just now; raises KeyMismatchError."""
-
-# Errors after which reconnecting cannot help: the worker stops and says why.
-TERMINAL_ERRORS: dict[str, str] = {
-    ErrorCode.BANNED: "this coordinator has banned this worker",
-    ErrorCode.BAD_TOKEN: "this coordinator refused the join token",
-}
-
-# Room for a result frame's header next to its tensor bytes (a few hundred bytes in
-# practice; generous so a long tile id never tips a frame over the coordinator's limit).
-RESULT_HEADER_ALLOWANCE = 4096
-
-
 _CONNECTED = (Phase.CONNECTED, Phase.HELLO_SENT, Phase.READY)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.nbytes
 
 
 class WorkerSession:
@@ -129,14 +112,12 @@ class WorkerSession:
         self._key: Ed25519PublicKey | None = None
         self._challenge: Challenge | None = None
         self._hello: Hello | None = None
-        self._queue: OrderedDict[str, TileJob] = OrderedDict()
+        self._tiles = HeldTiles()
         # Operand blocks kept between tasks (least recently used first), so the
         # coordinator can refer to an operand this worker already has instead of
         # sending it again. It mirrors this cache with the same budget and order.
         self.cache_bytes = cache_bytes
-        self._blocks: BlockCache[torch.Tensor] = BlockCache(cache_bytes, _nbytes)
-        self._computing: TileJob | None = None
-        self._discard_computing = False
+        self._blocks = OperandBlocks(cache_bytes)
         self._seq = 0
         self._next_heartbeat = math.inf
 
@@ -146,16 +127,16 @@ class WorkerSession:
         """A new connection is open: forget the last one and wait for its Challenge."""
         if self.phase in (Phase.REFUSED, Phase.CLOSED):
             raise RuntimeError(f"session is {self.phase.value}; it cannot connect again")
-        self._forget_tiles()
+        self._tiles.clear()
         # Every connection authenticates anew, and its Welcome is checked against the pin.
         self._key = self._challenge = self._hello = None
-        self._forget_blocks()  # the coordinator's mirror of them starts empty too
+        self._blocks.clear()  # the coordinator's mirror of them starts empty too
         self.phase = Phase.CONNECTED
         self._next_heartbeat = math.inf
 
     def connection_lost(self) -> None:
         """The connection is gone: its tiles are the coordinator's to re-issue."""
-        self._forget_tiles()
+        self._tiles.clear()
         self._next_heartbeat = math.inf
         if self.phase in _CONNECTED:
             self.phase = Phase.DISCONNECTED
@@ -163,7 +144,7 @@ class WorkerSession:
     def bye(self, reason: str = "") -> bytes | None:
         """Leave for good: the Bye to send (None if not connected). Tiles in flight drop."""
         connected = self.phase in _CONNECTED
-        self._forget_tiles()
+        self._tiles.clear()
         if self.phase != Phase.REFUSED:
             self.phase = Phase.CLOSED
         if not connected:
@@ -209,10 +190,7 @@ class WorkerSession:
             return Actions(close=f"coordinator said bye: {msg.reason or 'no reason given'}")
         # Hello, Result, Heartbeat, Pause, Resume: worker-to-coordinator messages.
         log.warning("coordinator sent an unexpected %r message", msg.TYPE)
-        unexpected = ProtocolError(
-            f"{msg.TYPE!r} is sent by workers, not coordinators", code=ErrorCode.UNEXPECTED_MESSAGE
-        )
-        return Actions(send=(self._error(unexpected),))
+        return Actions(send=(self._error(sent_by_workers(msg.TYPE)),))
 
     def _on_challenge(self, msg: Challenge) -> Actions:
         if self.phase != Phase.CONNECTED:
@@ -221,10 +199,7 @@ class WorkerSession:
             )
             return Actions(send=(self._error(again),))
         if msg.token_required and not self.token:
-            return self._refuse(
-                "this coordinator is a private pool: it needs a join token "
-                "(cleave-worker --token, or Settings > Join token in the app)"
-            )
+            return self._refuse(NEEDS_TOKEN)
         try:
             hello = answer_challenge(
                 msg,
@@ -259,10 +234,7 @@ class WorkerSession:
                 send=(self._error(exc),), close=f"coordinator failed to prove its key: {exc}"
             )
         try:
-            first_pin = self._pin_check(self.url, msg.coordinator_key)
-            if msg.serve_at:
-                # The rank it names speaks for the same key, or this worker refuses it.
-                self._pin_check(msg.serve_at, msg.coordinator_key)
+            first_pin = check_pins(self._pin_check, self.url, msg)
         except KeyMismatchError as exc:
             log.error("%s", exc)
             return self._refuse(str(exc), bye="refused: coordinator key changed")
@@ -313,7 +285,7 @@ class WorkerSession:
                 raise ProtocolError(
                     f"worker is paused: {self.paused_reason}", code=ErrorCode.PAUSED
                 )
-            if tile_id in self._queue or tile_id == self._live_computing_id():
+            if self._tiles.holds(tile_id):
                 raise ProtocolError(
                     f"tile {tile_id} is already held", code=ErrorCode.DUPLICATE_TILE
                 )
@@ -324,68 +296,27 @@ class WorkerSession:
                 )
             # The signature is checked before any operand is decoded (verify_task's order).
             (a, b), arrived = verify_task_blocks(received, self._key, self.limits, self._blocks)
-            self._check_fits(a, b)
-            self._cache(received, arrived)
+            check_fits(a, b, self.profile.mem_cap_bytes, self.coordinator_max_frame_bytes)
+            self._blocks.keep(received, arrived)
         except ProtocolError as exc:
             if exc.code == ErrorCode.MISSING_BLOCK:
                 # Our cache and the coordinator's mirror of it disagree: both start over
                 # (it resends the tile whole).
-                self._forget_blocks()
+                self._blocks.clear()
                 return Actions(send=(self._error(exc, tile_id),))
             return self._refuse_tile(tile_id, exc)
-        # a: [.., m, k], b: [.., k, n] -> 2 m k n flops per batch entry
-        flop = 2 * a.numel() * b.shape[-1]
-        self._queue[tile_id] = TileJob(tile_id, msg.op, a, b, flop, now)
+        self._tiles.add(TileJob(tile_id, msg.op, a, b, tile_flop(a, b), now))
         return Actions(compute=(tile_id,))
-
-    def _cache(self, received: Received, arrived: dict[str, torch.Tensor]) -> None:
-        """Keep the operands that came under a block id, and mark the ones used from the
-        cache as recently used: the same order the coordinator's mirror keeps."""
-        if self.cache_bytes <= 0:
-            return
-        blocks = [
-            desc[BLOCK_FIELD]
-            for desc in received.frame.header.get("tensors", [])
-            if isinstance(desc, dict) and isinstance(desc.get(BLOCK_FIELD), str)
-        ]
-        self._blocks.record(
-            # A copy: a view would keep the whole frame (the other operand too) alive.
-            (
-                block,
-                arrived[block].clone() if block in arrived and block not in self._blocks else None,
-            )
-            for block in blocks
-        )
-
-    def _forget_blocks(self) -> None:
-        self._blocks.clear()
 
     @property
     def cached_blocks(self) -> int:
         return len(self._blocks)
 
-    def _check_fits(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        out_bytes = math.prod(a.shape[:-1]) * b.shape[-1] * a.element_size()
-        need = a.nbytes + b.nbytes + out_bytes
-        cap = self.profile.mem_cap_bytes
-        if cap and need > cap:
-            raise LimitExceeded(
-                f"tile needs {need} bytes (operands + result), over this worker's "
-                f"mem_cap_bytes={cap}"
-            )
-        if out_bytes + RESULT_HEADER_ALLOWANCE > self.coordinator_max_frame_bytes:
-            raise LimitExceeded(
-                f"result of {out_bytes} bytes would not fit the coordinator's "
-                f"max_frame_bytes={self.coordinator_max_frame_bytes}"
-            )
-
     def _on_cancel(self, msg: Cancel) -> Actions:
-        if self._queue.pop(msg.tile_id, None) is not None:
+        if self._tiles.cancel_queued(msg.tile_id):
             self.stats.tiles_cancelled += 1
             return Actions(cancel=(msg.tile_id,))
-        if self._computing is not None and self._computing.tile_id == msg.tile_id:
-            # A running GEMM cannot be interrupted; its result is dropped when it ends.
-            self._discard_computing = True
+        if self._tiles.discard_computing(msg.tile_id):  # counted when it ends
             return Actions(cancel=(msg.tile_id,))
         return NO_ACTIONS  # already sent or never held: the coordinator's race, harmless
 
@@ -396,16 +327,7 @@ class WorkerSession:
 
     def _bad_message(self, data: Buffer | str, exc: ProtocolError) -> Actions:
         # Best effort: name the tile and the type in the reply when the header is readable.
-        msg_type, tile_id = "", ""
-        if not isinstance(data, str):
-            try:
-                header = decode_frame(data, self.limits).header
-            except ProtocolError:
-                header = {}
-            msg_type = str(header.get("type", ""))
-            raw_id = header.get("tile_id")
-            if isinstance(raw_id, str) and len(raw_id) <= self.limits.max_string_chars:
-                tile_id = raw_id
+        msg_type, tile_id = named_in(data, self.limits)
         if msg_type == "task":
             return self._refuse_tile(tile_id, exc)
         log.warning("bad message from coordinator: %s: %s", exc.code, exc.message)
@@ -417,16 +339,12 @@ class WorkerSession:
 
     def next_tile(self) -> TileJob | None:
         """The oldest queued tile, now marked as computing; None if none or busy."""
-        if self.phase != Phase.READY or self._computing is not None or not self._queue:
-            return None
-        _, job = self._queue.popitem(last=False)
-        self._computing = job
-        self._discard_computing = False
-        return job
+        return self._tiles.take_next() if self.phase == Phase.READY else None
 
     @property
     def current_tile(self) -> str:
-        return self._computing.tile_id if self._computing is not None else ""
+        computing = self._tiles.computing
+        return computing.tile_id if computing is not None else ""
 
     def tile_finished(self, job: TileJob, c: torch.Tensor, compute_s: float) -> bytes | None:
         """The Result to send for ``job``; None if it was cancelled or its connection is gone."""
@@ -456,26 +374,15 @@ class WorkerSession:
         return self._error(error, job.tile_id)
 
     def _finish(self, job: TileJob) -> bool:
-        if job is not self._computing:
-            return False  # from a connection that has since been lost
-        self._computing = None
-        if self._discard_computing:
-            self._discard_computing = False
+        finished = self._tiles.finish(job)
+        if finished is Finished.DISCARDED:
             self.stats.tiles_cancelled += 1
-            return False
-        return True
+        return finished is Finished.WANTED
 
     @property
     def in_flight(self) -> int:
         """Tiles this worker holds for the current connection (queued + computing)."""
-        return len(self._queue) + int(bool(self._live_computing_id()))
-
-    def _live_computing_id(self) -> str:
-        # A computing tile whose result will be discarded is no longer held: the
-        # coordinator may already have handed the same tile back (after a resume).
-        if self._computing is None or self._discard_computing:
-            return ""
-        return self._computing.tile_id
+        return len(self._tiles)
 
     # ---- timers and owner actions --------------------------------------------------
 
@@ -500,11 +407,7 @@ class WorkerSession:
     def pause(self, reason: str) -> Actions:
         """Stop taking tiles; held ones drop (the coordinator moves them elsewhere)."""
         self.paused_reason = reason[: self.limits.max_string_chars]
-        dropped = tuple(self._queue)
-        if self._computing is not None:
-            self._discard_computing = True
-            dropped += (self._computing.tile_id,)
-        self._queue.clear()
+        dropped = self._tiles.drop_all()
         if self.phase != Phase.READY:
             return Actions(cancel=dropped)
         frame = self._out(encode_message(Pause(reason=self.paused_reason)))
@@ -522,23 +425,13 @@ class WorkerSession:
     def _refuse(self, why: str, bye: str = "") -> Actions:
         """Stop for good: reconnecting would meet the same refusal."""
         self.phase = Phase.REFUSED
-        self._forget_tiles()
+        self._tiles.clear()
         send = (self._out(encode_message(Bye(reason=bye))),) if bye else ()
         return Actions(send=send, refusal=why)
-
-    def _forget_tiles(self) -> None:
-        self._queue.clear()
-        self._computing = None
-        self._discard_computing = False
 
     def _out(self, frame: bytes) -> bytes:
         self.stats.bytes_out += len(frame)
         return frame
 
     def _error(self, exc: ProtocolError, tile_id: str = "") -> bytes:
-        error = Error(
-            code=exc.code[: self.limits.max_string_chars],
-            message=exc.message[: self.limits.max_message_chars],
-            tile_id=tile_id,
-        )
-        return self._out(encode_message(error))
+        return self._out(encode_message(error_message(exc, tile_id, self.limits)))

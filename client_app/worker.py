@@ -1,13 +1,9 @@
 """The asyncio pump around a ``WorkerSession``: sockets, timers, the compute thread.
 
-Per connection, three tasks share one WebSocket: a receive loop feeding the session, a
-heartbeat loop, and a compute loop that hands verified tiles, in order, to one
-dedicated thread (torch work never runs on the event loop, so heartbeats and cancels
-keep flowing while a GEMM runs). The owner's CPU-time and bandwidth limits are waits on
-the event loop (``client_app.pacing``): a rest between tiles, a wait after each frame
-received and before each result sent; heartbeats have their own task and are never held
-back. Losing the connection ends all three; the session forgets that connection's tiles
-and the worker reconnects with backoff.
+Each connection runs the tasks of ``client_app.pumps`` (receive, heartbeat, compute,
+send) until one ends. Losing the connection ends them all; the session forgets that
+connection's tiles and the worker reconnects with backoff. A welcome may send the
+worker to another rank of the job; a rank that then stays away sends it back home.
 
 A GUI drives ``WorkerCore`` from its own thread through the thread-safe methods
 (``stop``, ``set_threads``, ``set_cpu_percent``, ``set_bandwidth_kbps``, ``pause``,
@@ -27,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-import torch
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
@@ -39,15 +34,15 @@ from client_app.connection import close_quietly, describe, open_connection, send
 from client_app.options import WorkerOptions, tls_context
 from client_app.pacing import Pacer
 from client_app.profile import build_profile, describe_profile
-from client_app.session import Actions, PinCheck, TileJob, WorkerSession
+from client_app.pumps import ConnectionPumps, NoWelcome, Refused
+from client_app.refusals import PinCheck
+from client_app.session import WorkerSession
+from client_app.session_types import Actions
 from client_app.status import StatusObserver, WorkerStatus
 from client_app.status_board import Activity, Link, StatusBoard
 from client_app.summary import TileSummary
-from common.messages import DeviceProfile, Result
+from common.messages import DeviceProfile
 from common.signing import generate_private_key
-
-# A finished tile's result and product (encoded by the send loop), or a frame ready to go.
-Outgoing = tuple[Result, torch.Tensor] | bytes
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +54,9 @@ class RunResult(enum.Enum):
     REFUSED = "refused"  # key changed, banned or wrong token: a person must decide
 
 
-class _Refused(Exception):
-    """Raised inside a connection to end the whole run without reconnecting."""
-
-
 # Connections in a row that a rank this worker was sent to does not welcome before it
 # goes back to the URL its owner gave.
 MISSES_BEFORE_HOME = 3
-
-
-class _NoWelcome(Exception):
-    """The coordinator accepted the socket but never welcomed us: try again later."""
 
 
 class WorkerCore:
@@ -324,10 +311,10 @@ class WorkerCore:
                 await self._one_connection()
                 if not self._stop_event.is_set() and not self._moved:
                     log.warning("connection to %s was closed", self.url)
-            except _Refused as refusal:
+            except Refused as refusal:
                 self._board.detail = str(refusal)
                 return RunResult.REFUSED
-            except _NoWelcome:
+            except NoWelcome:
                 timeout_s = self.options.welcome_timeout_s
                 log.warning("%s sent no welcome within %.0f s", self.url, timeout_s)
             except (OSError, WebSocketException, asyncio.TimeoutError) as exc:
@@ -377,59 +364,30 @@ class WorkerCore:
     async def _serve(self, ws: ClientConnection) -> None:
         session = self.session
         assert session is not None and self._stop_event is not None
+        assert self._executor is not None and self._welcomed is not None
         session.connect(self._clock())  # the coordinator speaks first: its challenge
         self._publish(line=f"Joining {self.url}")
-        work = asyncio.Event()
-        # One finished tile may wait here while the next one computes.
-        outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=1)
-        tasks = {
-            asyncio.ensure_future(self._receive_loop(ws, session, work)),
-            asyncio.ensure_future(self._heartbeat_loop(ws, session)),
-            asyncio.ensure_future(self._compute_loop(session, work, outbox)),
-            asyncio.ensure_future(self._send_loop(ws, session, outbox)),
-            asyncio.ensure_future(self._stop_event.wait()),
-        }
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for task in done:
-            exc = task.exception()
-            if exc is not None:
-                raise exc
+        pumps = ConnectionPumps(
+            ws,
+            session,
+            url=self.url,
+            clock=self._clock,
+            pacer=self._pacer,
+            charger=self._charger,
+            summary=self._summary,
+            executor=self._executor,
+            welcomed=self._welcomed,
+            welcome_timeout_s=self.options.welcome_timeout_s,
+            publish=self._publish,
+            move_to=self._move_to,
+        )
+        await pumps.run(self._stop_event)
         if self._stop_event.is_set():
             bye = session.bye("worker stopping")
             if bye is not None:
                 with contextlib.suppress(ConnectionClosed, OSError, asyncio.TimeoutError):
                     await asyncio.wait_for(send_frames(ws, bye), BYE_TIMEOUT_S)
                 log.info("left %s (sent bye)", self.url)
-
-    async def _receive_loop(
-        self, ws: ClientConnection, session: WorkerSession, work: asyncio.Event
-    ) -> None:
-        # Ends normally on a clean close; raises ConnectionClosedError on a broken one.
-        async for data in ws:
-            actions = session.receive(data, self._clock())
-            await send_frames(ws, *actions.send)
-            if actions.welcome is not None:
-                self._on_welcome(session, actions.first_pin)
-            if actions.refusal:
-                raise _Refused(actions.refusal)
-            if actions.compute:
-                work.set()
-            if actions.cancel:
-                log.debug("cancelled tiles %s", ", ".join(actions.cancel))
-            self._publish()
-            if actions.close:
-                log.info("closing connection to %s: %s", self.url, actions.close)
-                if actions.move_to:
-                    self._move_to(actions.move_to)
-                return
-            # Not reading the next frame is the limit: TCP backpressure slows the sender.
-            # Heartbeats are sent by their own task and never wait here.
-            await self._pacer.after_receiving(len(data))
 
     def _move_to(self, url: str, directed: bool = True) -> None:
         """Serve ``url`` from the next connection on (a rank of the same job and key)."""
@@ -450,102 +408,6 @@ class WorkerCore:
         if self._misses_away >= MISSES_BEFORE_HOME:
             log.warning("%s did not welcome this worker: back to %s", self.url, self.home_url)
             self._move_to(self.home_url, directed=False)
-
-    def _on_welcome(self, session: WorkerSession, first_pin: bool) -> None:
-        assert self._welcomed is not None
-        self._welcomed.set()
-        if first_pin:
-            log.info(
-                "first join of %s: pinned its key, fingerprint %s. A different key "
-                "will be refused.",
-                self.url,
-                session.fingerprint,
-            )
-        else:
-            log.info(
-                "joined %s as %s; coordinator key %s matches the pin",
-                self.url,
-                session.worker_id,
-                session.fingerprint,
-            )
-        if session.ranks > 1:
-            log.info("serving coordinator rank %d of %d", session.rank, session.ranks)
-        self._summary.start_window(session.stats, self._clock())
-
-    async def _heartbeat_loop(self, ws: ClientConnection, session: WorkerSession) -> None:
-        # Doubles as the welcome watchdog: a coordinator that never welcomes is dropped.
-        assert self._welcomed is not None
-        try:
-            await asyncio.wait_for(self._welcomed.wait(), self.options.welcome_timeout_s)
-        except asyncio.TimeoutError:
-            raise _NoWelcome() from None
-        while True:
-            frame = session.heartbeat(self._clock())
-            if frame is not None:
-                await send_frames(ws, frame)
-            await asyncio.sleep(max(0.0, session.next_heartbeat_at - self._clock()))
-
-    async def _compute_loop(
-        self, session: WorkerSession, work: asyncio.Event, outbox: asyncio.Queue[Outgoing]
-    ) -> None:
-        while True:
-            job = session.next_tile()
-            if job is None:
-                # No await between next_tile() and clear(): no wake-up can be lost.
-                work.clear()
-                await work.wait()
-                # Whatever ran while there was no work (heartbeats) is not owed by
-                # the next tile: charging starts afresh.
-                self._charger.start_afresh()
-                continue
-            self._publish()
-            start = self._clock()
-            outgoing, cost = await self._compute_tile(session, job)
-            end = self._clock()
-            if outgoing is not None:
-                await outbox.put(outgoing)  # the next tile starts while this one goes
-            self._publish()
-            await self._pacer.rest_after_tile(start, end, cost)
-
-    async def _send_loop(
-        self, ws: ClientConnection, session: WorkerSession, outbox: asyncio.Queue[Outgoing]
-    ) -> None:
-        """Encode and send each finished tile's frame, while the compute thread is
-        already multiplying the next tile."""
-        while True:
-            outgoing = await outbox.get()
-            frame = outgoing if isinstance(outgoing, bytes) else session.result_frame(*outgoing)
-            await self._pacer.before_sending(len(frame))
-            await send_frames(ws, frame)
-            self._summary.after_tile(session.stats, self._clock())
-            self._publish()
-
-    async def _compute_tile(
-        self, session: WorkerSession, job: TileJob
-    ) -> tuple[Outgoing | None, float]:
-        """What to send for ``job`` (None if not wanted any more) and its cost."""
-        loop = asyncio.get_running_loop()
-        assert self._executor is not None
-        try:
-            charged = await loop.run_in_executor(
-                self._executor, self._charger.compute, job.op, job.a, job.b
-            )
-        except (RuntimeError, ValueError, MemoryError) as exc:
-            # A tile that failed is not charged: its cost is unknown.
-            return session.tile_failed(job, exc), 0.0
-        result = session.tile_done(job, charged.seconds)
-        if result is None:
-            return None, charged.cost
-        log.debug(
-            "tile %s: %s %s @ %s %s in %.1f ms",
-            job.tile_id,
-            job.op,
-            list(job.a.shape),
-            list(job.b.shape),
-            job.a.dtype,
-            charged.seconds * 1e3,
-        )
-        return (result, charged.c), charged.cost
 
     # ---- status ---------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from support.fake_coordinator import PROFILE, FakeCoordinator, HeldComputer, operands, stop, within
 
-from client_app import worker as worker_module
+from client_app import pumps as worker_module  # the send loop's send_frames
 from client_app.config import PinStore, WorkerSettings
 from client_app.options import WorkerOptions
 from client_app.status import WorkerStatus

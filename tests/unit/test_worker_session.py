@@ -600,8 +600,9 @@ def test_the_cache_keeps_to_its_budget_least_recently_used_first(
     a = [torch.randn(8, 6) for _ in range(3)]
     for i in range(3):  # a0 b, a1 b, a2 b: b is touched every time, a0 is the oldest
         session.receive(block_task(key, f"t-{i}", a[i], b), 1.0)
-        session.next_tile()
-        session._computing = None  # noqa: SLF001 - finish without computing
+        job = session.next_tile()
+        assert job is not None
+        session.tile_done(job, 0.0)
     held = list(session._blocks)  # noqa: SLF001
     # a0 went first; b, used every time, stays
     assert held == [content_id(a[1]), content_id(a[2]), content_id(b)]
