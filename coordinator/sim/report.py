@@ -54,35 +54,34 @@ def section_step_time(out: list[str], svgs: dict[str, str]) -> None:
     out += [
         "## (b) Step time against N on a heterogeneous pool",
         "",
-        f"`{CMD}` — opt-125m, batch 4 x seq 512, fp32; the real Scheduler and plan_gemm "
-        "(target 2N tiles), window 2, devices log-normal 5 GFLOP/s–100 TFLOP/s (median 200), "
-        "memory caps 128 MiB–1 GiB, uplink 2–10x slower than downlink, coordinator egress "
-        "10 Gbit/s. Campus: median downlink 1 Gbit/s; home: 100 Mbit/s. With the operand "
-        "cache (each device keeps blocks up to its memory cap; the scheduler's affinity "
-        "rule) and, for comparison, without it (every tile carries both operands). "
-        "Utilisation (with the cache) = useful tile FLOPs / (pool FLOP/s x step time); "
-        "MB/dev = downlink MB per device per step. 'cost' columns: the live default planner "
-        "(`live.LivePlanning`: grids from the cost model of the devices as estimated "
-        "so far, placed by earliest finish where compute binds and as pull would hand "
-        "them out where links bind, the coordinator computing the share it would finish "
-        "first), its first step (estimates from the "
-        "devices' claims, links assumed fast until measured) and its second. N=1024 on "
-        "home links, and the cost planner at N=1024, are left out to keep the report run "
-        "short.",
+        f"`{CMD}` — opt-125m, batch 4 x seq 512, fp32; the real Scheduler and the grid planner "
+        "(`plan_gemm`, target 2N tiles), window 2, devices log-normal 5 GFLOP/s–100 TFLOP/s "
+        "(median 200), memory caps 128 MiB–1 GiB, uplink 2–10x slower than downlink, "
+        "coordinator egress 10 Gbit/s. Campus: median downlink 1 Gbit/s; home: 100 Mbit/s. With"
+        " the operand cache (each device keeps blocks up to its memory cap; the scheduler's "
+        "affinity rule) and, for comparison, without it (every tile carries both operands). "
+        "Utilisation (with the cache) = useful tile FLOPs / (pool FLOP/s x step time); MB/dev ="
+        " downlink MB per device per step. 'cost' columns: the live default planner "
+        "(`live.LivePlanning`: grids from the cost model of the devices as estimated so far, "
+        "placed by earliest finish where compute binds and as pull would hand them out where "
+        "links bind, the coordinator computing the share it would finish first), its first step"
+        " (estimates from the devices' claims, links assumed fast until measured) and its "
+        "second. N=1024 on home links, and the cost planner at N=1024, are left out to keep the"
+        " report run short.",
         "",
         table(
             [
                 "N",
                 "campus cost s, step 1",
                 "step 2",
-                "campus plan_gemm s",
+                "campus grid s",
                 "no cache",
                 "campus util",
                 "campus MB/dev",
                 "no cache",
                 "home cost s, step 1",
                 "step 2",
-                "home plan_gemm s",
+                "home grid s",
                 "no cache",
                 "home util",
                 "home MB/dev",

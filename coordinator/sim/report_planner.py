@@ -153,7 +153,7 @@ def section_planner(out: list[str], svgs: dict[str, str]) -> None:
                 "tiles kept at coordinator",
                 "live, executed / bound",
                 "pull plan pulled, executed / bound",
-                "old (plan_gemm, pull) / bound",
+                "old (grid, pull) / bound",
                 "coordinator alone / bound",
             ],
             rows,
