@@ -322,6 +322,12 @@ def main() -> None:
         "against eager with 1 thread on core 0",
     )
     parser.add_argument("--eager-only", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--min-offload-intensity",
+        type=float,
+        default=0.0,
+        help="serve --min-offload-intensity: GEMMs below this many FLOP per byte stay here",
+    )
     parser.add_argument("--eager-threads", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.eager_only:  # the baseline's own process (eager_process)
@@ -352,7 +358,14 @@ def main() -> None:
         gflop = step_gflop(make)
         for planner in planners:
             served = serve_job_measured(
-                spec, args.steps, args.workers, "--planner", planner, env=sizes
+                spec,
+                args.steps,
+                args.workers,
+                "--planner",
+                planner,
+                "--min-offload-intensity",
+                str(args.min_offload_intensity),
+                env=sizes,
             )
             records = served.records[skip:]
             ours = statistics.median(served.seconds[skip:])

@@ -194,6 +194,15 @@ def _pool_options(group: argparse._ArgumentGroup) -> None:
         help="GEMMs smaller than this many MFLOP run at the coordinator",
     )
     group.add_argument(
+        "--min-offload-intensity",
+        type=float,
+        default=0.0,
+        metavar="FLOP_PER_BYTE",
+        help="GEMMs doing fewer FLOPs than this per byte they would move run at the "
+        "coordinator, where handing them out costs its CPU more than computing them "
+        "(0: off)",
+    )
+    group.add_argument(
         "--planner",
         default=Planner.COST.value,
         choices=[p.value for p in Planner],

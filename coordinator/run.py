@@ -236,7 +236,7 @@ class CoordinatorRun:
             server,
             asyncio.get_running_loop(),
             self.key,
-            plan_config_for(options.min_offload_mflop),
+            plan_config_for(options.min_offload_mflop, options.min_offload_intensity),
             LivePlanning(
                 cost_model=options.planner is Planner.COST,
                 coordinator_flops_per_s=options.coordinator_gflops * 1e9,

@@ -41,6 +41,7 @@ class ServeOptions:
     local_worker_threads: int | None
     min_workers: int
     min_offload_mflop: float
+    min_offload_intensity: float
     planner: Planner
     coordinator_gflops: float
     heartbeat_timeout: float
@@ -87,6 +88,7 @@ class ServeOptions:
             local_worker_threads=args.local_worker_threads,
             min_workers=args.min_workers or max(1, args.local_workers),
             min_offload_mflop=args.min_offload_mflop,
+            min_offload_intensity=args.min_offload_intensity,
             planner=Planner(args.planner),
             coordinator_gflops=coordinator_gflops(args.coordinator_gflops, args.local_workers),
             heartbeat_timeout=args.heartbeat_timeout,
