@@ -325,8 +325,10 @@ def main() -> None:
     parser.add_argument(
         "--min-offload-intensity",
         type=float,
-        default=0.0,
-        help="serve --min-offload-intensity: GEMMs below this many FLOP per byte stay here",
+        nargs="+",
+        default=[0.0],
+        help="serve --min-offload-intensity: GEMMs below this many FLOP per byte stay here; "
+        "several values: one run each against the same eager baseline (planner cost@F)",
     )
     parser.add_argument("--eager-threads", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -356,7 +358,9 @@ def main() -> None:
         eager_s = statistics.median(eager.seconds[skip:])
         eager_cpu = statistics.median(eager.cpu_seconds[skip:])
         gflop = step_gflop(make)
-        for planner in planners:
+        runs = [(p, f) for p in planners for f in args.min_offload_intensity]
+        for planner, intensity in runs:
+            label = f"{planner}@{intensity:g}" if intensity else planner
             served = serve_job_measured(
                 spec,
                 args.steps,
@@ -364,7 +368,7 @@ def main() -> None:
                 "--planner",
                 planner,
                 "--min-offload-intensity",
-                str(args.min_offload_intensity),
+                str(intensity),
                 env=sizes,
             )
             records = served.records[skip:]
@@ -378,14 +382,14 @@ def main() -> None:
             )
             share = statistics.median(r["workers_flop_share"] or 0.0 for r in records)
             floor = measure_floor(records, eager.non_gemm_cpu_s)
-            floors[f"{model} {planner}"] = floor
+            floors[f"{model} {label}"] = floor
             print(
-                f"{LABELS[model]:>30} {gflop:>11.1f} {planner:>8} {eager_s:>8.3f} {ours:>9.3f} "
+                f"{LABELS[model]:>30} {gflop:>11.1f} {label:>8} {eager_s:>8.3f} {ours:>9.3f} "
                 f"{ours / eager_s:>6.2f} {served.peak_rss / eager_rss:>7.2f} "
                 f"{orch / eager_cpu:>6.2f} {no_ckpt / eager_cpu:>8.2f} "
                 f"{floor.seconds / eager_cpu:>6.2f} {orch / floor.seconds:>11.2f} {share:>8.1%}"
             )
-            breakdowns[f"{model} {planner}"] = step_breakdown(served, skip)
+            breakdowns[f"{model} {label}"] = step_breakdown(served, skip)
         breakdowns[f"{model} eager"] = {"wall": eager_s, "cores x wall": eager_s * CORES}
     print(
         f"(cleave: coordinator + {args.workers} local workers on {CORES} cores; "
