@@ -149,7 +149,7 @@ def summarize_left(a3: torch.Tensor | Sequence[torch.Tensor]) -> LeftSummary:
     ``[batch, m, k]``), summarised one by one and joined: the blocks are never copied."""
     blocks = [a3] if isinstance(a3, torch.Tensor) else a3
     row_sq = [torch.linalg.vector_norm(block, dim=-1).to(torch.float64) for block in blocks]
-    return LeftSummary(_joined(row_sq).square_())
+    return LeftSummary(_summaries_joined(row_sq).square_())
 
 
 def summarize_right(
@@ -162,15 +162,16 @@ def summarize_right(
     or the distinct blocks of a stack of tiles (each ``[batch, k, n]``, one tile each),
     summarised one by one with the same vectors and joined: the blocks are never copied.
     Each tile is uneven or not on its own."""
-    blocks = [b3] if isinstance(b3, torch.Tensor) else b3
-    if not isinstance(b3, torch.Tensor):
-        tiles = len(blocks)
+    if isinstance(b3, torch.Tensor):
+        blocks = [b3]
+    else:
+        blocks, tiles = list(b3), len(b3)
     rho = check_vectors(plan.width, plan.vectors, blocks[0].dtype, generator)
     # Chains of a chunk: [batch, k, chunks * V].
-    projected = _joined(
+    projected = _summaries_joined(
         [rows_times(block, plan.width, rho).reshape(*block.shape[:2], -1) for block in blocks]
     )
-    norms = _joined(  # [batch, k, chunks]
+    norms = _summaries_joined(  # [batch, k, chunks]
         [
             torch.linalg.vector_norm(
                 block.reshape(*block.shape[:2], plan.chunks, plan.width), dim=-1
@@ -189,7 +190,7 @@ def summarize_right(
     return RightSummary(rho, projected, largest.to(torch.float64).square_(), row_sq, mixed)
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+def _summaries_joined(parts: list[torch.Tensor]) -> torch.Tensor:
     """Summaries of blocks along their batch dimension: no copy for one."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
