@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from common.ops import TILE_OPS, TileOp
+from common.tensors import stored_layout
 
 
 def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -128,7 +129,10 @@ class TileComputer:
         buf = self._scratch.get(slot)
         if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
             buf = self._scratch[slot] = torch.empty(t.numel(), dtype=t.dtype)
-        return buf[: t.numel()].view(t.shape).copy_(t)
+        # A transposed operand is copied in the order its bytes lie, and stays transposed.
+        stored, transposed = stored_layout(t)
+        copy = buf[: t.numel()].view(stored.shape).copy_(stored)
+        return copy.mT if transposed else copy
 
 
 KERNEL_ALIGN = 64

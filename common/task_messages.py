@@ -30,6 +30,7 @@ from common.tensors import (
     decode_tensors,
     dtype_name,
     encode_block,
+    stored_layout,
 )
 from common.unfold import UNFOLD_FIELD, Unfold
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
 BLOCK_FIELD = "block"  # a task operand's content id: signed, and its cache key
 REF_FIELD = "ref"  # true: the operand is not in the payload; the worker has that block
+# true: the block holds the operand's transpose (its last two dims swapped), in row order
+TRANSPOSED_FIELD = "transposed"
 
 
 @dataclass(frozen=True)
@@ -179,9 +182,11 @@ def task_frame(
     parts: list[memoryview] = []
     offset = end = 0
     for name, block in (("a", a), ("b", b)):
-        t = block.tensor
+        t = block.stored
         desc: dict[str, Any] = {"name": name, "dtype": dtype_name(t.dtype)}
         desc["shape"], desc[BLOCK_FIELD] = list(t.shape), block.id
+        if block.transposed:
+            desc[TRANSPOSED_FIELD] = True
         if name in refs:
             desc[REF_FIELD] = True
         else:
@@ -226,7 +231,8 @@ def encode_task(
             return encode_block(t, block_id)
         if block_id is None:
             raise ValueError("refs need content ids")
-        return Block(t, memoryview(b""), block_id)  # not sent: its dtype, shape and id
+        # Not sent: its dtype, shape, layout and id.
+        return Block(t, memoryview(b""), block_id, stored_layout(t)[1])
 
     a_block, b_block = block("a", a, ids[0]), block("b", b, ids[1])
     return task_frame(tile_id, op, a_block, b_block, key, refs=refs, unfold=unfold).join()
@@ -281,8 +287,25 @@ def verify_task_blocks(
             if name in tensors:
                 raise TensorCodecError(f"tensor {name!r} is both sent and referred to")
             tensors[name] = tensor
+    for desc in descriptors:
+        if isinstance(desc, dict) and _transposed(desc):
+            tensors[desc["name"]] = _swapped(tensors[desc["name"]])
     task = received.message
     return check_operands(task.op, tensors, limits, task.unfold), cacheable
+
+
+def _transposed(desc: dict[str, Any]) -> bool:
+    value = desc.get(TRANSPOSED_FIELD, False)
+    if not isinstance(value, bool):
+        raise TensorCodecError(f'tensor field "{TRANSPOSED_FIELD}" must be true or false')
+    return value
+
+
+def _swapped(t: torch.Tensor) -> torch.Tensor:
+    """A transposed block's operand: a view of its bytes with the last two dims swapped."""
+    if t.dim() < 2:
+        raise TensorCodecError(f"a {t.dim()}-D operand cannot be transposed")
+    return t.mT
 
 
 def _only_padding_between(inline: list[dict[str, Any]], payload: memoryview) -> None:

@@ -183,14 +183,34 @@ def content_id(t: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
+def stored_layout(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``t`` as its elements lie in memory: ``(t.mT, True)`` when its last two dims are
+    swapped there (a transposed view, such as a linear layer's weight as the B operand),
+    else ``(t, False)``. Copying ``t.mT`` reads and writes rows; copying a transposed
+    view into row order jumps across memory for every element, several times slower."""
+    if t.dim() >= 2 and t.shape[-1] > 1 and t.shape[-2] > 1 and t.stride(-2) == 1 != t.stride(-1):
+        return t.mT, True
+    return t, False
+
+
 @dataclass(frozen=True)
 class Block:
     """An operand laid out for the wire once, for every task that carries it: its bytes
-    contiguous in memory of their own, zero padded to ``PAYLOAD_ALIGN``, and its id."""
+    contiguous in memory of their own, zero padded to ``PAYLOAD_ALIGN``, and its id.
 
-    tensor: torch.Tensor  # a view of ``padded``: the operand exactly as the worker gets it
+    A transposed block holds the operand's transpose (its last two dims swapped) in row
+    order: ``tensor`` is the operand, a transposed view of those bytes, and ``id`` is the
+    bytes' content id, as the worker computes it before it swaps them back."""
+
+    tensor: torch.Tensor  # the operand exactly as the worker computes with it
     padded: memoryview  # the bytes and the zero padding after them
-    id: str  # content_id, or the id a caller asserts for it
+    id: str  # content_id of ``stored``, or the id a caller asserts for it
+    transposed: bool = False
+
+    @property
+    def stored(self) -> torch.Tensor:
+        """The operand as its bytes lie: row order."""
+        return self.tensor.mT if self.transposed else self.tensor
 
     @property
     def nbytes(self) -> int:
@@ -199,16 +219,19 @@ class Block:
 
 def encode_block(t: torch.Tensor, block_id: str | None = None) -> Block:
     """Copy ``t`` (any strides, any device) once into a ``Block``; hash it unless its id
-    is given. The memory comes from torch's allocator, which does not zero it first
-    (a bytearray would: every byte would be written twice)."""
+    is given. A transposed view is copied as its transpose (``stored_layout``). The
+    memory comes from torch's allocator, which does not zero it first (a bytearray
+    would: every byte would be written twice)."""
     dtype_name(t.dtype)  # refuse before touching the data
+    source, transposed = stored_layout(t.detach())
     nbytes = t.numel() * t.element_size()
     memory = torch.empty(nbytes + (-nbytes) % PAYLOAD_ALIGN, dtype=torch.uint8)
     memory[nbytes:] = 0
     if nbytes:
-        tensor = memory[:nbytes].view(t.dtype).view(t.shape)
-        tensor.copy_(t.detach())
+        stored = memory[:nbytes].view(t.dtype).view(source.shape)
+        stored.copy_(source)
     else:
-        tensor = torch.empty(t.shape, dtype=t.dtype)
+        stored = torch.empty(source.shape, dtype=t.dtype)
     padded = memoryview(memory.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
-    return Block(tensor, padded, block_id or content_id(tensor))
+    tensor = stored.mT if transposed else stored
+    return Block(tensor, padded, block_id or content_id(stored), transposed)

@@ -16,6 +16,8 @@ from typing import TypeVar
 
 import torch
 
+from common.tensors import stored_layout
+
 SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
 MAX_CHUNKS = 32  # column chunks per row, and at most one per 128 columns (below)
 K_BLOCK = 256  # longest fp32 chain of the reference a (b ρ) on split tiles
@@ -78,8 +80,29 @@ def as_float64(t: torch.Tensor) -> torch.Tensor:
 
 def rows_times(x: torch.Tensor, width: int, v: torch.Tensor) -> torch.Tensor:
     """``x`` cut into rows of ``width`` (its last dim a whole number of them), each times
-    ``v [width, V]``: ``[rows, V]`` for every row of every chunk, one product."""
-    return times_skinny(x.reshape(-1, width), v)
+    ``v [width, V]``: ``[rows, V]`` for every row of every chunk, one product.
+
+    An ``x`` that lies transposed (a weight block, as sent) is read in place: cutting
+    its rows would copy it across memory, and ``vᵀ`` times its bytes' rows is the
+    skinny product again."""
+    if not stored_layout(x)[1]:
+        return times_skinny(x.reshape(-1, width), v)
+    *lead, rows, cols = x.shape
+    chunks = cols // width
+    projected = v.mT @ x.mT.reshape(*lead, chunks, width, rows)  # [..., chunks, V, rows]
+    return projected.movedim(-1, -3).reshape(-1, v.shape[-1])
+
+
+def chunk_norms(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
+    """The 2-norms of ``x``'s rows cut into ``chunks`` of ``width``: ``[..., rows,
+    chunks]``. An ``x`` that lies transposed is reduced in the order its bytes lie, as
+    a sum of squares: ``vector_norm`` reads a dim that is not contiguous one element at
+    a time, many times slower."""
+    if not stored_layout(x)[1]:
+        return torch.linalg.vector_norm(x.reshape(*x.shape[:-1], chunks, width), dim=-1)
+    stored = x.mT.reshape(*x.shape[:-2], chunks, width, x.shape[-2])  # [..., chunks, width, rows]
+    ones = torch.ones(1, width, dtype=x.dtype)
+    return (ones @ stored.square()).squeeze(-2).mT.sqrt()
 
 
 @dataclass(frozen=True)
@@ -148,7 +171,7 @@ def summarize_left(a3: torch.Tensor | Sequence[torch.Tensor]) -> LeftSummary:
     """``a3``: one operand, or the distinct blocks of a stack of tiles (each
     ``[batch, m, k]``), summarised one by one and joined: the blocks are never copied."""
     blocks = [a3] if isinstance(a3, torch.Tensor) else a3
-    row_sq = [torch.linalg.vector_norm(block, dim=-1).to(torch.float64) for block in blocks]
+    row_sq = [chunk_norms(block, 1, block.shape[-1])[..., 0].to(torch.float64) for block in blocks]
     return LeftSummary(_summaries_joined(row_sq).square_())
 
 
@@ -172,12 +195,7 @@ def summarize_right(
         [rows_times(block, plan.width, rho).reshape(*block.shape[:2], -1) for block in blocks]
     )
     norms = _summaries_joined(  # [batch, k, chunks]
-        [
-            torch.linalg.vector_norm(
-                block.reshape(*block.shape[:2], plan.chunks, plan.width), dim=-1
-            )
-            for block in blocks
-        ]
+        [chunk_norms(block, plan.chunks, plan.width) for block in blocks]
     )
     k = norms.shape[1]
     largest = norms.amax(dim=1)

@@ -94,11 +94,16 @@ class SignedTile:
 
     @property
     def check_blocks(self) -> tuple[str, str]:
-        """Block ids for the check's cache: an unfolded block's norms are its patches'."""
+        """Block ids for the check's cache, which keeps summaries of the operands, not of
+        their bytes: a transposed block's are its transpose's, an unfolded block's its
+        patches'."""
+        a_id, b_id = (
+            block.id + ("|transposed" if block.transposed else "")
+            for block in (self.a_block, self.b_block)
+        )
         if self.unfold is None:
-            return self.blocks
+            return a_id, b_id
         tag = "|unfold" + json.dumps(self.unfold.to_header(), sort_keys=True)
-        a_id, b_id = self.blocks
         return (a_id + tag, b_id) if self.unfold.operand == "a" else (a_id, b_id + tag)
 
 

@@ -40,7 +40,7 @@ from common.messages import (
     verify_task_blocks,
 )
 from common.ops import TILE_OPS
-from common.signing import generate_private_key, public_key_hex
+from common.signing import SIGNATURE_FIELD, generate_private_key, public_key_hex, sign_bundle
 from common.tensors import content_id
 
 KEY = generate_private_key()
@@ -627,3 +627,62 @@ def test_bytes_outside_the_operands_are_refused(where: str) -> None:
     tampered = parse_message(encode_frame(dict(frame.header), [bytes(payload)]))
     with pytest.raises(SignatureError, match="unsigned bytes"):
         verify_task(tampered, PUB)
+
+
+# ---- transposed blocks -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["mm", "bmm"])
+def test_a_transposed_view_travels_as_its_transpose_and_arrives_as_the_operand(op: str) -> None:
+    """A linear layer's weight as the B operand is a transposed view: it is laid out in
+    the order its bytes lie, marked, and the worker computes with the very operand."""
+    batch = (2,) if op == "bmm" else ()
+    a = torch.randn(*batch, 4, 3)
+    weight = torch.randn(*batch, 5, 3)
+    b = weight.mT  # [.., 3, 5], its last two dims swapped in memory
+    frame = encode_task("t", op, a, b, KEY)
+    received = parse_message(frame)
+    descs = {d["name"]: d for d in received.frame.header["tensors"]}
+    assert descs["b"]["transposed"] is True and descs["b"]["shape"] == [*batch, 5, 3]
+    assert "transposed" not in descs["a"]
+    (got_a, got_b), arrived = verify_task_blocks(received, PUB)
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    # The cache keeps the bytes as they lie, under the id the worker recomputes.
+    assert torch.equal(arrived[content_id(weight)], weight)
+    assert torch.equal(got_a @ got_b, a @ b)
+
+
+def test_a_transposed_block_by_reference_is_swapped_from_the_cached_bytes() -> None:
+    """The same cached bytes serve a task that takes them as they lie and one that
+    takes their transpose: each task's signed descriptor says which."""
+    a, weight = torch.randn(4, 3), torch.randn(5, 3)
+    w_id = content_id(weight)
+    plain = parse_message(encode_task("t1", "mm", torch.randn(2, 5), weight, KEY))
+    _, arrived = verify_task_blocks(plain, PUB)
+    assert set(arrived) >= {w_id}
+    by_ref = parse_message(
+        encode_task("t2", "mm", a, weight.mT, KEY, ids=(None, w_id), refs=frozenset("b"))
+    )
+    (_, got_b), _ = verify_task_blocks(by_ref, PUB, blocks=arrived)
+    assert torch.equal(got_b, weight.mT)
+
+
+def test_the_transposed_mark_is_signed_and_checked() -> None:
+    a, b = torch.randn(4, 3), torch.randn(5, 3).mT
+    frame = decode_frame(encode_task("t", "mm", a, b, KEY))
+    for value in (False, "yes", 1):
+        header = dict(frame.header)
+        header["tensors"] = [dict(d) for d in header["tensors"]]
+        header["tensors"][1]["transposed"] = value
+        tampered = parse_message(encode_frame(header, [bytes(frame.payload)]))
+        with pytest.raises(ProtocolError):
+            verify_task(tampered, PUB)
+    # A mark the coordinator signed on an operand that has no two dims to swap.
+    frame = decode_frame(encode_task("t", "mm", torch.randn(3), torch.randn(3, 2), KEY))
+    header = {k: v for k, v in frame.header.items() if k != SIGNATURE_FIELD}
+    header["tensors"] = [dict(d) for d in header["tensors"]]
+    header["tensors"][0]["transposed"] = True
+    header[SIGNATURE_FIELD] = sign_bundle(KEY, header)
+    one_d = parse_message(encode_frame(header, [bytes(frame.payload)]))
+    with pytest.raises(TensorCodecError, match="1-D operand cannot be transposed"):
+        verify_task(one_d, PUB)

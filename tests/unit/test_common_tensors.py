@@ -10,7 +10,14 @@ import torch
 from common.errors import LimitExceeded, ProtocolError, TensorCodecError
 from common.frames import PAYLOAD_ALIGN, decode_frame, encode_frame
 from common.limits import WireLimits
-from common.tensors import DTYPES, decode_tensors, dtype_name, encode_tensors
+from common.tensors import (
+    DTYPES,
+    content_id,
+    decode_tensors,
+    dtype_name,
+    encode_block,
+    encode_tensors,
+)
 
 WIRE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SAME_SIZE_INT = {
@@ -338,3 +345,27 @@ def test_every_codec_error_is_a_protocol_error_with_a_code() -> None:
     with pytest.raises(ProtocolError) as info:
         decode_tensors([_desc(shape=[1] * 5)], PAYLOAD)
     assert info.value.code == "limit_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("make", "transposed"),
+    [
+        (lambda w: w, False),  # contiguous
+        (lambda w: w[1:4, 2:5], False),  # rows of a wider matrix
+        (lambda w: w.mT, True),  # a weight as the B operand
+        (lambda w: w.mT[1:5, :3], True),  # a block of it
+        (lambda w: w.mT[:, :1], False),  # one column: any order is row order
+        (lambda w: w.reshape(2, 3, 4).mT, True),  # batched
+    ],
+)
+def test_encode_block_lays_a_transposed_view_out_as_its_transpose(
+    make: Any, transposed: bool
+) -> None:
+    t = make(torch.randn(6, 4))
+    block = encode_block(t)
+    assert block.transposed is transposed
+    assert torch.equal(block.tensor, t)  # the operand itself, whatever the layout
+    assert block.stored.is_contiguous()
+    assert block.id == content_id(block.stored)
+    stored_bytes = block.stored.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert bytes(block.padded[: block.nbytes]) == stored_bytes

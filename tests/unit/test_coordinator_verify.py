@@ -397,3 +397,32 @@ def test_a_batch_of_tiles_sharing_operand_blocks_gets_each_tile_its_own_verdict(
         assert all(
             v.statistics == CheckPlan.for_shape(batch or 1, m, k, n).statistics for v in verdicts
         )
+
+
+def transposed_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last two dims swapped in memory, as a transposed block arrives."""
+    return t.mT.contiguous().mT
+
+
+@pytest.mark.parametrize(
+    "batch, m, k, n",
+    # The last two: rows cut into column chunks, the reference summed in K blocks.
+    [(None, 33, 65, 17), (4, 16, 64, 32), (None, 256, 1024, 1024), (2, 64, 2048, 512)],
+)
+@pytest.mark.parametrize("which", ["a", "b", "ab"])
+def test_operands_laid_out_transposed_get_the_same_verdicts(
+    batch: int | None, m: int, k: int, n: int, which: str
+) -> None:
+    """A weight block is sent as its transpose and checked as the view the worker
+    multiplies: the check must read it in place, and judge as it would a copy."""
+    a, b = operands(batch, m, k, n, torch.float32, 1.0, 3)
+    c = honest(a, b)
+    wrong = c.clone()
+    wrong.view(-1)[c.numel() // 2] += 1e-3 * float(c.abs().max())
+    at = transposed_layout(a) if "a" in which else a
+    bt = transposed_layout(b) if "b" in which else b
+    assert not (at.is_contiguous() and bt.is_contiguous())
+    assert check_product(at, bt, c, gen(9)).ok
+    assert not check_product(at, bt, wrong, gen(9)).ok
+    tiles = [(at, bt, c), (at, bt, wrong), (a, b, c)]
+    assert [v.ok for v in check_products(tiles, gen(9))] == [True, False, True]

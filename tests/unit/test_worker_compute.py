@@ -11,7 +11,14 @@ import torch
 from client_app.compute import TileComputer, cpu_model_name
 from client_app.profile import GIB, MIB, build_profile, default_mem_cap_bytes, measure_gflops
 from common.limits import DEFAULT_LIMITS
-from common.messages import DeviceProfile, Hello, encode_message, encode_task, parse_message
+from common.messages import (
+    DeviceProfile,
+    Hello,
+    encode_message,
+    encode_task,
+    parse_message,
+    verify_task,
+)
 from common.signing import generate_private_key
 
 # (rtol, atol) per dtype: the worker and the reference may block the sum differently.
@@ -19,21 +26,29 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
 SHAPES = {"mm": ((33, 65), (65, 17)), "bmm": ((3, 33, 65), (3, 65, 17))}
 
 
-def operands_from_the_wire(op: str, dtype: torch.dtype) -> tuple[bytes, torch.Tensor, torch.Tensor]:
-    """Operands exactly as the worker gets them: read-only views of a received frame."""
+def operands_from_the_wire(
+    op: str, dtype: torch.dtype, transposed_b: bool = False
+) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    """Operands exactly as the worker gets them: read-only views of a received frame
+    (with ``transposed_b``, b arrives as its transpose's bytes, as a weight does)."""
     gen = torch.Generator().manual_seed(5)
     a_shape, b_shape = SHAPES[op]
     a = torch.randn(a_shape, generator=gen).to(dtype)
     b = torch.randn(b_shape, generator=gen).to(dtype)
-    frame = encode_task("t", op, a, b, generate_private_key())
-    tensors = parse_message(frame).tensors()
-    return frame, tensors["a"], tensors["b"]
+    if transposed_b:
+        b = b.mT.contiguous().mT
+    key = generate_private_key()
+    frame = encode_task("t", op, a, b, key)
+    a_got, b_got = verify_task(parse_message(frame), key.public_key())
+    assert b_got.is_contiguous() is not transposed_b
+    return frame, a_got, b_got
 
 
+@pytest.mark.parametrize("transposed_b", [False, True], ids=["b", "bT"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("op", ["mm", "bmm"])
-def test_compute_matches_plain_torch(op: str, dtype: torch.dtype) -> None:
-    frame, a, b = operands_from_the_wire(op, dtype)
+def test_compute_matches_plain_torch(op: str, dtype: torch.dtype, transposed_b: bool) -> None:
+    frame, a, b = operands_from_the_wire(op, dtype, transposed_b)
     before = bytes(frame)
     c = TileComputer(threads=1, use_gpu=False).compute(op, a, b)
     a_ref, b_ref = a.clone(), b.clone()
