@@ -667,22 +667,32 @@ def test_a_transposed_block_by_reference_is_swapped_from_the_cached_bytes() -> N
     assert torch.equal(got_b, weight.mT)
 
 
+def _with_mark(frame: bytes, operand: int, value: Any, *, sign: bool) -> Received:
+    """``frame`` with operand ``operand``'s "transposed" field set to ``value``, signed
+    again by the coordinator's key or left with the old signature (a tamperer's)."""
+    decoded = decode_frame(frame)
+    header = {k: v for k, v in decoded.header.items() if k != SIGNATURE_FIELD}
+    header["tensors"] = [dict(d) for d in header["tensors"]]
+    header["tensors"][operand]["transposed"] = value
+    header[SIGNATURE_FIELD] = sign_bundle(KEY, header) if sign else decoded.header[SIGNATURE_FIELD]
+    return parse_message(encode_frame(header, [bytes(decoded.payload)]))
+
+
 def test_the_transposed_mark_is_signed_and_checked() -> None:
     a, b = torch.randn(4, 3), torch.randn(5, 3).mT
-    frame = decode_frame(encode_task("t", "mm", a, b, KEY))
-    for value in (False, "yes", 1):
-        header = dict(frame.header)
-        header["tensors"] = [dict(d) for d in header["tensors"]]
-        header["tensors"][1]["transposed"] = value
-        tampered = parse_message(encode_frame(header, [bytes(frame.payload)]))
-        with pytest.raises(ProtocolError):
-            verify_task(tampered, PUB)
-    # A mark the coordinator signed on an operand that has no two dims to swap.
-    frame = decode_frame(encode_task("t", "mm", torch.randn(3), torch.randn(3, 2), KEY))
-    header = {k: v for k, v in frame.header.items() if k != SIGNATURE_FIELD}
-    header["tensors"] = [dict(d) for d in header["tensors"]]
-    header["tensors"][0]["transposed"] = True
-    header[SIGNATURE_FIELD] = sign_bundle(KEY, header)
-    one_d = parse_message(encode_frame(header, [bytes(frame.payload)]))
+    frame = encode_task("t", "mm", a, b, KEY)
+    # In transit: dropping or changing the mark breaks the signature.
+    for operand, value in ((1, False), (1, "yes"), (0, True)):
+        with pytest.raises(SignatureError):
+            verify_task(_with_mark(frame, operand, value, sign=False), PUB)
+    # Signed, a mark that is not a boolean is refused by name.
+    for value in ("yes", 1, None):
+        with pytest.raises(TensorCodecError, match="must be true or false"):
+            verify_task(_with_mark(frame, 1, value, sign=True), PUB)
+    # Signed, a dropped mark leaves bytes that do not make the GEMM: refused, not run.
+    with pytest.raises(TensorCodecError, match="shapes do not match"):
+        verify_task(_with_mark(frame, 1, False, sign=True), PUB)
+    # Signed, a mark on an operand that has no two dims to swap.
+    one_d = encode_task("t", "mm", torch.randn(3), torch.randn(3, 2), KEY)
     with pytest.raises(TensorCodecError, match="1-D operand cannot be transposed"):
-        verify_task(one_d, PUB)
+        verify_task(_with_mark(one_d, 0, True, sign=True), PUB)
