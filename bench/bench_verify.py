@@ -11,6 +11,10 @@ worker computed), both on the same thread count:
 - *batched*: the same 16 tiles in one ``check_products`` call, as the server checks the
   results that arrived together (tiles of one shape are stacked); time per tile.
 
+The layout column says how the operand blocks lie: "rows" (row order), or "bT"/"aT" for a
+block that lies transposed, as the coordinator sends and checks a linear layer's weight in
+its forward (B) and its output gradient in its weight gradient (A).
+
 Also: the check's arithmetic over the GEMM's (FLOP ratio), and result bytes checked per
 second of one thread in a grid, to set against the coordinator's result ingress. DESIGN's
 goals: at most 8% of the GEMM at 1024³ fp32 (grid) and 30% at 256³ with small tiles
@@ -35,14 +39,16 @@ import torch  # noqa: E402
 from coordinator.tiles.check_parts import CheckCache, CheckPlan, new_generator  # noqa: E402
 from coordinator.tiles.verify import check_product, check_products  # noqa: E402
 
-SHAPES = [  # (batch or None, m, k, n, dtype)
-    (None, 256, 256, 256, torch.float32),
-    (None, 512, 512, 512, torch.float32),
-    (None, 1024, 1024, 1024, torch.float32),
-    (None, 2048, 2048, 2048, torch.float32),
-    (None, 1024, 4096, 1024, torch.float32),
-    (None, 1024, 1024, 1024, torch.bfloat16),
-    (16, 256, 64, 256, torch.float32),  # attention-like bmm: small k
+SHAPES = [  # (batch or None, m, k, n, dtype, layout)
+    (None, 256, 256, 256, torch.float32, "rows"),
+    (None, 512, 512, 512, torch.float32, "rows"),
+    (None, 1024, 1024, 1024, torch.float32, "rows"),
+    (None, 2048, 2048, 2048, torch.float32, "rows"),
+    (None, 1024, 4096, 1024, torch.float32, "rows"),
+    (None, 1024, 1024, 1024, torch.bfloat16, "rows"),
+    (16, 256, 64, 256, torch.float32, "rows"),  # attention-like bmm: small k
+    (None, 1024, 1024, 1024, torch.float32, "bT"),  # a weight, in its forward
+    (None, 1024, 1024, 1024, torch.float32, "aT"),  # an output gradient, in dW
 ]
 GRID = 4
 
@@ -64,15 +70,20 @@ def check_flops(batch: int, m: int, k: int, n: int) -> int:
     return batch * (plan.vectors * per_vector + 2 * (m * n + k * n + m * k))
 
 
+def laid_out(t: torch.Tensor, operand: str, layout: str) -> torch.Tensor:
+    """A copy of ``t`` in row order, or lying transposed where ``layout`` says so."""
+    return t.mT.contiguous().mT if layout == f"{operand}T" else t.contiguous()
+
+
 def grid_seconds(
-    lead: tuple[int, ...], m: int, k: int, n: int, dtype: torch.dtype, repeat: int
+    lead: tuple[int, ...], m: int, k: int, n: int, dtype: torch.dtype, layout: str, repeat: int
 ) -> tuple[float, float]:
     """Seconds per tile to check every tile of a GRID x GRID grid, sharing summaries: one
     tile after another, and all in one batch."""
     a = torch.randn(*lead, GRID * m, k).to(dtype)
     b = torch.randn(*lead, k, GRID * n).to(dtype)
-    rows = [a[..., i * m : (i + 1) * m, :].contiguous() for i in range(GRID)]
-    cols = [b[..., j * n : (j + 1) * n].contiguous() for j in range(GRID)]
+    rows = [laid_out(a[..., i * m : (i + 1) * m, :], "a", layout) for i in range(GRID)]
+    cols = [laid_out(b[..., j * n : (j + 1) * n], "b", layout) for j in range(GRID)]
     tiles = [(i, j, torch.matmul(rows[i], cols[j])) for i in range(GRID) for j in range(GRID)]
     gen = new_generator()
 
@@ -102,24 +113,25 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = new_generator()
     print(
-        f"{'tile (batch x) m x k x n':>26} {'dtype':>9} {'gemm ms':>8} {'single ms':>9} "
+        f"{'tile (batch x) m x k x n':>26} {'dtype':>9} {'layout':>6} {'gemm ms':>8} "
+        f"{'single ms':>9} "
         f"{'ratio':>6} {'grid ms':>8} {'ratio':>6} {'batch ms':>8} {'ratio':>6} "
         f"{'flop ratio':>10} {'grid GB/s':>9}"
     )
-    for batch, m, k, n, dtype in SHAPES:
+    for batch, m, k, n, dtype, layout in SHAPES:
         lead = () if batch is None else (batch,)
-        a = torch.randn(*lead, m, k).to(dtype)
-        b = torch.randn(*lead, k, n).to(dtype)
+        a = laid_out(torch.randn(*lead, m, k).to(dtype), "a", layout)
+        b = laid_out(torch.randn(*lead, k, n).to(dtype), "b", layout)
         c = torch.matmul(a, b)
         assert check_product(a, b, c, gen).ok
         gemm_s = _best_seconds(lambda: torch.matmul(a, b), args.repeat)  # noqa: B023
         single_s = _best_seconds(lambda: check_product(a, b, c, gen), args.repeat)  # noqa: B023
-        grid_s, batch_s = grid_seconds(lead, m, k, n, dtype, args.repeat)
+        grid_s, batch_s = grid_seconds(lead, m, k, n, dtype, layout, args.repeat)
         flop_ratio = check_flops(batch or 1, m, k, n) / (2 * (batch or 1) * m * k * n)
         result_gb = c.numel() * c.element_size() / 1e9
         label = ("" if batch is None else f"{batch} x ") + f"{m} x {k} x {n}"
         print(
-            f"{label:>26} {str(dtype).removeprefix('torch.'):>9} {gemm_s * 1e3:>8.2f} "
+            f"{label:>26} {str(dtype).removeprefix('torch.'):>9} {layout:>6} {gemm_s * 1e3:>8.2f} "
             f"{single_s * 1e3:>9.2f} {single_s / gemm_s:>6.3f} {grid_s * 1e3:>8.2f} "
             f"{grid_s / gemm_s:>6.3f} {batch_s * 1e3:>8.2f} {batch_s / gemm_s:>6.3f} "
             f"{flop_ratio:>10.4f} {result_gb / grid_s:>9.2f}"

@@ -86,9 +86,9 @@ def check_cost(markdown: str) -> str:
     groups: dict[str, dict[str, float]] = {}
     for line in table(markdown, "flop ratio"):
         shape, _, rest = line.partition("float32")
-        if not rest:
+        layout, *cols = rest.split() or [""]
+        if layout != "rows":  # fp32 blocks in row order; the rest are in the table
             continue
-        cols = rest.split()
         groups[shape_label(*shape.split(" x "))] = {
             "one tile": float(cols[2]),
             "in a grid": float(cols[4]),
