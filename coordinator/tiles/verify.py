@@ -234,9 +234,9 @@ def check_products(
 # there a stack's fewer calls gain more than the operand summaries a stack does not
 # take from the cache cost (bench/bench_verify.py).
 STACK_MAX_MACS = 512**3
-# Results at least this large have c ρ and c's norms taken tile by tile, from the tiles
-# as they are: stacking them would copy every result once more, and a call's fixed cost
-# is small next to a pass over them.
+# Results and operand blocks at least this large are summarised one by one, read where
+# they lie: stacking them would copy each once more, and a call's fixed cost is small
+# next to a pass over them. Below it the copy costs less than the calls it saves.
 STACK_C_BELOW = 1 << 18
 
 
@@ -274,8 +274,8 @@ def _check_stack(
     Each distinct ``a`` and ``b`` block is summarised once, and each distinct ``a`` is
     read once for the references of all its tiles (one product against the ``b ρ`` of
     every distinct ``b``), as in a grid the tiles of a row block share their ``a``. The
-    blocks are read where they lie, one call each, not copied into a stack; the small
-    results are (``STACK_C_BELOW``)."""
+    large blocks are read where they lie, one call each, not copied into a stack; small
+    blocks and results are (``STACK_C_BELOW``)."""
     a0, _, c0 = tiles[0]
     count = len(tiles)
     work = accumulation_dtype(a0.dtype)
@@ -287,9 +287,11 @@ def _check_stack(
         # Few tiles share their blocks: the products of every a against every b would
         # cost more than pairing the operands tile by tile.
         return _check_stack_copied(tiles, generator)
-    # Joining the blocks would cost a pass over them of its own.
-    a_work = [_batched(a, work) for a in a_blocks]  # each [tile_batch, m, k]
-    right = summarize_right([_batched(b, work) for b in b_blocks], plan, generator)
+    a_work = _for_summaries(a_blocks, work)
+    b_work = _for_summaries(b_blocks, work)
+    right = summarize_right(
+        b_work[0] if len(b_work) == 1 else b_work, plan, generator, tiles=len(b_blocks)
+    )
     if right.uneven_row_sq is not None:
         # The exact sums of terms pair each a with its b: that rare case stacks the
         # operands tile by tile.
@@ -305,7 +307,7 @@ def _check_stack(
     tile_right = RightSummary(
         right.vectors, right.projected, largest.view(count * tile_batch, -1), None
     )
-    reference = _cross_reference(a_work, right.projected, plan, len(b_blocks))
+    reference = _cross_reference(a_work, len(a_blocks), right.projected, plan, len(b_blocks))
     # [A, tile_batch, m, B, cv] -> [count, tile_batch, m, cv]
     reference = reference.reshape(len(a_blocks), tile_batch, m, len(b_blocks), cv)[a_at, :, :, b_at]
     if c0.numel() < STACK_C_BELOW:
@@ -321,6 +323,14 @@ def _check_stack(
     return [_verdict(w, plan) if ok else None for w, ok in zip(worst, finite, strict=True)]
 
 
+def _for_summaries(blocks: list[torch.Tensor], work: torch.dtype) -> list[torch.Tensor]:
+    """Distinct operand blocks as the summaries take them, in ``work``: small ones joined
+    along one batch dimension, larger ones each where it lies (``STACK_C_BELOW``)."""
+    if len(blocks) > 1 and blocks[0].numel() < STACK_C_BELOW:
+        return [_joined(blocks, work)]
+    return [_batched(block, work) for block in blocks]  # each [tile_batch, m, k]
+
+
 def _batched(operand: torch.Tensor, work: torch.dtype) -> torch.Tensor:
     """One operand with a batch dimension, in ``work``: no copy for fp32 and fp64."""
     batched = operand if operand.dim() == 3 else operand.unsqueeze(0)
@@ -334,16 +344,24 @@ def _joined(operands: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
 
 
 def _cross_reference(
-    a_blocks: list[torch.Tensor], projected: torch.Tensor, plan: CheckPlan, b_count: int
+    a_work: list[torch.Tensor],
+    a_count: int,
+    projected: torch.Tensor,
+    plan: CheckPlan,
+    b_count: int,
 ) -> torch.Tensor:
     """``a (b ρ)`` in float64 for every distinct ``a`` against every distinct ``b``,
     ``[A, batch, m, B * chunks * V]``: each ``a`` read once, in the same chains as
-    ``_reference`` (the columns of one product are independent sums)."""
-    tile_batch, _, k = a_blocks[0].shape
+    ``_reference`` (the columns of one product are independent sums). ``a_work``: the
+    ``a_count`` blocks one by one, or joined into one (``_for_summaries``)."""
+    _, m, k = a_work[0].shape
+    tile_batch = a_work[0].shape[0] * len(a_work) // a_count
     # [B * tile_batch, k, cv] -> [tile_batch, k, B * cv]: a small copy of b ρ.
     across = projected.view(b_count, tile_batch, k, -1).permute(1, 2, 0, 3)
     across = across.reshape(tile_batch, k, -1)
-    return torch.stack([_reference(a, across, plan) for a in a_blocks])
+    if len(a_work) == 1:
+        return _reference(a_work[0].view(a_count, tile_batch, m, k), across, plan)
+    return torch.stack([_reference(a, across, plan) for a in a_work])
 
 
 def _check_stack_copied(
