@@ -16,8 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 
 def thread_cpu_seconds(native_id: int) -> float | None:
@@ -43,12 +42,18 @@ _SCHED_CLOCK = 2  # CPUCLOCK_SCHED: all the CPU time the thread was scheduled fo
 
 class CpuCosts:
     """Stage totals, added to from any thread; ``clock`` is the calling thread's CPU
-    clock (injected in tests)."""
+    clock (injected in tests).
+
+    Each thread adds to totals of its own, without a lock: the cutting threads time
+    every tile's copy and signature, and a lock they all took cost more than the clock
+    reads once they contended for it. ``snapshot`` sums them."""
 
     def __init__(self, clock: Callable[[], float] = time.thread_time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._stages: dict[str, float] = {}
+        self._local = threading.local()
+        # Every thread's own stage totals (kept when the thread ends: they were spent).
+        self._totals: list[dict[str, float]] = []
         # OS thread id -> (role, the thread): Python's join() returns a moment before
         # the OS thread is gone, so whether it has ended is the thread object's word,
         # which also keeps a reused id from being counted under the old role.
@@ -56,17 +61,24 @@ class CpuCosts:
         # Bytes a stage passed over (the blocks cut and hashed): what its seconds bought.
         self._bytes: dict[str, int] = {}
 
-    @contextmanager
-    def timed(self, stage: str) -> Iterator[None]:
-        start = self._clock()
-        try:
-            yield
-        finally:
-            self.add(stage, self._clock() - start)
+    def timed(self, stage: str) -> _Timed:
+        """``with costs.timed(stage):`` adds the block's CPU time to ``stage``, also when
+        it raises."""
+        return _Timed(self, stage)
 
     def add(self, stage: str, seconds: float) -> None:
-        with self._lock:
-            self._stages[stage] = self._stages.get(stage, 0.0) + seconds
+        totals = self._own_totals()
+        totals[stage] = totals.get(stage, 0.0) + seconds
+
+    def _own_totals(self) -> dict[str, float]:
+        try:
+            return self._local.totals  # type: ignore[no-any-return]
+        except AttributeError:
+            totals: dict[str, float] = {}
+            self._local.totals = totals
+            with self._lock:
+                self._totals.append(totals)
+            return totals
 
     def add_bytes(self, stage: str, nbytes: int) -> None:
         with self._lock:
@@ -88,8 +100,13 @@ class CpuCosts:
         """Stage totals so far, and each registered thread's CPU total by role (threads
         that have ended drop out)."""
         with self._lock:
-            out = dict(self._stages)
+            every = list(self._totals)
             threads = list(self._threads.items())
+        out: dict[str, float] = {}
+        for totals in every:
+            # A copy is one step under the GIL: its thread may be adding meanwhile.
+            for stage, seconds in totals.copy().items():
+                out[stage] = out.get(stage, 0.0) + seconds
         for native_id, (role, thread) in threads:
             seconds = thread_cpu_seconds(native_id) if thread.is_alive() else None
             if seconds is None:
@@ -118,3 +135,22 @@ def since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
 # One per process: the stages are spread over objects that never meet (each GEMM's
 # tiles, the check thread, the server), and all of them are the coordinator's CPU.
 COSTS = CpuCosts()
+
+
+class _Timed:
+    """``CpuCosts.timed``'s context: a plain class, as cheap as the clock reads it makes
+    (a ``contextmanager`` generator costs more than they do)."""
+
+    __slots__ = ("_costs", "_stage", "_start")
+
+    def __init__(self, costs: CpuCosts, stage: str) -> None:
+        self._costs = costs
+        self._stage = stage
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._start = self._costs._clock()
+
+    def __exit__(self, *exc: object) -> None:
+        costs = self._costs
+        costs.add(self._stage, costs._clock() - self._start)
