@@ -169,7 +169,8 @@ RHO_SQ = 4.0  # the largest square of a check vector's entry: |ρ| < 2
 
 def summarize_left(a3: torch.Tensor | Sequence[torch.Tensor]) -> LeftSummary:
     """``a3``: one operand, or the distinct blocks of a stack of tiles (each
-    ``[batch, m, k]``), summarised one by one and joined: the blocks are never copied."""
+    ``[batch, m, k]``), summarised one by one and joined: the blocks are not copied into
+    a stack."""
     blocks = [a3] if isinstance(a3, torch.Tensor) else a3
     row_sq = [chunk_norms(block, 1, block.shape[-1])[..., 0].to(torch.float64) for block in blocks]
     return LeftSummary(_summaries_joined(row_sq).square_())
@@ -183,7 +184,8 @@ def summarize_right(
 ) -> RightSummary:
     """``b3``: one operand stacking ``tiles`` tiles (each ``batch / tiles`` of its batches),
     or the distinct blocks of a stack of tiles (each ``[batch, k, n]``, one tile each),
-    summarised one by one with the same vectors and joined: the blocks are never copied.
+    summarised one by one with the same vectors and joined: the blocks are not copied
+    into a stack.
     Each tile is uneven or not on its own."""
     if isinstance(b3, torch.Tensor):
         blocks = [b3]

@@ -307,7 +307,7 @@ def _check_stack(
     tile_right = RightSummary(
         right.vectors, right.projected, largest.view(count * tile_batch, -1), None
     )
-    reference = _cross_reference(a_work, len(a_blocks), right.projected, plan, len(b_blocks))
+    reference = _cross_reference(a_work, right.projected, plan, len(b_blocks))
     # [A, tile_batch, m, B, cv] -> [count, tile_batch, m, cv]
     reference = reference.reshape(len(a_blocks), tile_batch, m, len(b_blocks), cv)[a_at, :, :, b_at]
     if c0.numel() < STACK_C_BELOW:
@@ -344,23 +344,19 @@ def _joined(operands: list[torch.Tensor], work: torch.dtype) -> torch.Tensor:
 
 
 def _cross_reference(
-    a_work: list[torch.Tensor],
-    a_count: int,
-    projected: torch.Tensor,
-    plan: CheckPlan,
-    b_count: int,
+    a_work: list[torch.Tensor], projected: torch.Tensor, plan: CheckPlan, b_count: int
 ) -> torch.Tensor:
     """``a (b ρ)`` in float64 for every distinct ``a`` against every distinct ``b``,
     ``[A, batch, m, B * chunks * V]``: each ``a`` read once, in the same chains as
     ``_reference`` (the columns of one product are independent sums). ``a_work``: the
-    ``a_count`` blocks one by one, or joined into one (``_for_summaries``)."""
+    blocks one by one, or joined into one (``_for_summaries``)."""
     _, m, k = a_work[0].shape
-    tile_batch = a_work[0].shape[0] * len(a_work) // a_count
+    tile_batch = projected.shape[0] // b_count
     # [B * tile_batch, k, cv] -> [tile_batch, k, B * cv]: a small copy of b ρ.
     across = projected.view(b_count, tile_batch, k, -1).permute(1, 2, 0, 3)
     across = across.reshape(tile_batch, k, -1)
     if len(a_work) == 1:
-        return _reference(a_work[0].view(a_count, tile_batch, m, k), across, plan)
+        return _reference(a_work[0].view(-1, tile_batch, m, k), across, plan)
     return torch.stack([_reference(a, across, plan) for a in a_work])
 
 

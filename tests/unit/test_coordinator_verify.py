@@ -426,3 +426,17 @@ def test_operands_laid_out_transposed_get_the_same_verdicts(
     assert not check_product(at, bt, wrong, gen(9)).ok
     tiles = [(at, bt, c), (at, bt, wrong), (a, b, c)]
     assert [v.ok for v in check_products(tiles, gen(9))] == [True, False, True]
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_a_worker_that_ignores_the_transposed_mark_is_caught(which: str) -> None:
+    """A square block sent transposed can be multiplied as its bytes lie, untransposed,
+    without any shape error: an old or lazy worker's product that must fail."""
+    a, b = operands(None, 64, 64, 64, torch.float32, 1.0, 11)
+    at, bt = transposed_layout(a), transposed_layout(b)
+    sent = (at, b) if which == "a" else (a, bt)
+    as_bytes_lie = at.mT @ b if which == "a" else a @ bt.mT
+    assert check_product(*sent, honest(*sent), gen(3)).ok
+    assert not check_product(*sent, as_bytes_lie, gen(3)).ok
+    verdicts = check_products([(*sent, as_bytes_lie), (*sent, honest(*sent))], gen(3))
+    assert [v.ok for v in verdicts] == [False, True]
