@@ -83,10 +83,7 @@ class Ledger:
         with self._lock:
             paid, payout = self._payouts.pay(ticket) if ticket is not None else (flops, None)
             if payout is not None:
-                had = self._journal.get(payout.gemm)
-                self._journal[payout.gemm] = (
-                    replace(payout, flops=had.flops + payout.flops) if had else payout
-                )
+                _journal(self._journal, payout)
         repaid = ticket is not None and paid == 0
         delta = RowChange(
             first_seen=now,
@@ -133,21 +130,16 @@ class Ledger:
             queued = self._queued.get(worker)
             if queued is None:
                 queued = self._queued[worker] = RowChange(first_seen=now)
-            queued.name, queued.last_seen = name, now
-            queued.add(
-                tiles=delta.tiles,
-                flops=delta.flops,
-                bytes_down=delta.bytes_down,
-                bytes_up=delta.bytes_up,
-                compute_s=delta.compute_s,
-                rejected=delta.rejected,
-                reputation=delta.reputation,
-            )
-            if delta.banned_reason and not queued.banned_reason:
-                queued.banned_reason, queued.banned_at = delta.banned_reason, delta.banned_at
-            delta.name = name
+            delta.name, delta.last_seen = name, now
+            queued.merge(delta)
             self._rows[worker] = delta.applied_to(self._rows.get(worker, Contribution(worker)))
             self._writes += 1
+
+    @property
+    def waiting(self) -> int:
+        """Writes made that no commit has taken yet."""
+        with self._lock:
+            return self._writes
 
     @property
     def queued(self) -> int:
@@ -170,8 +162,25 @@ class Ledger:
             return
         try:
             self.store.commit(queued, list(journal.values()))
+        except BaseException:
+            self._requeue(queued, journal)  # a failed transaction wrote none of it
+            raise
         finally:
             self._committing = 0
+
+    def _requeue(self, failed: dict[str, RowChange], journal: dict[str, Payout]) -> None:
+        """Put a failed commit's writes back ahead of those made since, for the next."""
+        with self._lock:
+            for worker, later in self._queued.items():
+                if worker in failed:
+                    failed[worker].merge(later)
+                else:
+                    failed[worker] = later
+            self._queued = failed
+            for payout in self._journal.values():
+                _journal(journal, payout)
+            self._journal = journal
+            self._writes += self._committing
 
     def get(self, worker: str) -> Contribution:
         """The worker's row, from memory (an empty one for a key with no row)."""
@@ -194,3 +203,9 @@ class Ledger:
         with self._store_lock:
             self._flush()
             self.store.close()
+
+
+def _journal(journal: dict[str, Payout], payout: Payout) -> None:
+    """Add a GEMM's payout to what the journal holds for it since the last commit."""
+    had = journal.get(payout.gemm)
+    journal[payout.gemm] = replace(payout, flops=had.flops + payout.flops) if had else payout

@@ -89,24 +89,18 @@ class RowChange:
     banned_reason: str = ""
     banned_at: float | None = None
 
-    def add(
-        self,
-        *,
-        reputation: float,
-        tiles: int = 0,
-        flops: int = 0,
-        bytes_down: int = 0,
-        bytes_up: int = 0,
-        compute_s: float = 0.0,
-        rejected: int = 0,
-    ) -> None:
-        self.tiles += tiles
-        self.flops += flops
-        self.bytes_down += bytes_down
-        self.bytes_up += bytes_up
-        self.compute_s += compute_s
-        self.rejected += rejected
-        self.reputation = reputation  # the latest
+    def merge(self, later: RowChange) -> None:
+        """Add a later change of the same worker's row to this one."""
+        self.name, self.last_seen = later.name, later.last_seen
+        self.tiles += later.tiles
+        self.flops += later.flops
+        self.bytes_down += later.bytes_down
+        self.bytes_up += later.bytes_up
+        self.compute_s += later.compute_s
+        self.rejected += later.rejected
+        self.reputation = later.reputation  # the latest
+        if later.banned_reason and not self.banned_reason:
+            self.banned_reason, self.banned_at = later.banned_reason, later.banned_at
 
     def params(self, worker: str) -> tuple[object, ...]:
         return (

@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import logging
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,7 @@ log = logging.getLogger("cleave.coordinator")
 # then it is cut (a peer that stopped reading would otherwise hold its writer forever).
 # Longer than websockets' own close timeout, which governs a peer that is merely slow.
 CLOSE_GRACE_S = 30.0
+LEDGER_RETRY_S = 1.0  # after a failed ledger commit, before its writes are tried again
 # A task frame below this size is joined and sent as one WebSocket frame: each fragment
 # costs a pass through websockets' send path (tens of microseconds of Python), more than
 # copying this many bytes; larger ones go out as fragments, their blocks uncopied.
@@ -135,6 +137,11 @@ class CoordinatorServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Event()
         self._flush_due = False
+        # The ledger's thread is committing, and looks for more writes before it stops:
+        # one commit at a time, each taking every write made while the last one ran.
+        self._flushing = False
+        self._flush_lock = threading.Lock()
+        self._ledger_retry_at = 0.0  # after a failed commit, the next try waits till then
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # The core's state, for the CLI, the offload and tests.
@@ -251,16 +258,38 @@ class CoordinatorServer:
             self._spawn(self._compute_here(tile))
         if effects.workers_changed:
             self._workers_changed.set()
-        if self.ledger.queued and not self._flush_due:
+        if not self._flush_due and self.ledger.waiting and self.clock() >= self._ledger_retry_at:
             # The credit of the tiles verified in this turn of the loop, in one commit
-            # on the ledger's thread once the turn is over.
+            # on the ledger's thread once the turn is over (or in the next one, if a
+            # commit is under way: a hand-off to that thread per turn costs more than
+            # the commit).
             self._flush_due = True
             asyncio.get_running_loop().call_soon(self._flush_ledger)
 
     def _flush_ledger(self) -> None:
         self._flush_due = False
-        future = self._ledger_writer.submit(self.ledger.flush)
-        future.add_done_callback(self._ledger_flushed)
+        with self._flush_lock:
+            start, self._flushing = not self._flushing, True
+        if start:
+            future = self._ledger_writer.submit(self._commit_waiting)
+            future.add_done_callback(self._ledger_flushed)
+
+    def _commit_waiting(self) -> None:
+        """(On the ledger's thread.) Commit until no write waits."""
+        try:
+            while True:
+                self.ledger.flush()
+                with self._flush_lock:
+                    if not self.ledger.waiting:
+                        self._flushing = False
+                        return
+        except BaseException:
+            # Its writes wait in the ledger for the next try (not at every turn of the
+            # loop: a store that is down would be hammered).
+            self._ledger_retry_at = self.clock() + LEDGER_RETRY_S
+            with self._flush_lock:
+                self._flushing = False
+            raise
 
     @staticmethod
     def _ledger_flushed(future: concurrent.futures.Future[None]) -> None:

@@ -108,12 +108,12 @@ class CpuCosts:
             for stage, seconds in totals.copy().items():
                 out[stage] = out.get(stage, 0.0) + seconds
         for native_id, (role, thread) in threads:
-            seconds = thread_cpu_seconds(native_id) if thread.is_alive() else None
-            if seconds is None:
+            cpu = thread_cpu_seconds(native_id) if thread.is_alive() else None
+            if cpu is None:
                 with self._lock:
                     self._threads.pop(native_id, None)
             else:
-                out[role] = out.get(role, 0.0) + seconds
+                out[role] = out.get(role, 0.0) + cpu
         return out
 
 

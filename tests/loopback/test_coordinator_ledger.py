@@ -472,3 +472,38 @@ def test_flops_past_32_bits_in_postgresql(fresh_database: str) -> None:  # noqa:
     credit(led, "alice", 3 * 10**15)  # a month of a fast GPU
     led.close()
     assert _stored(fresh_database)[0].flops == 3 * 10**15
+
+
+def test_a_failed_commit_leaves_its_writes_for_the_next_in_order(
+    place: str | LedgerStore,
+) -> None:
+    led, commits = _wrapped(place)
+    store_commit = commits.commit
+
+    def down(*args: Any) -> None:
+        raise OSError("the store is down")
+
+    try:
+        first = [tile("s3:mm", f"0.{i}.0.0", 25) for i in range(4)]
+        credit(led, "alice", 25, now=1.0, reputation=0.9, ticket=first[0])
+        reject(led, "bob", now=2.0)
+        commits.commit = down  # type: ignore[method-assign]
+        with pytest.raises(OSError):
+            led.flush()
+        assert led.queued == 2
+        credit(led, "alice", 25, now=3.0, reputation=0.8, ticket=first[1])
+        reject(led, "bob", now=4.0, ban="wrong results")
+        commits.commit = store_commit  # type: ignore[method-assign]
+        led.flush()
+        assert led.queued == 0
+    finally:
+        led.close()
+    rows = {c.worker: c for c in _stored(place)}
+    assert (rows["alice"].tiles, rows["alice"].flops, rows["alice"].reputation) == (2, 50, 0.8)
+    assert (rows["bob"].rejected, rows["bob"].banned_at) == (2, 4.0)
+    # The GEMM's payouts of both commits are journaled: run again, it owes 50 more.
+    again = Ledger(place)
+    try:
+        assert [credit(again, "carol", 25, ticket=t) for t in first] == [25, 25, 0, 0]
+    finally:
+        again.close()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import random
 import sqlite3
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -52,6 +54,7 @@ from common.signing import fingerprint, generate_private_key, public_key_hex
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.core import CoreConfig
 from coordinator.pool.ledger import Contribution, Ledger
+from coordinator.serve import server as server_module
 from coordinator.serve.server import JOIN_BELOW_BYTES, CoordinatorServer, ServerConfig, outgoing
 from coordinator.tiles.tiled_gemm import TiledGemm
 
@@ -509,3 +512,91 @@ def test_small_task_frames_go_out_joined_and_large_ones_as_their_parts() -> None
     large = FrameParts([head, *([memoryview(block)] * (JOIN_BELOW_BYTES // len(block) + 1))])
     assert outgoing(large) is large
     assert outgoing(b"control") == b"control"
+
+
+async def test_the_ledger_commits_one_batch_at_a_time_each_taking_what_waited(
+    tmp_path: Path,
+) -> None:
+    # A commit in progress must not make every later turn of the loop hand the ledger's
+    # thread a flush of its own: the writes of all those turns wait for one commit.
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    committing, release = asyncio.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    commit, flushes, batches = ledger.store.commit, [], []
+
+    def held_commit(changes: Any, payouts: Any = ()) -> None:
+        loop.call_soon_threadsafe(committing.set)
+        assert release.wait(30), "the test never released the commit"
+        batches.append(sorted(changes))
+        commit(changes, payouts)
+
+    def counted_flush(flush: Callable[[], None] = ledger.flush) -> None:
+        flushes.append(1)
+        flush()
+
+    ledger.store.commit = held_commit  # type: ignore[method-assign]
+    ledger.flush = counted_flush  # type: ignore[method-assign]
+    server = CoordinatorServer(key=generate_private_key(), job_name="j", ledger=ledger)
+
+    def credit_in_a_turn(worker: str) -> None:
+        ledger.credit(
+            worker, name=worker, flops=1, bytes_down=1, bytes_up=1, compute_s=0.1,
+            reputation=1.0, now=1.0,
+        )
+        server.kept_here("g", 0, False)  # any input the server applies
+
+    try:
+        credit_in_a_turn("first")
+        await asyncio.wait_for(committing.wait(), 10)
+        for i in range(5):
+            credit_in_a_turn(f"later{i}")
+            await asyncio.sleep(0.01)
+        release.set()
+        await until(lambda: ledger.queued == 0, "the ledger to be committed")
+        assert batches == [["first"], [f"later{i}" for i in range(5)]]
+        assert len(flushes) == 2
+    finally:
+        release.set()
+        await server.close()
+        ledger.close()
+
+
+async def test_a_failed_ledger_commit_is_logged_and_its_writes_go_with_a_later_try(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "LEDGER_RETRY_S", 0.3)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    commit, tries = ledger.store.commit, []
+
+    def failing_twice(changes: Any, payouts: Any = ()) -> None:
+        tries.append(time.monotonic())
+        if len(tries) <= 2:
+            raise sqlite3.OperationalError("disk I/O error")
+        commit(changes, payouts)
+
+    ledger.store.commit = failing_twice  # type: ignore[method-assign]
+    server = CoordinatorServer(
+        key=generate_private_key(), job_name="j", ledger=ledger, config=ServerConfig(**FAST)
+    )
+    await server.start("127.0.0.1", 0)  # its timer is what tries again
+    try:
+        for worker in ("failed", "later"):
+            ledger.credit(
+                worker, name=worker, flops=1, bytes_down=1, bytes_up=1, compute_s=0.1,
+                reputation=1.0, now=1.0,
+            )
+            server.kept_here("g", 0, False)
+            await asyncio.sleep(0.01)
+        await until(lambda: ledger.queued == 0, "the writes to be committed")
+        assert "could not write the ledger" in caplog.text
+        # A store that is down is tried again after a pause, not at every turn of the loop.
+        assert len(tries) == 3
+        assert all(later - earlier >= 0.25 for earlier, later in itertools.pairwise(tries))
+    finally:
+        await server.close()
+        ledger.close()
+    reopened = Ledger(tmp_path / "ledger.sqlite")
+    try:
+        assert {c.worker: c.tiles for c in reopened.all()} == {"failed": 1, "later": 1}
+    finally:
+        reopened.close()
