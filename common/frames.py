@@ -57,7 +57,11 @@ def _finite_float(text: str) -> float:
 
 def frame_head(header: dict[str, Any]) -> bytes:
     """A frame's bytes before its payload: the length prefix and the padded header."""
-    body = canonical_json(header)
+    return head_of(canonical_json(header))
+
+
+def head_of(body: bytes) -> bytes:
+    """``frame_head`` of a header already serialised as a JSON object."""
     body += b" " * ((-(_PREFIX.size + len(body))) % PAYLOAD_ALIGN)
     return _PREFIX.pack(len(body)) + body
 

@@ -80,6 +80,16 @@ def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any]) -> str:
     return key.sign(bundle_digest(header)).hex()
 
 
+def signed_header_json(key: Ed25519PrivateKey, header: dict[str, Any]) -> bytes:
+    """A task header (without "sig") as JSON with its signature added: the canonical
+    JSON the signature is made over, with the "sig" member appended rather than
+    serialised a second time (JSON's members are unordered; the receiver
+    canonicalises what it parsed to verify)."""
+    unsigned = canonical_json(header)
+    signature = key.sign(TASK_DOMAIN + unsigned).hex()
+    return unsigned[:-1] + b',"' + SIGNATURE_FIELD.encode() + b'":"' + signature.encode() + b'"}'
+
+
 def verify_bundle(key: Ed25519PublicKey, header: dict[str, Any]) -> None:
     """Raise SignatureError unless ``header["sig"]`` was made by ``key`` over this header
     (its operands are checked against their signed content ids afterwards)."""

@@ -19,11 +19,11 @@ from common.errors import (
     SignatureError,
     TensorCodecError,
 )
-from common.frames import FrameParts, frame_head
+from common.frames import FrameParts, head_of
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.message_fields import number, text
 from common.ops import TILE_OPS, TileOp
-from common.signing import SIGNATURE_FIELD, sign_bundle, verify_bundle
+from common.signing import signed_header_json, verify_bundle
 from common.tensors import (
     Block,
     content_id,
@@ -207,8 +207,7 @@ def task_frame(
         "tensors": descriptors,
         **({UNFOLD_FIELD: unfold.to_header()} if unfold is not None else {}),
     }
-    header[SIGNATURE_FIELD] = sign_bundle(key, header)
-    return FrameParts([frame_head(header), *parts])
+    return FrameParts([head_of(signed_header_json(key, header)), *parts])
 
 
 def encode_task(

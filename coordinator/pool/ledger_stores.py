@@ -121,8 +121,9 @@ class RowChange:
 
     def applied_to(self, row: Contribution) -> Contribution:
         """``row`` with this change added, as the store's upsert adds it."""
-        return replace(
-            row,
+        # Built field by field: dataclasses.replace costs several times more, twice a tile.
+        return Contribution(
+            row.worker,
             name=self.name,
             tiles=row.tiles + self.tiles,
             flops=row.flops + self.flops,

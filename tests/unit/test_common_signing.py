@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import stat
@@ -28,6 +29,7 @@ from common.signing import (
     public_key_from_hex,
     public_key_hex,
     sign_bundle,
+    signed_header_json,
     verify_bundle,
 )
 
@@ -74,6 +76,18 @@ def _signed(key: Ed25519PrivateKey) -> dict[str, Any]:
 
 
 # ---- round trip ----------------------------------------------------------------------
+
+
+def test_a_header_serialised_with_its_signature_appended_parses_and_verifies(
+    key: Ed25519PrivateKey,
+) -> None:
+    body = signed_header_json(key, _header())
+    parsed = json.loads(body)
+    assert parsed == _signed(key)  # Ed25519 signatures are deterministic
+    verify_bundle(key.public_key(), parsed)
+    parsed["tile_id"] = "g3/t8"
+    with pytest.raises(SignatureError):
+        verify_bundle(key.public_key(), parsed)
 
 
 def test_sign_verify_round_trip(key: Ed25519PrivateKey) -> None:
