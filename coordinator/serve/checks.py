@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import check_products
 
 T = TypeVar("T")
+log = logging.getLogger("cleave.coordinator")
 
 # Tiles of at most this many multiply-adds (128^3) are checked on the event loop: their
 # check takes about as long as handing it to the thread and back.
@@ -115,6 +117,9 @@ def _check_thread_started() -> None:
     orchestrate_on_one_thread()  # a check reads memory at the speed one core gets
 
 
+Done = Callable[[Check, "Checked | BaseException"], None]
+
+
 class CheckThread:
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
         self._pool = ThreadPoolExecutor(
@@ -124,24 +129,41 @@ class CheckThread:
         self._checker = Checker(limits, cache)
         # Its own generator: each checker's is used by one thread only.
         self._on_loop = Checker(limits, cache, stages=("check_on_loop",) * 3)
-        self._waiting: list[tuple[Check, asyncio.Future[Checked]]] = []
+        self._waiting: list[tuple[Check, Done]] = []
         # Large results waiting for the thread, and whether it is draining them.
         self._lock = threading.Lock()
-        self._queued: list[tuple[Check, asyncio.Future[Checked]]] = []
+        self._queued: list[tuple[Check, Done]] = []
         self._draining = False
 
-    async def run(self, check: Check) -> Checked:
+    def submit(self, check: Check, done: Done) -> None:
+        """Check a result; ``done(check, outcome)`` is called on the event loop with its
+        ``Checked``, or with what checking it raised. (A callback rather than a task
+        per result: at thousands of small results a second, a task each costs more
+        than their checks.)"""
         if check.tile.flops <= 2 * ON_LOOP_MAX_MACS:
-            return await self._on_loop_soon(check)  # small: cheaper here (above)
-        return await self._on_thread_soon(check)
+            self._on_loop_soon(check, done)  # small: cheaper here (above)
+        else:
+            self._on_thread_soon(check, done)
 
-    def _on_loop_soon(self, check: Check) -> asyncio.Future[Checked]:
-        loop = asyncio.get_running_loop()
-        outcome: asyncio.Future[Checked] = loop.create_future()
-        self._waiting.append((check, outcome))
+    async def run(self, check: Check) -> Checked:
+        """``submit``, awaited."""
+        outcome: asyncio.Future[Checked] = asyncio.get_running_loop().create_future()
+
+        def settle(_: Check, result: Checked | BaseException) -> None:
+            if outcome.done():
+                return  # the caller stopped waiting
+            if isinstance(result, BaseException):
+                outcome.set_exception(result)
+            else:
+                outcome.set_result(result)
+
+        self.submit(check, settle)
+        return await outcome
+
+    def _on_loop_soon(self, check: Check, done: Done) -> None:
+        self._waiting.append((check, done))
         if len(self._waiting) == 1:
-            loop.call_soon(self._check_waiting)
-        return outcome
+            asyncio.get_running_loop().call_soon(self._check_waiting)
 
     def _check_waiting(self) -> None:
         """The small results waiting, checked together (at most a stack's worth)."""
@@ -150,18 +172,16 @@ class CheckThread:
             asyncio.get_running_loop().call_soon(self._check_waiting)
         _hand_back(_outcomes(now, self._on_loop.run_many))
 
-    def _on_thread_soon(self, check: Check) -> asyncio.Future[Checked]:
+    def _on_thread_soon(self, check: Check, done: Done) -> None:
         """Queue a result for the thread, which checks what is queued together (the
         tiles of one GEMM share their blocks' summaries and reads of a) and hands
         the verdicts back in one call: one hand-off each way per batch, not per tile."""
         loop = asyncio.get_running_loop()
-        outcome: asyncio.Future[Checked] = loop.create_future()
         with self._lock:
-            self._queued.append((check, outcome))
+            self._queued.append((check, done))
             start, self._draining = not self._draining, True
         if start:
             self._pool.submit(self._drain, loop)
-        return outcome
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """(On the thread.) Check what is queued, a batch at a time, until nothing is."""
@@ -186,11 +206,11 @@ class CheckThread:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_Settled = list[tuple[asyncio.Future[Checked], Checked | BaseException]]
+_Settled = list[tuple[Check, Done, "Checked | BaseException"]]
 
 
 def _outcomes(
-    waiting: list[tuple[Check, asyncio.Future[Checked]]],
+    waiting: list[tuple[Check, Done]],
     run_many: Callable[[Sequence[Check]], list[Checked]],
 ) -> _Settled:
     """Each waiter with its outcome from ``run_many``, or with what it raised: a failing
@@ -198,16 +218,15 @@ def _outcomes(
     try:
         outcomes = run_many([check for check, _ in waiting])
     except Exception as exc:  # noqa: BLE001 - each waiter gets it, none hangs
-        return [(waiter, exc) for _, waiter in waiting]
-    return [(waiter, o) for (_, waiter), o in zip(waiting, outcomes, strict=True)]
+        return [(check, done, exc) for check, done in waiting]
+    return [(check, done, o) for (check, done), o in zip(waiting, outcomes, strict=True)]
 
 
 def _hand_back(settled: _Settled) -> None:
-    """(On the loop.) Each waiter's outcome, unless it stopped waiting."""
-    for waiter, outcome in settled:
-        if waiter.done():
-            continue
-        if isinstance(outcome, BaseException):
-            waiter.set_exception(outcome)
-        else:
-            waiter.set_result(outcome)
+    """(On the loop.) Each waiter's outcome; one that raises does not keep the others
+    from theirs."""
+    for check, done, outcome in settled:
+        try:
+            done(check, outcome)
+        except Exception:  # noqa: BLE001 - said, and the next waiter still gets its own
+            log.exception("handling the check of tile %s failed", check.tile_id)

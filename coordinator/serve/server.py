@@ -33,7 +33,7 @@ from common.job_about import JobAbout
 from common.messages import Hello, JobState, sign_job_state
 from common.signing import fingerprint
 from coordinator.pool.core import CoordinatorCore, CoreConfig
-from coordinator.pool.effects import Check, Close, CloseCode, Effects, Send
+from coordinator.pool.effects import Check, Checked, Close, CloseCode, Effects, Send
 from coordinator.pool.front_door import Direction
 from coordinator.pool.ledger import Ledger
 from coordinator.pool.workers import Counters, PoolView, Worker
@@ -253,7 +253,7 @@ class CoordinatorServer:
                 conn.outbox.put_nowait(close)
                 self._spawn(self._cut_after_grace(conn))
         for check in effects.checks:
-            self._spawn(self._check_result(check))
+            self._checks.submit(check, self._checked)
         for tile in effects.compute_here:
             self._spawn(self._compute_here(tile))
         if effects.workers_changed:
@@ -313,8 +313,11 @@ class CoordinatorServer:
         if conn.ws.transport is not None and not conn.ws.transport.is_closing():
             conn.ws.transport.abort()
 
-    async def _check_result(self, check: Check) -> None:
-        outcome = await self._checks.run(check)
+    def _checked(self, check: Check, outcome: Checked | BaseException) -> None:
+        if isinstance(outcome, BaseException):
+            # A bug in the check, not a wrong result: say so, and keep serving.
+            log.error("checking tile %s failed", check.tile_id, exc_info=outcome)
+            return
         self._apply(self.core.checked(check, outcome, self.clock()))
         if outcome.finished:
             check.tile.gemm.release()

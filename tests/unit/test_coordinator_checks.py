@@ -189,3 +189,33 @@ def test_a_failing_stack_fails_each_waiter_instead_of_leaving_it_waiting(
             checks.shutdown()
 
     assert [type(e) for e in asyncio.run(main())] == [RuntimeError, RuntimeError]
+
+
+@pytest.mark.parametrize("side", [64, 160])  # on the loop, on the thread
+def test_a_callback_that_raises_does_not_keep_the_others_of_its_batch_waiting(
+    side: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    jobs = [one_tile(side) for _ in range(3)]
+    got: list[tuple[str, bool]] = []
+
+    def done(check: Check, outcome: Any) -> None:
+        got.append((check.tile_id, outcome.result.ok))
+        if len(got) == 1:
+            raise RuntimeError("a bug in the first verdict's handling")
+
+    async def main() -> None:
+        checks = CheckThread()
+        try:
+            for job in jobs:
+                a, b = job.matrices()
+                checks.submit(check_of(job, a @ b), done)
+            for _ in range(500):
+                if len(got) == len(jobs):
+                    return
+                await asyncio.sleep(0.01)
+        finally:
+            checks.shutdown()
+
+    asyncio.run(main())
+    assert got == [(job.tile_id, True) for job in jobs]
+    assert "a bug in the first verdict's handling" in caplog.text
