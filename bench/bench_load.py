@@ -11,6 +11,10 @@ Three kinds of process, so that the load never shares the coordinator's event lo
   protocol: challenge -> signed hello -> signed welcome (checked), heartbeats at the
   coordinator's interval (ack latency measured here), and every task signature-checked,
   multiplied with ``torch.matmul`` and returned as a ``Result``;
+- a probe process holding ``--probes`` of the N connections (25), which has little else
+  to do: the heartbeat acks it times are the coordinator's answer, while a load
+  process that shares the cores with the coordinator adds its own event-loop lag to
+  every ack it times;
 - this process, which drives the phases (connect, steady, drain, leave) over pipes and
   samples the coordinator's RSS and CPU with psutil.
 
@@ -92,6 +96,10 @@ class LoadConfig:
     grid: int = 8  # each GEMM is (grid*tile) x tile @ tile x (grid*tile): grid^2 tiles
     window: int = 2  # tiles in flight per worker (the real worker's default)
     procs: int = 1  # load processes sharing the N connections
+    # Of the N connections, this many are held by a process of their own that has little
+    # else to do: their heartbeat acks time the coordinator, not the load processes'
+    # own event loops (which lag when they share the cores with the coordinator).
+    probes: int = 25
     # Coordinator processes, each serving its share of the connections, as coordinator
     # ranks do (per tile, a rank's work is its own; ranks meet only at the gradient
     # all-reduce, once a step, and in a shared --ledger).
@@ -536,20 +544,32 @@ def _binary(data: str | bytes) -> bytes:
 
 
 def load_process(
-    pipe: Connection, cfg: LoadConfig, url: str, coordinator_key: str, first: int, count: int
+    pipe: Connection,
+    cfg: LoadConfig,
+    url: str,
+    coordinator_key: str,
+    first: int,
+    count: int,
+    prefix: str = "load",
 ) -> None:
-    """Entry point of a load process: ``count`` workers named ``load-<first+i>``."""
+    """Entry point of a load process: ``count`` workers named ``<prefix>-<first+i>``."""
     _raise_fd_limit(count)
     torch.set_num_threads(1)  # tiny matmuls: a thread pool only adds hand-offs
-    asyncio.run(_load(pipe, cfg, url, coordinator_key, first, count))
+    asyncio.run(_load(pipe, cfg, url, coordinator_key, first, count, prefix))
 
 
 async def _load(
-    pipe: Connection, cfg: LoadConfig, url: str, coordinator_key: str, first: int, count: int
+    pipe: Connection,
+    cfg: LoadConfig,
+    url: str,
+    coordinator_key: str,
+    first: int,
+    count: int,
+    prefix: str,
 ) -> None:
-    rng = random.Random(first)
+    rng = random.Random(f"{prefix}{first}")
     workers = [
-        SimWorker(f"load-{first + i}", generate_private_key(), coordinator_key, cfg.window, rng)
+        SimWorker(f"{prefix}-{first + i}", generate_private_key(), coordinator_key, cfg.window, rng)
         for i in range(count)
     ]
     pipe.send("ready")
@@ -615,17 +635,21 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
         hellos = [_recv(pipe, "coordinator start") for pipe in coord_pipes]
         coord_ps = [psutil.Process(proc.pid) for proc in procs]
 
-        # Each load process serves one rank's share of the connections.
+        # Each load process serves one rank's share of the connections; the probes
+        # (rank 0's) come last, in a process of their own.
         n_load = max(cfg.procs, cfg.ranks)
+        probes = min(cfg.probes, cfg.workers // 2)
+        loaded = cfg.workers - probes
         load_pipes: list[Connection] = []
-        shares = [cfg.workers // n_load + (i < cfg.workers % n_load) for i in range(n_load)]
+        shares = [loaded // n_load + (i < loaded % n_load) for i in range(n_load)]
         first = 0
-        for i, share in enumerate(shares):
-            hello = hellos[i % cfg.ranks]
+        for i, share in enumerate([*shares, probes] if probes else shares):
+            hello = hellos[i % cfg.ranks if i < n_load else 0]
             url = f"ws://127.0.0.1:{hello['port']}/ws"
+            prefix = "load" if i < n_load else "probe"
             pipe, child = ctx.Pipe()
-            args = (child, cfg, url, hello["key"], first, share)
-            load = ctx.Process(target=load_process, args=args, name=f"load-{i}")
+            args = (child, cfg, url, hello["key"], first, share, prefix)
+            load = ctx.Process(target=load_process, args=args, name=f"{prefix}-{i}")
             load.start()
             procs.append(load)
             load_pipes.append(pipe)
@@ -663,7 +687,7 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
             rss_peak = max(rss_peak, sum(ps.memory_info().rss for ps in coord_ps))
         # The whole processes, the bench's checks too; the ranks' together.
         cpu_percent = sum(ps.cpu_percent() for ps in coord_ps)
-        load_cpu_percent = [ps.cpu_percent() for ps in load_ps]
+        load_cpu_percent = [ps.cpu_percent() for ps in load_ps[:n_load]]
         machine_cpu_percent = psutil.cpu_percent() * psutil.cpu_count()
         steady_b = _merged(_ask_all(coord_pipes, "snapshot"))
 
@@ -672,10 +696,14 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
         load_loop: list[dict[str, list[Any]]] = []
         for pipe in load_pipes:
             pipe.send("stop")
-        for pipe in load_pipes:
+        probe_stats: list[dict[str, Any]] = []
+        for i, pipe in enumerate(load_pipes):
             report = _recv(pipe, "worker stats")
             stats.extend(report["workers"])
-            load_loop.append(report["loop"])
+            if i < n_load:
+                load_loop.append(report["loop"])  # the probes' loop is not the load's
+            else:
+                probe_stats = report["workers"]
         for pipe in coord_pipes:
             pipe.send("quit")
     finally:
@@ -687,6 +715,7 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
     return _measurements(
         cfg,
         stats,
+        probe_stats,
         ramp_s=ramp_s,
         rss_before=rss_before,
         rss_connected=rss_connected,
@@ -745,6 +774,7 @@ def _earliest(t: float | list[float]) -> float:
 def _measurements(
     cfg: LoadConfig,
     stats: list[dict[str, Any]],
+    probe_stats: list[dict[str, Any]],
     *,
     ramp_s: float,
     rss_before: int,
@@ -765,6 +795,7 @@ def _measurements(
     t_a, t_b = _latest(steady_a["t"]), _earliest(steady_b["t"])
     all_acks = [ack for s in stats for ack in s["acks"]]
     steady_acks = [latency for sent, latency in all_acks if t_a <= sent <= t_b]
+    probe_acks = [lat for s in probe_stats for sent, lat in s["acks"] if t_a <= sent <= t_b]
     # Beats sent in the steady phase that never got an ack (the last beat of each
     # worker, sent as the run ended, is not counted: its ack may have crossed the bye).
     steady_unacked = sum(1 for s in stats for sent in s["unacked"] if t_a <= sent <= t_b)
@@ -804,6 +835,10 @@ def _measurements(
         "ack_p50_ms": 1e3 * percentile(steady_acks, 50),
         "ack_p99_ms": 1e3 * percentile(steady_acks, 99),
         "ack_max_ms": 1e3 * max(steady_acks, default=math.nan),
+        "probes": len(probe_stats),
+        "probe_ack_p50_ms": 1e3 * percentile(probe_acks, 50),
+        "probe_ack_p99_ms": 1e3 * percentile(probe_acks, 99),
+        "probe_ack_max_ms": 1e3 * max(probe_acks, default=math.nan),
         "heartbeats_unacked_steady": steady_unacked,
         "coordinator_loop_lag_p50_ms": 1e3 * percentile(coord_lag, 50),
         "coordinator_loop_lag_p99_ms": 1e3 * percentile(coord_lag, 99),
@@ -856,6 +891,11 @@ def format_table(m: dict[str, Any]) -> str:
         ("handshake retries (1013 busy)", f"{m['handshake_retries']}"),
         ("heartbeat -> ack p50 / p99", f"{m['ack_p50_ms']:.1f} / {m['ack_p99_ms']:.1f} ms"),
         ("heartbeat -> ack max", f"{m['ack_max_ms']:.1f} ms"),
+        (
+            f"heartbeat -> ack p50 / p99 / max, {m['probes']} probes",
+            f"{m['probe_ack_p50_ms']:.1f} / {m['probe_ack_p99_ms']:.1f} / "
+            f"{m['probe_ack_max_ms']:.1f} ms (connections in a process of their own)",
+        ),
         ("heartbeats unacked, steady", f"{m['heartbeats_unacked_steady']}"),
         (
             "event-loop lag p50 / p99, coordinator",
@@ -945,6 +985,12 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=defaults.grid, help="tiles per GEMM side")
     parser.add_argument("--window", type=int, default=defaults.window)
     parser.add_argument("--procs", type=int, default=defaults.procs, help="load processes")
+    parser.add_argument(
+        "--probes",
+        type=int,
+        default=defaults.probes,
+        help="connections in a process of their own, whose acks time the coordinator",
+    )
     parser.add_argument("--heartbeat", type=float, default=defaults.heartbeat_s)
     parser.add_argument(
         "--ranks", type=int, default=defaults.ranks, help="coordinator processes sharing the load"
@@ -964,6 +1010,7 @@ def main() -> None:
         grid=args.grid,
         window=args.window,
         procs=args.procs,
+        probes=args.probes,
         heartbeat_s=args.heartbeat,
         ranks=args.ranks,
         ledger=args.ledger,

@@ -37,6 +37,7 @@ def test_thirty_workers_are_welcomed_beat_and_compute_every_gemm_correctly(ranks
     assert m["workers_welcomed"] == m["coordinator_conns_seen"] == WORKERS, table
     assert m["workers_failed"] == [] and m["workers_dropped"] == [], table
     assert m["workers_with_acks"] == WORKERS and m["heartbeats_unacked_steady"] == 0, table
+    assert m["probes"] == WORKERS // 2 and m["probe_ack_p50_ms"] > 0, table  # their own process
     assert m["worker_errors"] == {}, table
 
     assert m["drained"] and m["gemms_submitted"] > 0, table
