@@ -158,20 +158,25 @@ class TiledGemm:
     def _operands(self, r: TileRegion) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views of the tile's operands (``encode_block`` copies them once); an
         unfolded operand's view is the block of images and channels its patches span."""
+        return self._operand("a", r), self._operand("b", r)
+
+    def _operand(self, name: str, r: TileRegion) -> torch.Tensor:
         if self.unfold is not None:
             _, mu, nu, ku = self._units
             if self.unfold.operand == "a":
-                a = self._a[r.m0 // mu : r.m1 // mu, r.k0 // ku : r.k1 // ku]
-                return a, self._b[r.k0 : r.k1, r.n0 : r.n1]
-            b = self._b[r.k0 // ku : r.k1 // ku, r.n0 // nu : r.n1 // nu]
-            return self._a[r.m0 : r.m1, r.k0 : r.k1], b
+                if name == "a":
+                    return self._a[r.m0 // mu : r.m1 // mu, r.k0 // ku : r.k1 // ku]
+                return self._b[r.k0 : r.k1, r.n0 : r.n1]
+            if name == "b":
+                return self._b[r.k0 // ku : r.k1 // ku, r.n0 // nu : r.n1 // nu]
+            return self._a[r.m0 : r.m1, r.k0 : r.k1]
         if self.op == TileOp.BMM:
-            a = self._a[r.b0 : r.b1, r.m0 : r.m1, r.k0 : r.k1]
-            b = self._b[r.b0 : r.b1, r.k0 : r.k1, r.n0 : r.n1]
-        else:
-            a = self._a[r.m0 : r.m1, r.k0 : r.k1]
-            b = self._b[r.k0 : r.k1, r.n0 : r.n1]
-        return a, b
+            if name == "a":
+                return self._a[r.b0 : r.b1, r.m0 : r.m1, r.k0 : r.k1]
+            return self._b[r.b0 : r.b1, r.k0 : r.k1, r.n0 : r.n1]
+        if name == "a":
+            return self._a[r.m0 : r.m1, r.k0 : r.k1]
+        return self._b[r.k0 : r.k1, r.n0 : r.n1]
 
     def iter_tiles(self, key: Ed25519PrivateKey) -> Iterator[SignedTile]:
         """Sign tiles one at a time, so the first can be on its way to a worker while
@@ -181,10 +186,10 @@ class TiledGemm:
         itemsize = self._a.element_size()
         blocks: dict[tuple[str, int, int, int], Block] = {}
 
-        def block(at: tuple[str, int, int, int], view: torch.Tensor) -> Block:
-            if at not in blocks:
+        def block(at: tuple[str, int, int, int], region: TileRegion) -> Block:
+            if at not in blocks:  # its view is made only here: slicing costs microseconds
                 with COSTS.timed("cut"):
-                    blocks[at] = encode_block(view)
+                    blocks[at] = encode_block(self._operand(at[0], region))
                 COSTS.add_bytes("cut", blocks[at].nbytes)
             return blocks[at]
 
@@ -193,8 +198,7 @@ class TiledGemm:
                 continue
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             bi, mi, ni, ki = region.index
-            a_view, b_view = self._operands(region)
-            a, b = block(("a", bi, mi, ki), a_view), block(("b", bi, ki, ni), b_view)
+            a, b = block(("a", bi, mi, ki), region), block(("b", bi, ki, ni), region)
             with COSTS.timed("sign"):
                 bundle = task_frame(tile_id, self.op, a, b, key, unfold=self.unfold)
             ticket = TileTicket(
