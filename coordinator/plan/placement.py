@@ -228,7 +228,8 @@ def place_tiles(
     return tuple(placements)
 
 
-def candidate_configs(base: PlanConfig) -> list[PlanConfig]:
+@functools.lru_cache(maxsize=256)  # called for every GEMM planned, with a few configs
+def candidate_configs(base: PlanConfig) -> tuple[PlanConfig, ...]:
     """Tile limits to try besides base's. Bigger tiles (4x and 16x the FLOP limit) carry
     more FLOPs per byte sent, which fast devices on slow links need; a smallest side of
     1024 makes a long-K GEMM split K instead of cutting M and N into thin strips whose
@@ -242,7 +243,12 @@ def candidate_configs(base: PlanConfig) -> list[PlanConfig]:
                 min_tile_side=max(base.min_tile_side, side),
             )
         )
-    return list(dict.fromkeys(configs))
+    return tuple(dict.fromkeys(configs))
+
+
+@functools.lru_cache(maxsize=4096)  # equal configs: plan_gemm's cache finds their plans
+def _grown(config: PlanConfig, target: int, cap: int) -> PlanConfig:
+    return dataclasses.replace(config, target_tiles=target, tile_mem_cap_bytes=cap)
 
 
 def candidate_plans(
@@ -268,7 +274,7 @@ def candidate_plans(
             cap = min(cap, max(c for c in caps if c is not None))
         target = 1
         while target <= max(1, tiles_per_device * len(devices)):
-            grown = dataclasses.replace(config, target_tiles=target, tile_mem_cap_bytes=cap)
+            grown = _grown(config, target, cap)
             try:
                 plan = plan_gemm(shape, grown)
             except ValueError:

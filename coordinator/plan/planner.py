@@ -14,6 +14,7 @@ Order of preference when cutting, cheapest traffic first:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,6 +173,9 @@ def even_split(size: int, parts: int) -> list[tuple[int, int]]:
     return ranges
 
 
+# A step plans the same shapes under the same limits every time, and the cost model
+# tries several grids of each: a plan is made once (shape, config and plan are frozen).
+@functools.lru_cache(maxsize=4096)
 def plan_gemm(shape: GemmShape, config: PlanConfig = PlanConfig()) -> GemmPlan | None:
     """Tile grid for one GEMM, or None when it is cheaper to run it at the coordinator.
 
