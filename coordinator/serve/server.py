@@ -137,6 +137,7 @@ class CoordinatorServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._workers_changed = asyncio.Event()
         self._flush_due = False
+        self._closed = False
         # The ledger's thread is committing, and looks for more writes before it stops:
         # one commit at a time, each taking every write made while the last one ran.
         self._flushing = False
@@ -191,6 +192,7 @@ class CoordinatorServer:
         return self.port
 
     async def close(self) -> None:
+        self._closed = True  # verdicts still on their way change nothing now
         for task in list(self._tasks):
             task.cancel()
         if self._server is not None:
@@ -268,6 +270,8 @@ class CoordinatorServer:
 
     def _flush_ledger(self) -> None:
         self._flush_due = False
+        if self._closed:
+            return  # close() commits what is left, once the ledger's thread has stopped
         with self._flush_lock:
             start, self._flushing = not self._flushing, True
         if start:
@@ -314,6 +318,8 @@ class CoordinatorServer:
             conn.ws.transport.abort()
 
     def _checked(self, check: Check, outcome: Checked | BaseException) -> None:
+        if self._closed:
+            return
         if isinstance(outcome, BaseException):
             # A bug in the check, not a wrong result: say so, and keep serving.
             log.error("checking tile %s failed", check.tile_id, exc_info=outcome)
