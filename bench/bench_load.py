@@ -544,33 +544,21 @@ def _binary(data: str | bytes) -> bytes:
 
 
 def load_process(
-    pipe: Connection,
-    cfg: LoadConfig,
-    url: str,
-    coordinator_key: str,
-    first: int,
-    count: int,
-    prefix: str = "load",
+    pipe: Connection, cfg: LoadConfig, url: str, coordinator_key: str, names: list[str]
 ) -> None:
-    """Entry point of a load process: ``count`` workers named ``<prefix>-<first+i>``."""
-    _raise_fd_limit(count)
+    """Entry point of a load process: a simulated worker for each of ``names``."""
+    _raise_fd_limit(len(names))
     torch.set_num_threads(1)  # tiny matmuls: a thread pool only adds hand-offs
-    asyncio.run(_load(pipe, cfg, url, coordinator_key, first, count, prefix))
+    asyncio.run(_load(pipe, cfg, url, coordinator_key, names))
 
 
 async def _load(
-    pipe: Connection,
-    cfg: LoadConfig,
-    url: str,
-    coordinator_key: str,
-    first: int,
-    count: int,
-    prefix: str,
+    pipe: Connection, cfg: LoadConfig, url: str, coordinator_key: str, names: list[str]
 ) -> None:
-    rng = random.Random(f"{prefix}{first}")
+    rng = random.Random(names[0] if names else "")
     workers = [
-        SimWorker(f"{prefix}-{first + i}", generate_private_key(), coordinator_key, cfg.window, rng)
-        for i in range(count)
+        SimWorker(name, generate_private_key(), coordinator_key, cfg.window, rng)
+        for name in names
     ]
     pipe.send("ready")
     if await asyncio.to_thread(pipe.recv) != "connect":
@@ -647,8 +635,9 @@ def run_load(cfg: LoadConfig, profile: str = "") -> dict[str, Any]:
             hello = hellos[i % cfg.ranks if i < n_load else 0]
             url = f"ws://127.0.0.1:{hello['port']}/ws"
             prefix = "load" if i < n_load else "probe"
+            names = [f"{prefix}-{first + j}" for j in range(share)]
             pipe, child = ctx.Pipe()
-            args = (child, cfg, url, hello["key"], first, share, prefix)
+            args = (child, cfg, url, hello["key"], names)
             load = ctx.Process(target=load_process, args=args, name=f"{prefix}-{i}")
             load.start()
             procs.append(load)
