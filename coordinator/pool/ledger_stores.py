@@ -316,8 +316,16 @@ class PostgresStore:
     def __init__(self, url: str) -> None:
         import psycopg  # only where PostgreSQL is used: the embedded default needs none
 
-        self.db: Any = psycopg.connect(url, autocommit=True)
+        self._connect = lambda: psycopg.connect(url, autocommit=True)
+        self.db: Any = self._connect()
         self.db.execute(_schema("BIGINT", "DOUBLE PRECISION"))
+
+    def _connected(self) -> Any:
+        """The connection, made again if the last one was lost (the server restarted, a
+        proxy dropped it): the commit that met the loss failed and is tried again."""
+        if self.db.broken or self.db.closed:
+            self.db = self._connect()
+        return self.db
 
     def rows(self) -> list[Contribution]:
         rows = self.db.execute(f"SELECT {COLUMNS} FROM contributions").fetchall()
@@ -328,7 +336,8 @@ class PostgresStore:
         return [Payout(*row) for row in rows]
 
     def commit(self, changes: Mapping[str, RowChange], payouts: Sequence[Payout] = ()) -> None:
-        with self.db.transaction(), self.db.cursor() as cur:
+        db = self._connected()
+        with db.transaction(), db.cursor() as cur:
             if changes:
                 upsert = _UPSERT.format(p="%s")
                 cur.executemany(upsert, [c.params(w) for w, c in changes.items()])
@@ -336,7 +345,7 @@ class PostgresStore:
                 cur.executemany(_JOURNAL.format(p="%s"), list(map(_journal_params, payouts)))
 
     def forget_payouts(self, scope: str, before_step: int) -> None:
-        self.db.execute(_FORGET.format(p="%s"), (scope, before_step))
+        self._connected().execute(_FORGET.format(p="%s"), (scope, before_step))
 
     def close(self) -> None:
         self.db.close()

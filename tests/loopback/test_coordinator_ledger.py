@@ -507,3 +507,30 @@ def test_a_failed_commit_leaves_its_writes_for_the_next_in_order(
         assert [credit(again, "carol", 25, ticket=t) for t in first] == [25, 25, 0, 0]
     finally:
         again.close()
+
+
+def test_a_postgresql_ledger_connects_again_after_its_connection_is_cut(
+    fresh_database: str,  # noqa: F811
+) -> None:
+    # The database restarted, or a proxy dropped the connection: the commit under way
+    # fails, and the next one reconnects and carries its writes.
+    import psycopg
+
+    led = Ledger(fresh_database)
+    try:
+        credit(led, "alice", 5)
+        led.flush()
+        with psycopg.connect(fresh_database, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        credit(led, "alice", 7)
+        with pytest.raises(psycopg.OperationalError):
+            led.flush()
+        credit(led, "alice", 11)
+        led.flush()
+        assert led.queued == 0
+    finally:
+        led.close()
+    assert [(c.tiles, c.flops) for c in _stored(fresh_database)] == [(3, 23)]
