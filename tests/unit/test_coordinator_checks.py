@@ -198,21 +198,22 @@ def test_a_callback_that_raises_does_not_keep_the_others_of_its_batch_waiting(
     jobs = [one_tile(side) for _ in range(3)]
     got: list[tuple[str, bool]] = []
 
-    def done(check: Check, outcome: Any) -> None:
-        got.append((check.tile_id, outcome.result.ok))
-        if len(got) == 1:
-            raise RuntimeError("a bug in the first verdict's handling")
-
     async def main() -> None:
+        all_in = asyncio.Event()
+
+        def done(check: Check, outcome: Any) -> None:
+            got.append((check.tile_id, outcome.result.ok))
+            if len(got) == len(jobs):
+                all_in.set()
+            if len(got) == 1:
+                raise RuntimeError("a bug in the first verdict's handling")
+
         checks = CheckThread()
         try:
             for job in jobs:
                 a, b = job.matrices()
                 checks.submit(check_of(job, a @ b), done)
-            for _ in range(500):
-                if len(got) == len(jobs):
-                    return
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(all_in.wait(), 30)
         finally:
             checks.shutdown()
 
