@@ -57,7 +57,9 @@ from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.exceptions import ConnectionClosed, InvalidHandshake  # noqa: E402
 
 from common.auth import answer_challenge, check_welcome, new_nonce  # noqa: E402
+from common.batches import packed  # noqa: E402
 from common.errors import ProtocolError  # noqa: E402
+from common.limits import DEFAULT_LIMITS, held_tiles_limit  # noqa: E402
 from common.messages import (  # noqa: E402
     Ack,
     Bye,
@@ -66,11 +68,13 @@ from common.messages import (  # noqa: E402
     DeviceProfile,
     Error,
     Heartbeat,
+    Received,
     Result,
     Task,
     Welcome,
     encode_message,
     parse_message,
+    parse_messages,
     verify_task,
 )
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
@@ -150,9 +154,10 @@ class GemmStream:
         self.server = server
         self.plan = tile_plan(cfg.tile, cfg.grid)
         tiles_per_gemm = len(self.plan.tiles)
-        # Every window full plus two GEMMs queued: the queue never runs dry while the
-        # next GEMM is being cut and signed.
-        self.backlog = cfg.workers * cfg.window + 2 * tiles_per_gemm
+        # Every window full (small tiles share its slots: as many as a worker accepts)
+        # plus two GEMMs queued: the queue never runs dry while the next GEMM is being
+        # cut and signed.
+        self.backlog = cfg.workers * held_tiles_limit(cfg.window) + 2 * tiles_per_gemm
         self.report = GemmStreamReport()
         self._outstanding: dict[str, int] = {}  # gemm id -> its tile count
         self._outstanding_tiles = 0
@@ -495,27 +500,36 @@ class SimWorker:
         with contextlib.suppress(ConnectionClosed):
             async for data in ws:
                 assert isinstance(data, bytes), "the coordinator sends binary frames only"
-                received = parse_message(data)
-                msg = received.message
-                if isinstance(msg, Task):
-                    try:
-                        a, b = verify_task(received, self.coordinator_public)
-                    except ProtocolError as exc:  # never expected: counted, and the run fails
-                        self.stats.errors.append(f"bad task: {exc.code}")
-                        continue
-                    start = time.perf_counter()
-                    c = torch.matmul(a, b)
-                    result = Result(msg.tile_id, compute_s=time.perf_counter() - start)
-                    await ws.send(encode_message(result, [("c", c)]))
-                    self.stats.tiles += 1
-                elif isinstance(msg, Ack):
-                    sent = self._beat_sent.pop(msg.seq, None)
-                    if sent is not None:
-                        self.stats.acks.append((sent, time.monotonic() - sent))
-                elif isinstance(msg, Cancel):
-                    self.stats.cancels += 1
-                elif isinstance(msg, Error):
-                    self.stats.errors.append(msg.code)
+                frames = parse_messages(data)
+                # The results of a batch's tasks go back together, as the worker's
+                # send loop returns the results finished while it sent.
+                results = [r for r in map(self._take, frames) if r is not None]
+                for out in packed(results, DEFAULT_LIMITS.max_batch_frames):
+                    await ws.send(out)
+
+    def _take(self, received: Received) -> bytes | None:
+        """Handle one message; the result frame to send for a task."""
+        msg = received.message
+        if isinstance(msg, Task):
+            try:
+                a, b = verify_task(received, self.coordinator_public)
+            except ProtocolError as exc:  # never expected: counted, and the run fails
+                self.stats.errors.append(f"bad task: {exc.code}")
+                return None
+            start = time.perf_counter()
+            c = torch.matmul(a, b)
+            result = Result(msg.tile_id, compute_s=time.perf_counter() - start)
+            self.stats.tiles += 1
+            return encode_message(result, [("c", c)])
+        if isinstance(msg, Ack):
+            sent = self._beat_sent.pop(msg.seq, None)
+            if sent is not None:
+                self.stats.acks.append((sent, time.monotonic() - sent))
+        elif isinstance(msg, Cancel):
+            self.stats.cancels += 1
+        elif isinstance(msg, Error):
+            self.stats.errors.append(msg.code)
+        return None
 
     async def _leave_when(
         self, stop: asyncio.Event, ws: ClientConnection, beating: asyncio.Task[None]
@@ -557,8 +571,7 @@ async def _load(
 ) -> None:
     rng = random.Random(names[0] if names else "")
     workers = [
-        SimWorker(name, generate_private_key(), coordinator_key, cfg.window, rng)
-        for name in names
+        SimWorker(name, generate_private_key(), coordinator_key, cfg.window, rng) for name in names
     ]
     pipe.send("ready")
     if await asyncio.to_thread(pipe.recv) != "connect":

@@ -25,6 +25,7 @@ from client_app.connection import send_frames
 from client_app.pacing import Pacer
 from client_app.session import TileJob, WorkerSession
 from client_app.summary import TileSummary
+from common.batches import packed
 from common.messages import Result
 
 log = logging.getLogger("client_app.worker")  # the pump's log, as it has always been
@@ -80,8 +81,10 @@ class ConnectionPumps:
         """Until a task ends, or ``stop`` is set; what a task raised is raised here
         (``Refused``, ``NoWelcome``, a broken connection)."""
         work = asyncio.Event()
-        # One finished tile may wait here while the next one computes.
-        outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=1)
+        # Finished tiles wait here while the next ones compute: as many as the session
+        # may hold (the coordinator's window bounds them), so that small tiles finished
+        # while a send was under way go out together in one batch.
+        outbox: asyncio.Queue[Outgoing] = asyncio.Queue(maxsize=self.session.max_held_tiles)
         tasks = {
             asyncio.ensure_future(self._receive_loop(work)),
             asyncio.ensure_future(self._heartbeat_loop()),
@@ -178,14 +181,19 @@ class ConnectionPumps:
             await self._pacer.rest_after_tile(start, end, cost)
 
     async def _send_loop(self, outbox: asyncio.Queue[Outgoing]) -> None:
-        """Encode and send each finished tile's frame, while the compute thread is
-        already multiplying the next tile."""
+        """Encode and send the finished tiles' frames, while the compute thread is
+        already multiplying the next tile; those finished by the time a send is due go
+        out together (small ones in one batch, ``common.batches``)."""
         session = self.session
+        most = session.limits.max_batch_frames
         while True:
-            outgoing = await outbox.get()
-            frame = outgoing if isinstance(outgoing, bytes) else session.result_frame(*outgoing)
-            await self._pacer.before_sending(len(frame))
-            await send_frames(self.ws, frame)
+            ready = [await outbox.get()]
+            while len(ready) < most and not outbox.empty():
+                ready.append(outbox.get_nowait())
+            frames = [o if isinstance(o, bytes) else session.result_frame(*o) for o in ready]
+            for data in packed(frames, most):
+                await self._pacer.before_sending(len(data))
+                await send_frames(self.ws, data)
             self._summary.after_tile(session.stats, self._clock())
             self._publish()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -24,12 +25,14 @@ from client_app.operands import OperandBlocks, check_fits, tile_flop
 from client_app.refusals import NEEDS_TOKEN, TERMINAL_ERRORS, PinCheck, check_pins
 from client_app.session_types import NO_ACTIONS, Actions, Phase, SessionStats, TileJob
 from common.auth import answer_challenge, check_welcome, new_nonce
+from common.batches import inner_frames
 from common.errors import ErrorCode, KeyMismatchError, LimitExceeded, ProtocolError
 from common.frames import Buffer
 from common.job_about import JobAbout
-from common.limits import DEFAULT_LIMITS, WireLimits
+from common.limits import DEFAULT_LIMITS, WireLimits, held_tiles_limit
 from common.messages import (
     Ack,
+    Batch,
     Bye,
     Cancel,
     Challenge,
@@ -90,10 +93,9 @@ class WorkerSession:
         self.window = window
         self.limits = limits
         self._pin_check = pin_check
-        # A coordinator may briefly overshoot the window (a cancelled tile still
-        # computing while its replacement arrives); beyond this it is misbehaving and
-        # holding more would only grow memory.
-        self.max_held_tiles = max_held_tiles or max(4 * window, 8)
+        # Beyond this the coordinator is misbehaving, and holding more would only grow
+        # memory.
+        self.max_held_tiles = max_held_tiles or held_tiles_limit(window)
         self.phase = Phase.DISCONNECTED
         self.stats = SessionStats()
         self.paused_reason: str | None = None
@@ -156,10 +158,17 @@ class WorkerSession:
     def receive(self, data: Buffer | str, now: float) -> Actions:
         """Handle one received WebSocket message (text messages are protocol errors)."""
         self.stats.bytes_in += len(data)
+        return self._receive(data, now, inner=False)
+
+    def _receive(self, data: Buffer | str, now: float, inner: bool) -> Actions:
         if self.phase not in _CONNECTED:
             return NO_ACTIONS  # leaving or refused: nothing more to say
         try:
             received = parse_message(data, self.limits)  # type: ignore[arg-type]
+            if isinstance(received.message, Batch):
+                if inner:
+                    raise ProtocolError("a batch inside a batch")
+                return self._on_batch(inner_frames(received), now)
         except ProtocolError as exc:
             return self._bad_message(data, exc)
         msg = received.message
@@ -191,6 +200,23 @@ class WorkerSession:
         # Hello, Result, Heartbeat, Pause, Resume: worker-to-coordinator messages.
         log.warning("coordinator sent an unexpected %r message", msg.TYPE)
         return Actions(send=(self._error(sent_by_workers(msg.TYPE)),))
+
+    def _on_batch(self, frames: list[memoryview], now: float) -> Actions:
+        """Each frame of a batch as if it had come alone, in order; what they ask for
+        together (nothing after a frame that ends the connection)."""
+        send: list[bytes] = []
+        compute: list[str] = []
+        cancel: list[str] = []
+        for frame in frames:
+            actions = self._receive(frame, now, inner=True)
+            send += actions.send
+            compute += actions.compute
+            cancel += actions.cancel
+            if actions.refusal or actions.close or actions.welcome is not None:
+                return replace(
+                    actions, send=tuple(send), compute=tuple(compute), cancel=tuple(cancel)
+                )
+        return Actions(send=tuple(send), compute=tuple(compute), cancel=tuple(cancel))
 
     def _on_challenge(self, msg: Challenge) -> Actions:
         if self.phase != Phase.CONNECTED:

@@ -4,4 +4,4 @@ Everything here is pure (no sockets, no files except explicit key load/save help
 both sides and the tests use the same definitions of what is valid on the wire.
 """
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4

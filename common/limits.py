@@ -19,6 +19,7 @@ class WireLimits:
     max_tensor_elements: int = 1 << 27  # 512 MiB of fp32
     max_string_chars: int = 256  # names, ids, codes
     max_message_chars: int = 4096  # free-text error messages
+    max_batch_frames: int = 64  # messages joined into one (``common.batches``)
 
     def __post_init__(self) -> None:
         if self.max_frame_bytes <= self.max_header_bytes:
@@ -26,3 +27,10 @@ class WireLimits:
 
 
 DEFAULT_LIMITS = WireLimits()
+
+
+def held_tiles_limit(window: int) -> int:
+    """The most tiles a worker with this window accepts at once: the coordinator's
+    window briefly overshoots (a cancelled tile still computing while its replacement
+    arrives), and small tiles share window slots (``SchedulerConfig.slot_flops``)."""
+    return max(4 * window, 8)

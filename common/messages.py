@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from common import PROTOCOL_VERSION
+from common.batches import Batch, inner_frames
 from common.control_messages import (
     WORKER_STATES,
     Ack,
@@ -29,6 +30,7 @@ from common.control_messages import (
 )
 from common.errors import (
     ErrorCode,
+    FrameError,
     ProtocolError,
 )
 from common.frames import Frame, decode_frame, encode_frame
@@ -53,6 +55,7 @@ from common.tensors import (
 
 __all__ = [
     "BLOCK_FIELD",
+    "Batch",
     "MAX_URL_CHARS",
     "MESSAGE_TYPES",
     "REF_FIELD",
@@ -77,6 +80,7 @@ __all__ = [
     "encode_message",
     "encode_task",
     "parse_message",
+    "parse_messages",
     "sign_job_state",
     "task_frame",
     "verify_job_state",
@@ -100,6 +104,7 @@ Message = (
     | Pause
     | Resume
     | Bye
+    | Batch
 )
 MESSAGE_TYPES: dict[str, Any] = {
     cls.TYPE: cls
@@ -117,6 +122,7 @@ MESSAGE_TYPES: dict[str, Any] = {
         Pause,
         Resume,
         Bye,
+        Batch,
     )
 }
 
@@ -158,3 +164,17 @@ def parse_message(
             f"unknown message type {frame.type[:64]!r}", code=ErrorCode.UNKNOWN_TYPE
         )
     return Received(message=cls.from_header(frame.header, limits), frame=frame)
+
+
+def parse_messages(
+    data: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS
+) -> list[Received]:
+    """``parse_message`` for a peer that sends batches (``common.batches``): the message,
+    or each message of a batch, in order."""
+    received = parse_message(data, limits)
+    if not isinstance(received.message, Batch):
+        return [received]
+    inner = [parse_message(frame, limits) for frame in inner_frames(received)]
+    if any(isinstance(r.message, Batch) for r in inner):
+        raise FrameError("a batch inside a batch")
+    return inner

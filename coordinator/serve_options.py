@@ -15,7 +15,7 @@ from common.gemm_speed import matmul_gflops
 from common.job_about import JobAbout
 from coordinator.plan.live import Planner
 from coordinator.pool.core import CoreConfig
-from coordinator.schedule.scheduler import SchedulerConfig
+from coordinator.schedule.scheduler import SHARED_SLOT_FLOPS, SchedulerConfig
 from coordinator.serve.server import ServerConfig
 from coordinator.step.job import Job
 
@@ -160,6 +160,7 @@ class ServeOptions:
                     heartbeat_timeout_s=self.heartbeat_timeout,
                     speculate_after=self.speculate_after,
                     leave_for_faster=self.leave_for_faster,
+                    slot_flops=SHARED_SLOT_FLOPS,
                 ),
             ),
         )

@@ -24,8 +24,10 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.batches import Batch, inner_frames
 from common.block_cache import BlockCache
 from common.errors import ErrorCode, FrameError, LimitExceeded, ProtocolError
+from common.frames import Buffer
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.messages import (
     Cancel,
@@ -54,6 +56,7 @@ from coordinator.pool.status import core_status
 from coordinator.pool.verdicts import judge, placed_anyway
 from coordinator.pool.workers import Counters, PoolView, Worker
 from coordinator.schedule.scheduler import (
+    SHARED_SLOT_FLOPS,
     Assignment,
     Scheduler,
     SchedulerConfig,
@@ -77,7 +80,9 @@ class CoreConfig:
     message_burst: int = 400
     reputation: ReputationPolicy = field(default_factory=ReputationPolicy)
     limits: WireLimits = DEFAULT_LIMITS
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(slot_flops=SHARED_SLOT_FLOPS)
+    )
     link_guess_bytes_per_s: float = LINK_GUESS_BYTES_PER_S
 
 
@@ -212,7 +217,8 @@ class CoordinatorCore:
         return effects
 
     def receive(self, worker_id: str, data: str | bytes | bytearray, now: float) -> Effects:
-        """One frame from a connected worker."""
+        """One WebSocket message from a connected worker: a frame, or a batch of them
+        (one message of the rate allowance: a batch's size has its own limit)."""
         self.now = now
         effects = Effects()
         worker = self.workers.get(worker_id)
@@ -235,28 +241,46 @@ class CoordinatorCore:
             return self.drop(
                 worker, CloseCode.POLICY, f"message rate over max_messages_per_s={limit:g}", effects
             )
+        self._take(worker, data, effects)
+        return effects
+
+    def _take(self, worker: Worker, data: Buffer, effects: Effects, inner: bool = False) -> bool:
+        """One frame (or each frame of a batch, in order); False once the worker is
+        dropped, so nothing after that frame is taken."""
+        worker_id = worker.worker_id
         try:
             received = parse_message(data, self.config.limits)
+            if isinstance(received.message, Batch):
+                if inner:
+                    raise FrameError("a batch inside a batch")
+                frames = inner_frames(received)
         except (FrameError, LimitExceeded) as exc:
             effects.send(worker_id, Error(exc.code, exc.message))
-            return self.drop(worker, CloseCode.POLICY, exc.message, effects)
+            self.drop(worker, CloseCode.POLICY, exc.message, effects)
+            return False
         except ProtocolError as exc:
             # Well-framed but not understood (unknown type, bad fields): say so, keep going.
             effects.send(worker_id, Error(exc.code, exc.message))
-            return effects
+            return True
         msg = received.message
+        if isinstance(msg, Batch):
+            return all(
+                self._take(worker, frame, effects, inner=True)
+                and self.workers.get(worker_id) is worker
+                for frame in frames
+            )
         if isinstance(msg, Result):
             # Its tensor is decoded with the check, off the event loop.
             on_result(self, worker, msg, received, len(received.frame.payload), effects)
-            return effects
+            return True
         handler = HANDLERS.get(type(msg))
         if handler is None:
             effects.send(
                 worker_id, Error(ErrorCode.UNEXPECTED_MESSAGE, f"{msg.TYPE} is not sent by workers")
             )
-            return effects
+            return True
         handler(self, worker, msg, effects)
-        return effects
+        return True
 
     def handle(self, worker_id: str, msg: Message, now: float) -> Effects:
         """One decoded message from a connected worker, without the frame (the

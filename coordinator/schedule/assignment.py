@@ -41,7 +41,7 @@ def assign_tiles(
     if state.planned:
         for worker in ring:
             assignments.extend(_take_planned(state, worker, now))
-        ring = deque(worker for worker in ring if worker.free_slots() > 0)
+        ring = deque(worker for worker in ring if worker.has_room())
     if state.queue and ring:
         assignments.extend(_assign_common(state, ring, now, prefers, finish_at, run_time))
     if state.planned and ring:
@@ -56,7 +56,7 @@ def _take_planned(state: SchedulerState, worker: WorkerRecord, now: float) -> li
     """The worker's own planned tiles, in plan order, into its free slots."""
     queue = state.planned.get(worker.worker_id)
     assignments = []
-    while queue and worker.free_slots() > 0:
+    while queue and worker.has_room():
         tile = state.live_queue_entry(queue.popleft())
         if tile is not None:
             assignments.append(state.dequeue_to(tile, worker, now))
@@ -78,6 +78,7 @@ def _assign_common(
     largest_cap = _largest_cap(ring)
     assignments: list[Assignment] = []
     passed_over: list[QueueEntry] = []
+    turns: dict[str, int] = {}  # tiles taken so far in the turn of the worker at the front
     while ring and state.queue:
         entry = state.queue.popleft()
         tile = state.live_queue_entry(entry)
@@ -85,7 +86,7 @@ def _assign_common(
             continue
         worker = None
         if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
-            worker = _next_taker(ring, tile, prefers, slower)
+            worker = _next_taker(ring, tile, prefers, slower, turns)
         if worker is None:
             passed_over.append(entry)
             continue
@@ -225,10 +226,10 @@ def _steal(
                 costs.free[worker.worker_id] = mine
                 heapq.heapreplace(heap, (costs.added(owner, tile.ticket) - theirs, owner))
                 took = True
-        if not took or worker.free_slots() == 0:
+        if not took or not worker.has_room():
             takers.popleft()
     if assignments:
-        full = [worker for worker in ring if worker.free_slots() == 0]
+        full = [worker for worker in ring if not worker.has_room()]
         for worker in full:
             ring.remove(worker)
     return assignments
@@ -257,6 +258,7 @@ def _next_taker(
     tile: TileRecord,
     prefers: Prefers | None = None,
     slower: Callable[[WorkerRecord, TileRecord], bool] | None = None,
+    turns: dict[str, int] | None = None,
 ) -> WorkerRecord | None:
     """The next worker in turn that may take the tile (or a preferred one among the next
     few), unless `slower` says another would return it much sooner; rotates the ring
@@ -265,11 +267,13 @@ def _next_taker(
     def may(worker: WorkerRecord) -> bool:
         return _may_take(worker, tile) and (slower is None or not slower(worker, tile))
 
+    turns = turns if turns is not None else {}
+
     if prefers is not None:
         for i, worker in enumerate(itertools.islice(ring, PREFERENCE_LOOKAHEAD)):
             if prefers(worker.worker_id, tile.ticket) and may(worker):
                 del ring[i]
-                if worker.free_slots() > 1:
+                if worker.room_after(tile.ticket):
                     ring.append(worker)
                 return worker
     for _ in range(len(ring)):
@@ -277,7 +281,15 @@ def _next_taker(
         if not may(worker):
             ring.append(worker)
             continue
-        if worker.free_slots() > 1:
-            ring.append(worker)
+        if worker.room_after(tile.ticket):
+            # A turn is a refill's worth of tiles (one, unless small tiles share slots:
+            # then they go out together).
+            taken = turns.get(worker.worker_id, 0) + 1
+            if taken < worker.refill_tiles:
+                turns[worker.worker_id] = taken
+                ring.appendleft(worker)
+            else:
+                turns.pop(worker.worker_id, None)
+                ring.append(worker)
         return worker
     return None

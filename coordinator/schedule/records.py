@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from common.limits import held_tiles_limit
+
 
 class UnknownWorkerError(KeyError):
     """An operation named a worker that is not (or no longer) registered."""
@@ -72,6 +74,12 @@ class SchedulerStats:
     speculated: int = 0  # copies handed out by speculate() (also counted in reissued)
 
 
+# Tiles under this many FLOPs (a 128^3 GEMM) share window slots: their frames are small
+# enough to go out in batches (``common.batches``), and their compute is shorter than
+# the per-message work they would otherwise cost each side.
+SHARED_SLOT_FLOPS = 2 * 128**3
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     heartbeat_timeout_s: float = 10.0
@@ -86,6 +94,11 @@ class SchedulerConfig:
     # sooner; None: off. Needs assign()'s predictions. Fresh tiles only: a re-issued or
     # refused one goes to whoever is free.
     leave_for_faster: float | None = None
+    # Small tiles share window slots: a tile of fewer FLOPs than this takes that fraction
+    # of a slot, so a worker holds more of them (up to ``held_tiles_limit`` of its window,
+    # what the worker itself accepts), and it is refilled once half that many are back,
+    # so that they go out together (``common.batches``). None: a tile takes a slot.
+    slot_flops: int | None = None
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 0 or self.tile_timeout_s <= 0:
@@ -96,6 +109,8 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.max_holders must be >= 1")
         if self.leave_for_faster is not None and self.leave_for_faster < 1.0:
             raise ValueError("SchedulerConfig.leave_for_faster must be >= 1 or None")
+        if self.slot_flops is not None and self.slot_flops < 1:
+            raise ValueError("SchedulerConfig.slot_flops must be >= 1 or None")
 
 
 @dataclass(frozen=True)
@@ -111,8 +126,12 @@ class WorkerRecord:
     mem_cap_bytes: int | None
     last_seen: float
     incarnation: int  # tells a re-added worker's heartbeat entries from its predecessor's
+    slot_flops: int | None = None  # SchedulerConfig.slot_flops
     paused: bool = False
-    in_flight: dict[str, None] = field(default_factory=dict)  # ordered set, assignment order
+    # Ordered by assignment: each held tile's share of the window, in slot units of
+    # ``slot_flops`` FLOPs (1 each without them).
+    in_flight: dict[str, int] = field(default_factory=dict)
+    held: int = 0  # the sum of in_flight's shares
     # Tiles taken back when the worker paused: a result that was already on its way
     # still counts, so they are remembered until the tile is done or the worker leaves.
     released: set[str] = field(default_factory=set)
@@ -120,8 +139,44 @@ class WorkerRecord:
     # harmless duplicate even after the tile's GEMM has been forgotten.
     cancelled: dict[str, None] = field(default_factory=dict)
 
-    def free_slots(self) -> int:
-        return self.window - len(self.in_flight)
+    def __post_init__(self) -> None:
+        self.capacity = self.window * (self.slot_flops or 1)
+        # The most tiles it may hold at once, and how many must be back before it is
+        # sent more: with shared slots, half of what it accepts, so they go out together.
+        self.max_tiles = held_tiles_limit(self.window) if self.slot_flops else self.window
+        self.refill_tiles = self.max_tiles // 2 if self.slot_flops else 1
+
+    def share(self, ticket: TileTicket) -> int:
+        return min(max(ticket.flops, 1), self.slot_flops) if self.slot_flops else 1
+
+    def has_room(self) -> bool:
+        return self.held < self.capacity and len(self.in_flight) < self.max_tiles
+
+    def room_after(self, ticket: TileTicket) -> bool:
+        """Room left once it holds ``ticket`` too."""
+        return (
+            self.held + self.share(ticket) < self.capacity
+            and len(self.in_flight) + 1 < self.max_tiles
+        )
+
+    def wants_refill(self) -> bool:
+        """Room for a slot's worth of tiles, and for half the tiles it may hold."""
+        room = self.capacity - self.held
+        return (
+            room >= (self.slot_flops or 1)
+            and self.max_tiles - len(self.in_flight) >= self.refill_tiles
+        )
+
+    def hold(self, tile_id: str, ticket: TileTicket) -> None:
+        share = self.in_flight[tile_id] = self.share(ticket)
+        self.held += share
+
+    def let_go(self, tile_id: str) -> None:
+        self.held -= self.in_flight.pop(tile_id)
+
+    def let_go_all(self) -> None:
+        self.in_flight.clear()
+        self.held = 0
 
     def can_hold(self, ticket: TileTicket) -> bool:
         return self.mem_cap_bytes is None or ticket.wire_bytes <= self.mem_cap_bytes

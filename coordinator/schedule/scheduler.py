@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from coordinator.schedule.assignment import PREFERENCE_LOOKAHEAD, STEAL_MARGIN, assign_tiles
 from coordinator.schedule.predictor import Predictor
 from coordinator.schedule.records import (
+    SHARED_SLOT_FLOPS,
     Assignment,
     Completion,
     Expiry,
@@ -56,6 +57,7 @@ from coordinator.schedule.state import SchedulerState
 # here, with the scheduler.
 __all__ = [
     "PREFERENCE_LOOKAHEAD",
+    "SHARED_SLOT_FLOPS",
     "STEAL_MARGIN",
     "Assignment",
     "Completion",
@@ -91,7 +93,9 @@ class Scheduler:
             raise ValueError(f"worker {worker_id!r}: window must be >= 1, got {window}")
         if mem_cap_bytes is not None and mem_cap_bytes < 1:
             raise ValueError(f"worker {worker_id!r}: mem_cap_bytes must be >= 1")
-        worker = WorkerRecord(worker_id, window, mem_cap_bytes, now, state.next_seq())
+        worker = WorkerRecord(
+            worker_id, window, mem_cap_bytes, now, state.next_seq(), state.config.slot_flops
+        )
         state.workers[worker_id] = worker
         state.window_total += window
         state.push_heartbeat(worker)
@@ -128,7 +132,7 @@ class Scheduler:
                 worker.released.add(tile_id)
                 if state.needs_requeue(tile, now):
                     lost.append(tile_id)
-            worker.in_flight.clear()
+            worker.let_go_all()
             state.release_planned(worker_id)
             state.requeue_front(lost)
         state.refresh_ready(worker)
@@ -279,7 +283,7 @@ class Scheduler:
         state.bump("rejected")
         if held:
             del tile.holders[worker_id]
-            del worker.in_flight[tile_id]
+            worker.let_go(tile_id)
             state.refresh_ready(worker)
         tile.released_to.discard(worker_id)
         worker.released.discard(tile_id)

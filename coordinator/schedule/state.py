@@ -121,10 +121,11 @@ class SchedulerState:
     # --- queues -------------------------------------------------------------------------
 
     def refresh_ready(self, worker: WorkerRecord) -> None:
-        if not worker.paused and worker.free_slots() > 0:
-            self.ready.setdefault(worker.worker_id, None)
-        else:
+        # A worker part-way through a refill (the tiles ran out) keeps its turn.
+        if worker.paused or not worker.has_room():
             self.ready.pop(worker.worker_id, None)
+        elif worker.wants_refill():
+            self.ready.setdefault(worker.worker_id, None)
 
     def needs_requeue(self, tile: TileRecord, now: float) -> bool:
         return tile.queue_token is None and not tile.has_live_holder(now)
@@ -170,7 +171,7 @@ class SchedulerState:
         tile.released_to.discard(worker_id)
         worker.released.discard(tile_id)
         worker.cancelled.pop(tile_id, None)
-        worker.in_flight[tile_id] = None
+        worker.hold(tile_id, tile.ticket)
         self._push_deadline(tile_id, worker_id, holding)
         reissue = tile.times_assigned > 0
         tile.times_assigned += 1
@@ -190,7 +191,7 @@ class SchedulerState:
         to_cancel: list[str] = []
         for worker_id in tile.holders:
             worker = self.workers[worker_id]
-            del worker.in_flight[tile_id]
+            worker.let_go(tile_id)
             self.refresh_ready(worker)
             if worker_id != winner:
                 to_cancel.append(worker_id)
@@ -240,12 +241,19 @@ class SchedulerState:
 
     def _worker_problems(self) -> Iterable[str]:
         for worker_id, worker in self.workers.items():
-            if worker.free_slots() < 0:
-                yield f"{worker_id} holds {len(worker.in_flight)} > window {worker.window}"
+            # Its last tile may take it past its window by less than a slot's worth.
+            over = worker.held >= worker.capacity + (worker.slot_flops or 1)
+            if over or len(worker.in_flight) > worker.max_tiles:
+                yield f"{worker_id} holds {len(worker.in_flight)} tiles: over its window"
+            if worker.held != sum(worker.in_flight.values()):
+                yield f"{worker_id}'s held share is not the sum of its tiles'"
             if worker.paused and worker.in_flight:
                 yield f"paused {worker_id} holds tiles"
-            if (worker_id in self.ready) != (not worker.paused and worker.free_slots() > 0):
-                yield f"{worker_id} ready-set membership is wrong"
+            ready = worker_id in self.ready
+            if ready and (worker.paused or not worker.has_room()):
+                yield f"{worker_id} is ready without room"
+            if not ready and not worker.paused and worker.wants_refill():
+                yield f"{worker_id} has room for a refill but is not ready"
             for tile_id in worker.in_flight:
                 if worker_id not in self.tiles[tile_id].holders:
                     yield f"{tile_id} in {worker_id}'s in-flight set but not held"

@@ -28,6 +28,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from common.batches import packed
 from common.frames import FrameParts
 from common.job_about import JobAbout
 from common.messages import Hello, JobState, sign_job_state
@@ -301,16 +302,30 @@ class CoordinatorServer:
             log.error("could not write the ledger", exc_info=future.exception())
 
     async def _writer(self, conn: _Connection) -> None:
-        """The connection's one write path: its frames in order, then its close."""
+        """The connection's one write path: its frames in order, then its close. The
+        frames that are ready together go out together, small ones in batches."""
+        most = self.config.core.limits.max_batch_frames
+        outbox = conn.outbox
         with contextlib.suppress(ConnectionClosed):
+            item = await outbox.get()
             while True:
-                item = await conn.outbox.get()
                 if isinstance(item, Close):
                     await conn.ws.close(item.code, close_reason(item.reason))
                     return
-                if conn.closing is not None and item.tile_id:
-                    continue  # its tiles have moved on: send only its last words
-                await conn.ws.send(outgoing(item.data))
+                frames = []
+                after: Send | Close | None = None
+                while True:
+                    if conn.closing is None or not item.tile_id:
+                        frames.append(item.data)  # else its tiles have moved on
+                    if len(frames) == most or outbox.empty():
+                        break
+                    item = outbox.get_nowait()
+                    if isinstance(item, Close):
+                        after = item
+                        break
+                for data in packed(frames, most):
+                    await conn.ws.send(outgoing(data))
+                item = after if after is not None else await outbox.get()
 
     async def _cut_after_grace(self, conn: _Connection) -> None:
         await asyncio.sleep(CLOSE_GRACE_S)

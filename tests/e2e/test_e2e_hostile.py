@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from common.messages import (
     Welcome,
     encode_message,
     parse_message,
+    parse_messages,
     verify_task,
 )
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex
@@ -63,13 +65,16 @@ class Link:
     received: list[Message] = field(default_factory=list)
     beating: asyncio.Task[None] | None = None
     tasks: list[tuple[Task, Any]] = field(default_factory=list)  # held, not yet used
+    pending: deque[Message] = field(default_factory=deque)  # read, not yet returned by next
 
-    def _keep(self, data: bytes) -> Message:
-        received = parse_message(data)
-        self.received.append(received.message)
-        if isinstance(received.message, Task):
-            self.tasks.append((received.message, received))
-        return received.message
+    def _keep(self, data: bytes) -> list[Message]:
+        kept = []
+        for received in parse_messages(data):
+            self.received.append(received.message)
+            if isinstance(received.message, Task):
+                self.tasks.append((received.message, received))
+            kept.append(received.message)
+        return kept
 
     async def send(self, data: bytes | str) -> None:
         await self.ws.send(data)
@@ -78,11 +83,13 @@ class Link:
         """The next message of type ``cls`` (others are kept in ``received``)."""
         async with asyncio.timeout(seconds):
             while True:
+                while self.pending:  # the rest of a batch, first
+                    msg = self.pending.popleft()
+                    if isinstance(msg, cls):
+                        return msg
                 data = await self.ws.recv()
                 assert isinstance(data, bytes)
-                msg = self._keep(data)
-                if isinstance(msg, cls):
-                    return msg
+                self.pending.extend(self._keep(data))
 
     async def closed(self, seconds: float = 15.0) -> tuple[int | None, list[Message]]:
         """Read until the coordinator closes: its close code and what came before."""
@@ -91,7 +98,7 @@ class Link:
                 while True:
                     data = await self.ws.recv()
                     if isinstance(data, bytes):
-                        self.received.append(parse_message(data).message)
+                        self._keep(data)
         return self.ws.close_code, self.received
 
     def errors(self) -> list[str]:

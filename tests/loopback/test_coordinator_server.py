@@ -9,6 +9,7 @@ and every assembled output is checked against ``torch.matmul``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -48,7 +49,7 @@ from common.messages import (
     Task,
     Welcome,
     encode_message,
-    parse_message,
+    parse_messages,
 )
 from common.signing import fingerprint, generate_private_key, public_key_hex
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
@@ -194,6 +195,7 @@ class Raw:
     def __init__(self, ws: ClientConnection) -> None:
         self.ws = ws
         self.welcome: Welcome | None = None
+        self.pending: collections.deque[Received] = collections.deque()
 
     @classmethod
     async def connect(cls, url: str) -> Raw:
@@ -253,9 +255,12 @@ class Raw:
         await self.ws.send(encode_message(msg, tensors))
 
     async def recv(self, seconds: float = 10.0) -> Received:
-        data = await within(self.ws.recv(), seconds)
-        assert isinstance(data, bytes)
-        return parse_message(data)
+        """The next message (those of a batch one at a time)."""
+        if not self.pending:
+            data = await within(self.ws.recv(), seconds)
+            assert isinstance(data, bytes)
+            self.pending.extend(parse_messages(data))
+        return self.pending.popleft()
 
     async def expect(self, cls: type, seconds: float = 10.0) -> Received:
         """The next message other than an Ack; it must be a ``cls``."""
@@ -273,7 +278,7 @@ class Raw:
             while True:
                 data = await within(self.ws.recv(), seconds)
                 if isinstance(data, bytes):
-                    messages.append(parse_message(data).message)
+                    messages += [r.message for r in parse_messages(data)]
         await within(self.ws.wait_closed(), seconds)
         return self.ws.close_code, messages
 
@@ -540,8 +545,14 @@ async def test_the_ledger_commits_one_batch_at_a_time_each_taking_what_waited(
 
     def credit_in_a_turn(worker: str) -> None:
         ledger.credit(
-            worker, name=worker, flops=1, bytes_down=1, bytes_up=1, compute_s=0.1,
-            reputation=1.0, now=1.0,
+            worker,
+            name=worker,
+            flops=1,
+            bytes_down=1,
+            bytes_up=1,
+            compute_s=0.1,
+            reputation=1.0,
+            now=1.0,
         )
         server.kept_here("g", 0, False)  # any input the server applies
 
@@ -582,8 +593,14 @@ async def test_a_failed_ledger_commit_is_logged_and_its_writes_go_with_a_later_t
     try:
         for worker in ("failed", "later"):
             ledger.credit(
-                worker, name=worker, flops=1, bytes_down=1, bytes_up=1, compute_s=0.1,
-                reputation=1.0, now=1.0,
+                worker,
+                name=worker,
+                flops=1,
+                bytes_down=1,
+                bytes_up=1,
+                compute_s=0.1,
+                reputation=1.0,
+                now=1.0,
             )
             server.kept_here("g", 0, False)
             await asyncio.sleep(0.01)

@@ -28,6 +28,7 @@ from common.messages import (
     encode_message,
     encode_task,
     parse_message,
+    parse_messages,
 )
 from common.signing import generate_private_key, public_key_hex
 
@@ -49,7 +50,7 @@ class Link:
         self.hello = hello
         self.inbox: asyncio.Queue[Received] = asyncio.Queue()
         self.heartbeats: list[Heartbeat] = []
-        self.sizes: list[int] = []  # bytes of each message put in the inbox, in order
+        self.sizes: list[int] = []  # bytes of each WebSocket message received, in order
         self.closed = asyncio.Event()
         assert ws.request is not None
         # What the worker offered: it must not ask for permessage-deflate (DESIGN §3).
@@ -130,24 +131,27 @@ class FakeCoordinator:
         try:
             async for data in ws:
                 assert isinstance(data, bytes), "the worker must send binary frames only"
-                received = parse_message(data)
-                if isinstance(received.message, Heartbeat):
-                    link.heartbeats.append(received.message)
-                    ack = Ack(received.message.seq, credit_tiles=self.results, credit_gflop=0.5)
-                    # A worker that leaves may close right after its last heartbeat: the
-                    # Ack then fails, and what it sent before closing (its Bye) must
-                    # still be read, as the real coordinator's separate writer does.
-                    with contextlib.suppress(ConnectionClosed):
-                        await ws.send(encode_message(ack))
-                    continue
-                if isinstance(received.message, Result):
-                    self.results += 1
                 link.sizes.append(len(data))
-                link.inbox.put_nowait(received)
+                for received in parse_messages(data):
+                    await self._take(ws, link, received)
         except ConnectionClosed:
             pass
         finally:
             link.closed.set()
+
+    async def _take(self, ws: ServerConnection, link: Link, received: Received) -> None:
+        if isinstance(received.message, Heartbeat):
+            link.heartbeats.append(received.message)
+            ack = Ack(received.message.seq, credit_tiles=self.results, credit_gflop=0.5)
+            # A worker that leaves may close right after its last heartbeat: the Ack then
+            # fails, and what it sent before closing (its Bye) must still be read, as the
+            # real coordinator's separate writer does.
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(encode_message(ack))
+            return
+        if isinstance(received.message, Result):
+            self.results += 1
+        link.inbox.put_nowait(received)
 
 
 def operands(seed: int, shape: tuple[int, ...] = (16, 24, 8)) -> tuple[torch.Tensor, torch.Tensor]:

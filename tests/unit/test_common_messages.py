@@ -17,6 +17,7 @@ from common.limits import WireLimits
 from common.messages import (
     MESSAGE_TYPES,
     Ack,
+    Batch,
     Bye,
     Cancel,
     Challenge,
@@ -109,6 +110,7 @@ MESSAGES: list[Message] = [
     ),
     JobState(step=1204, steps=5000, note="the coordinator computes faster alone", sig="cd" * 64),
     JobState(step=0, steps=0),
+    Batch(frames=(64, 3, 1 << 20)),
 ]
 
 
@@ -151,6 +153,7 @@ def test_every_message_type_is_covered() -> None:
         "pause",
         "resume",
         "bye",
+        "batch",
     }
 
 

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from support.memory_pool import PROFILE, wire_bytes
 
 from common import PROTOCOL_VERSION
+from common.batches import batch_frame
 from common.errors import ErrorCode
 from common.frames import encode_frame
 from common.messages import (
@@ -54,6 +55,8 @@ class Harness:
     def __init__(self, tmp_path: Path, **config: Any) -> None:
         self.ledger = Ledger(tmp_path / "ledger.sqlite")
         self.key = generate_private_key()
+        # A tile a window slot, as the rules below are written (shared slots: their own test).
+        config.setdefault("scheduler", SchedulerConfig())
         self.core = CoordinatorCore(key=self.key, ledger=self.ledger, config=CoreConfig(**config))
         self.now = 100.0
         self.delivered: list[str] = []
@@ -731,3 +734,70 @@ def test_each_worker_is_told_the_job_state_once_per_change(h: Harness) -> None:
     h.core.set_job_state(second)
     assert told(w1) == [second] and told(w2) == [second]
     assert told(w2) == []
+
+
+# ---- batches -----------------------------------------------------------------------------------
+
+
+def _result_frame(job: SignedTile) -> bytes:
+    a, b = job.matrices()
+    return encode_message(Result(job.tile_id, compute_s=0.01), [("c", a @ b)])
+
+
+def test_each_frame_of_a_batch_is_taken_as_if_it_came_alone_in_order(h: Harness) -> None:
+    w1, _ = h.admit("one", window=2)
+    jobs = h.gemm()
+    h.core.submit(jobs, h.now)
+    batch = batch_frame(
+        [_result_frame(jobs[0]), encode_message(Heartbeat(3, "working", 1)), _result_frame(jobs[1])]
+    )
+    effects = h.core.receive(w1, batch, h.now)
+    assert [c.tile_id for c in effects.checks] == [jobs[0].tile_id, jobs[1].tile_id]
+    assert messages(effects, w1) == [Ack(3, 0, 0.0)]
+    done = h.check(effects)
+    assert h.delivered == [jobs[0].tile_id, jobs[1].tile_id]
+    assert tasks(done, w1) == [jobs[2].tile_id, jobs[3].tile_id]
+    assert h.ledger.get(h.core.workers[w1].key).tiles == 2
+
+
+def test_a_bye_inside_a_batch_ends_it_there(h: Harness) -> None:
+    w1, _ = h.admit("one", window=2)
+    jobs = h.gemm()
+    h.core.submit(jobs, h.now)
+    batch = batch_frame([encode_message(Bye("done")), _result_frame(jobs[0])])
+    effects = h.core.receive(w1, batch, h.now)
+    assert closes(effects) == [(w1, CloseCode.NORMAL, "bye")]
+    assert effects.checks == [] and w1 not in h.core.workers
+
+
+def test_a_bad_frame_inside_a_batch_is_answered_and_the_rest_still_taken(h: Harness) -> None:
+    w1, _ = h.admit("one")
+    bogus = encode_frame({"type": "bogus", "v": PROTOCOL_VERSION})
+    effects = h.core.receive(
+        w1, batch_frame([bogus, encode_message(Heartbeat(4, "idle", 0))]), h.now
+    )
+    error, ack = messages(effects, w1)
+    assert isinstance(error, Error) and error.code == ErrorCode.UNKNOWN_TYPE
+    assert ack == Ack(4, 0, 0.0) and effects.closes == []
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        pytest.param(
+            lambda: batch_frame([encode_message(Heartbeat(1, "idle", 0))] * 2), id="nested"
+        ),
+        pytest.param(lambda: b"\x00garbage", id="malformed"),
+    ],
+)
+def test_a_batch_holding_a_batch_or_a_broken_frame_closes_the_connection(
+    h: Harness, inner: Any
+) -> None:
+    w1, _ = h.admit("one")
+    effects = h.core.receive(
+        w1, batch_frame([encode_message(Heartbeat(1, "idle", 0)), inner()]), h.now
+    )
+    ack, error = messages(effects, w1)
+    assert ack == Ack(1, 0, 0.0) and isinstance(error, Error)
+    [(worker_id, code, _)] = closes(effects)
+    assert (worker_id, code) == (w1, CloseCode.POLICY) and w1 not in h.core.workers

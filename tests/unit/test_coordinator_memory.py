@@ -168,12 +168,13 @@ def test_tiles_of_a_worker_that_leaves_are_finished_by_the_other(
     pool.join("stays")
     leaves = pool.join("leaves", window=2, answer=Answer.HOLD)
     gemm = Gemm(pool, "g", (96, 64, 80), seed=5)
-    assert leaves.held == 2 and not gemm.done
+    held = leaves.held  # small tiles share its window's slots: more than 2
+    assert held >= 2 and not gemm.done
     leaves.leave(bye=bye)
     if bye:
         assert leaves.closed == (CloseCode.NORMAL, "bye")
     gemm.check()
-    assert pool.core.scheduler.stats.reissued >= 2
+    assert pool.core.scheduler.stats.reissued >= held
     assert ledger_row(pool, "leaves").tiles == 0
     assert ledger_row(pool, "stays").tiles == len(gemm.tiles)
     assert [w.name for w in pool.workers.values()] == ["stays"]
@@ -306,7 +307,9 @@ async def test_a_training_step_offloaded_to_the_pool_matches_eager(pool: MemoryP
     assert_outputs_match(got, want)
     counters = pool.core.counters
     assert counters.tiles_verified > stats.gemms_offloaded  # several per GEMM
-    assert {c.name for c in pool.ledger.all()} == {"w1", "w2"}
+    # Small tiles go to a worker a refill's worth at a time: w2 may get none.
+    credited = {c.name: c.tiles for c in pool.ledger.all()}
+    assert set(credited) <= {"w1", "w2"} and sum(credited.values()) == counters.tiles_verified
     assert len(submitted) == counters.tiles_verified
     assert all(t.startswith("s3:") for t in submitted)  # the step is in the tile ids
 

@@ -6,6 +6,7 @@ drive long event sequences and check the invariants after every step.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import Counter, defaultdict
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from support.scheduler_tables import Table
 
+from common.limits import held_tiles_limit
 from coordinator.schedule.scheduler import (
     Assignment,
     Completion,
@@ -31,8 +33,10 @@ from coordinator.schedule.scheduler import (
 CONFIG = SchedulerConfig(heartbeat_timeout_s=10.0, tile_timeout_s=30.0)
 
 
-def ticket(tile_id: str, gemm_id: str = "g", down: int = 100, up: int = 10) -> TileTicket:
-    return TileTicket(tile_id, gemm_id, flops=1000, down_bytes=down, up_bytes=up)
+def ticket(
+    tile_id: str, gemm_id: str = "g", down: int = 100, up: int = 10, flops: int = 1000
+) -> TileTicket:
+    return TileTicket(tile_id, gemm_id, flops=flops, down_bytes=down, up_bytes=up)
 
 
 def tiles(*tile_ids: str, gemm_id: str = "g") -> list[TileTicket]:
@@ -100,6 +104,56 @@ def test_free_slot_is_refilled_after_completion() -> None:
     assert s.complete("w1", "t1", now=2.0).verdict is Verdict.ACCEPTED
     assert pairs(s.assign(now=2.0)) == [("w1", "t3")]
     assert s.in_flight("w1") == {"t2", "t3"}
+
+
+SLOTTED = dataclasses.replace(CONFIG, slot_flops=4000)
+
+
+def slotted(window: int, *tickets: TileTicket) -> Scheduler:
+    s = Scheduler(SLOTTED)
+    s.add_worker("w1", window=window, now=0.0)
+    s.submit(list(tickets))
+    return s
+
+
+def test_small_tiles_share_slots_and_are_refilled_half_the_most_at_a_time() -> None:
+    s = slotted(2, *(ticket(f"t{i}", flops=100) for i in range(20)))
+    most = held_tiles_limit(2)
+    assert len(s.assign(now=0.0)) == most  # a slot's worth would be 40 of them
+    for i in range(most // 2 - 1):
+        s.complete("w1", f"t{i}", now=1.0)
+        assert s.assign(now=1.0) == []  # not yet: they go out together
+    s.complete("w1", f"t{most // 2 - 1}", now=2.0)
+    assert len(s.assign(now=2.0)) == most // 2
+    s.check_invariants()
+
+
+def test_small_tiles_go_to_each_worker_in_turns_of_a_refill() -> None:
+    s = Scheduler(SLOTTED)
+    for worker_id in ("w1", "w2"):
+        s.add_worker(worker_id, window=2, now=0.0)
+    s.submit([ticket(f"t{i}", flops=100) for i in range(12)])
+    turn = held_tiles_limit(2) // 2
+    assert [w for w, _ in pairs(s.assign(now=0.0))] == ["w1"] * turn + ["w2"] * turn + ["w1"] * 4
+    s.check_invariants()
+
+
+def test_tiles_of_a_slot_or_more_fill_the_window_one_slot_at_a_time() -> None:
+    s = slotted(2, *(ticket(f"t{i}", flops=4000 * (1 + i % 2)) for i in range(6)))
+    assert pairs(s.assign(now=0.0)) == [("w1", "t0"), ("w1", "t1")]
+    s.complete("w1", "t0", now=1.0)
+    assert pairs(s.assign(now=1.0)) == [("w1", "t2")]
+    s.check_invariants()
+
+
+def test_half_slot_tiles_fill_the_window_by_flops_and_come_back_a_slot_at_a_time() -> None:
+    s = slotted(2, *(ticket(f"t{i}", flops=2000) for i in range(10)))
+    assert len(s.assign(now=0.0)) == 4
+    s.complete("w1", "t0", now=1.0)
+    assert s.assign(now=1.0) == []
+    s.complete("w1", "t1", now=1.0)
+    assert pairs(s.assign(now=1.0)) == [("w1", "t4"), ("w1", "t5")]
+    s.check_invariants()
 
 
 def test_rotation_continues_across_calls() -> None:
@@ -500,8 +554,9 @@ def test_assign_scales_to_a_thousand_workers() -> None:
 class Model:
     """What the tests know independently of the scheduler, and checks against it."""
 
-    def __init__(self) -> None:
-        self.s = Scheduler(CONFIG)
+    def __init__(self, config: SchedulerConfig = CONFIG) -> None:
+        self.s = Scheduler(config)
+        self.config = config
         self.now = 0.0
         self.windows: dict[str, int] = {}
         self.caps: dict[str, int | None] = {}
@@ -535,8 +590,8 @@ class Model:
         assert set(self.s.remove_worker(worker_id, self.now)) <= held
         self.forget_worker(worker_id)
 
-    def submit(self, n: int, gemm_id: str, down: int) -> None:
-        batch = [ticket(self.new_id("t"), gemm_id, down=down) for _ in range(n)]
+    def submit(self, n: int, gemm_id: str, down: int, flops: int = 1000) -> None:
+        batch = [ticket(self.new_id("t"), gemm_id, down=down, flops=flops) for _ in range(n)]
         self.s.submit(batch)
         self.submitted.update((t.tile_id, t) for t in batch)
 
@@ -600,7 +655,7 @@ class Model:
         assert set(self.s.workers()) == set(self.windows)
         for worker_id, window in self.windows.items():
             held = self.s.in_flight(worker_id)
-            assert len(held) <= window
+            assert len(held) <= (held_tiles_limit(window) if self.config.slot_flops else window)
             assert not (held & (self.accepted | self.forgotten))
             if worker_id in self.paused:
                 assert not held
@@ -710,15 +765,17 @@ SchedulerMachine.TestCase.settings = settings(
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
+@pytest.mark.parametrize("slot_flops", [None, 4000])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_simulation_finishes_every_tile_once(seed: int) -> None:
+def test_random_simulation_finishes_every_tile_once(seed: int, slot_flops: int | None) -> None:
     """A long run with fast and slow, reliable and flaky workers.
 
     Slow workers miss deadlines (copies, cancels, duplicates); flaky ones miss heartbeats
-    and are dropped, and their late results must never win.
+    and are dropped, and their late results must never win. With ``slot_flops``, tiles
+    of several sizes share window slots.
     """
     rng = random.Random(seed)
-    m = Model()
+    m = Model(dataclasses.replace(CONFIG, slot_flops=slot_flops))
     speed: dict[str, float] = {}  # chance per step to finish each tile it holds
     reliability: dict[str, float] = {}  # chance per step to send a heartbeat
     late: list[tuple[str, str]] = []  # results still on their way from removed workers
@@ -743,7 +800,8 @@ def test_random_simulation_finishes_every_tile_once(seed: int) -> None:
         elif roll < 0.03:
             m.set_paused(rng.choice(sorted(m.windows)), rng.random() < 0.6)
         elif roll < 0.2:
-            m.submit(rng.randint(1, 6), rng.choice("abcdef"), rng.choice([50, 100, 200]))
+            flops = rng.choice([100, 1000, 8000])
+            m.submit(rng.randint(1, 6), rng.choice("abcdef"), rng.choice([50, 100, 200]), flops)
         elif roll < 0.21:
             m.forget_gemm(rng.choice("abcdef"))
         elif roll < 0.25 and late:
@@ -767,7 +825,8 @@ def test_random_simulation_finishes_every_tile_once(seed: int) -> None:
     m.check()
     stats = m.s.stats
     # The run exercised what it is meant to (same numbers for every run of a seed).
-    assert stats.reissued > 0 and stats.rejected > 0 and stats.duplicates > 0
+    assert stats.reissued > 0 and stats.rejected > 0
+    assert stats.duplicates > 0 or slot_flops  # fuller windows: no late copy won in some runs
     assert len(m.removed) > 0 and len(m.forgotten) > 0
     m.drain()
     assert m.s.stats.completed == len(m.accepted)

@@ -30,6 +30,7 @@ from client_app.config import PinStore
 from client_app.session import Actions, Phase, WorkerSession
 from common import PROTOCOL_VERSION
 from common.auth import check_hello, make_welcome
+from common.batches import batch_frame
 from common.errors import ProtocolError
 from common.frames import decode_frame, encode_frame
 from common.messages import (
@@ -609,3 +610,43 @@ def test_the_cache_keeps_to_its_budget_least_recently_used_first(
     none = cached_session(pins, key, cache_bytes=0)
     none.receive(block_task(key, "t-0", torch.randn(8, 6), b), 1.0)
     assert none.cached_blocks == 0
+
+
+# ---- batches ---------------------------------------------------------------------------
+
+
+def test_a_batch_is_taken_frame_by_frame_in_order(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    tampered = flip_payload_byte(task(key, "t-2")[0])
+    batch = batch_frame(
+        [task(key, "t-1")[0], tampered, task(key, "t-3")[0], encode_message(Cancel("t-3"))]
+    )
+    bytes_before = session.stats.bytes_in
+    actions = session.receive(batch, 1.0)
+    # Each task on its own signature: the tampered one alone is refused.
+    assert actions.compute == ("t-1", "t-3") and actions.cancel == ("t-3",)
+    error = only_error(actions.send)
+    assert (error.code, error.tile_id) == ("bad_signature", "t-2")
+    assert session.stats.bytes_in - bytes_before == len(batch)
+    job = session.next_tile()
+    assert job is not None and job.tile_id == "t-1"
+    session.tile_finished(job, job.a @ job.b, 0.1)
+    assert session.next_tile() is None
+
+
+def test_a_batch_stops_at_a_frame_that_closes_the_connection(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    batch = batch_frame([task(key, "t-1")[0], encode_message(Bye("restart")), task(key, "t-2")[0]])
+    actions = session.receive(batch, 1.0)
+    assert actions.compute == ("t-1",) and "restart" in actions.close
+    assert session.in_flight == 1
+
+
+def test_a_batch_inside_a_batch_gets_an_error_reply(pins: PinStore, key: Ed25519PrivateKey) -> None:
+    session = welcomed(pins, key)
+    nested = batch_frame([task(key, "t-1")[0], task(key, "t-2")[0]])
+    actions = session.receive(batch_frame([nested, task(key, "t-3")[0]]), 1.0)
+    assert only_error(actions.send).code == "bad_message"
+    assert actions.compute == ("t-3",) and session.in_flight == 1
