@@ -25,7 +25,7 @@ from client_app.operands import OperandBlocks, check_fits, tile_flop
 from client_app.refusals import NEEDS_TOKEN, TERMINAL_ERRORS, PinCheck, check_pins
 from client_app.session_types import NO_ACTIONS, Actions, Phase, SessionStats, TileJob
 from common.auth import answer_challenge, check_welcome, new_nonce
-from common.batches import inner_frames
+from common.batches import Voucher, inner_frames, vouchers
 from common.errors import ErrorCode, KeyMismatchError, LimitExceeded, ProtocolError
 from common.frames import Buffer
 from common.job_about import JobAbout
@@ -160,15 +160,17 @@ class WorkerSession:
         self.stats.bytes_in += len(data)
         return self._receive(data, now, inner=False)
 
-    def _receive(self, data: Buffer | str, now: float, inner: bool) -> Actions:
+    def _receive(
+        self, data: Buffer | str, now: float, inner: bool, voucher: Voucher | None = None
+    ) -> Actions:
         if self.phase not in _CONNECTED:
             return NO_ACTIONS  # leaving or refused: nothing more to say
         try:
-            received = parse_message(data, self.limits)  # type: ignore[arg-type]
+            received = parse_message(data, self.limits, voucher)  # type: ignore[arg-type]
             if isinstance(received.message, Batch):
                 if inner:
                     raise ProtocolError("a batch inside a batch")
-                return self._on_batch(inner_frames(received), now)
+                return self._on_batch(inner_frames(received), vouchers(received), now)
         except ProtocolError as exc:
             return self._bad_message(data, exc)
         msg = received.message
@@ -201,14 +203,16 @@ class WorkerSession:
         log.warning("coordinator sent an unexpected %r message", msg.TYPE)
         return Actions(send=(self._error(sent_by_workers(msg.TYPE)),))
 
-    def _on_batch(self, frames: list[memoryview], now: float) -> Actions:
+    def _on_batch(
+        self, frames: list[memoryview], vouched: list[Voucher | None], now: float
+    ) -> Actions:
         """Each frame of a batch as if it had come alone, in order; what they ask for
         together (nothing after a frame that ends the connection)."""
         send: list[bytes] = []
         compute: list[str] = []
         cancel: list[str] = []
-        for frame in frames:
-            actions = self._receive(frame, now, inner=True)
+        for frame, voucher in zip(frames, vouched, strict=True):
+            actions = self._receive(frame, now, inner=True, voucher=voucher)
             send += actions.send
             compute += actions.compute
             cancel += actions.cancel

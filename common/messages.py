@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from common import PROTOCOL_VERSION
-from common.batches import Batch, inner_frames
+from common.batches import Batch, Voucher, inner_frames, vouchers
 from common.control_messages import (
     WORKER_STATES,
     Ack,
@@ -140,15 +140,20 @@ def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None 
 class Received:
     message: Message
     frame: Frame
+    # A task that came unsigned in a signed batch: what vouches for it (``verify_task``).
+    voucher: Voucher | None = None
 
     def tensors(self, limits: WireLimits = DEFAULT_LIMITS) -> dict[str, torch.Tensor]:
         return decode_tensors(self.frame.header.get("tensors", []), self.frame.payload, limits)
 
 
 def parse_message(
-    data: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS
+    data: bytes | bytearray | memoryview,
+    limits: WireLimits = DEFAULT_LIMITS,
+    voucher: Voucher | None = None,
 ) -> Received:
-    """Decode and validate one received message. Raises ProtocolError subclasses only."""
+    """Decode and validate one received message (``voucher``: what vouches for it, if it
+    came in a signed batch). Raises ProtocolError subclasses only."""
     if isinstance(data, str):
         raise ProtocolError("text messages are not part of the protocol; send binary frames")
     frame = decode_frame(data, limits)
@@ -163,7 +168,7 @@ def parse_message(
         raise ProtocolError(
             f"unknown message type {frame.type[:64]!r}", code=ErrorCode.UNKNOWN_TYPE
         )
-    return Received(message=cls.from_header(frame.header, limits), frame=frame)
+    return Received(message=cls.from_header(frame.header, limits), frame=frame, voucher=voucher)
 
 
 def parse_messages(
@@ -174,7 +179,10 @@ def parse_messages(
     received = parse_message(data, limits)
     if not isinstance(received.message, Batch):
         return [received]
-    inner = [parse_message(frame, limits) for frame in inner_frames(received)]
+    inner = [
+        parse_message(frame, limits, voucher)
+        for frame, voucher in zip(inner_frames(received), vouchers(received), strict=True)
+    ]
     if any(isinstance(r.message, Batch) for r in inner):
         raise FrameError("a batch inside a batch")
     return inner

@@ -14,6 +14,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import blake3
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -23,6 +24,8 @@ from common.errors import SignatureError
 from common.frames import canonical_json
 
 TASK_DOMAIN = b"cleave/task/v2\0"
+# A batch of small tasks is signed once: over its header, which lists each task's digest.
+BATCH_DOMAIN = b"cleave/batch/v1\0"
 SIGNATURE_FIELD = "sig"
 SIGNATURE_HEX_LEN = 128
 
@@ -69,10 +72,10 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
-def bundle_digest(header: dict[str, Any]) -> bytes:
+def bundle_digest(header: dict[str, Any], domain: bytes = TASK_DOMAIN) -> bytes:
     """What gets signed: the header without its signature, under the task domain."""
     unsigned = {k: v for k, v in header.items() if k != SIGNATURE_FIELD}
-    return TASK_DOMAIN + canonical_json(unsigned)
+    return domain + canonical_json(unsigned)
 
 
 def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any]) -> str:
@@ -80,17 +83,30 @@ def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any]) -> str:
     return key.sign(bundle_digest(header)).hex()
 
 
-def signed_header_json(key: Ed25519PrivateKey, header: dict[str, Any]) -> bytes:
-    """A task header (without "sig") as JSON with its signature added: the canonical
-    JSON the signature is made over, with the "sig" member appended rather than
-    serialised a second time (JSON's members are unordered; the receiver
-    canonicalises what it parsed to verify)."""
-    unsigned = canonical_json(header)
-    signature = key.sign(TASK_DOMAIN + unsigned).hex()
+def signed_header_json(
+    key: Ed25519PrivateKey, header: dict[str, Any], domain: bytes = TASK_DOMAIN
+) -> bytes:
+    """A header (without "sig") as JSON with its signature added."""
+    return signed_json(key, canonical_json(header), domain)
+
+
+def signed_json(key: Ed25519PrivateKey, unsigned: bytes, domain: bytes = TASK_DOMAIN) -> bytes:
+    """Canonical JSON of a header with its signature added: the "sig" member is appended
+    rather than the header serialised a second time (JSON's members are unordered; the
+    receiver canonicalises what it parsed to verify)."""
+    signature = key.sign(domain + unsigned).hex()
     return unsigned[:-1] + b',"' + SIGNATURE_FIELD.encode() + b'":"' + signature.encode() + b'"}'
 
 
-def verify_bundle(key: Ed25519PublicKey, header: dict[str, Any]) -> None:
+def task_digest(unsigned: bytes) -> str:
+    """What a signed batch says of a task it vouches for: BLAKE3 of the task's canonical
+    header (without "sig") under the task domain."""
+    return blake3.blake3(TASK_DOMAIN + unsigned).hexdigest()
+
+
+def verify_bundle(
+    key: Ed25519PublicKey, header: dict[str, Any], domain: bytes = TASK_DOMAIN
+) -> None:
     """Raise SignatureError unless ``header["sig"]`` was made by ``key`` over this header
     (its operands are checked against their signed content ids afterwards)."""
     sig_hex = header.get(SIGNATURE_FIELD)
@@ -101,7 +117,7 @@ def verify_bundle(key: Ed25519PublicKey, header: dict[str, Any]) -> None:
     except ValueError:
         raise SignatureError("task bundle signature is not hex") from None
     try:
-        digest = bundle_digest(header)
+        digest = bundle_digest(header, domain)
     except (ValueError, RecursionError):
         # NaN/inf or nesting too deep to re-serialise: it cannot be what was signed.
         raise SignatureError(

@@ -4,7 +4,7 @@ operand by operand on the way in; and the product that comes back."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,11 +19,18 @@ from common.errors import (
     SignatureError,
     TensorCodecError,
 )
-from common.frames import FrameParts, head_of
+from common.frames import Buffer, FrameParts, canonical_json, head_of
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.message_fields import number, text
 from common.ops import TILE_OPS, TileOp
-from common.signing import signed_header_json, verify_bundle
+from common.signing import (
+    SIGNATURE_FIELD,
+    SIGNATURE_HEX_LEN,
+    signed_header_json,
+    signed_json,
+    task_digest,
+    verify_bundle,
+)
 from common.tensors import (
     Block,
     content_id,
@@ -158,6 +165,47 @@ class Result:
         )
 
 
+class LazyTask:
+    """A task whose signature is made when it is first sent alone; sent in a batch, it
+    goes unsigned and the batch's one signature vouches for it (``common.batches``).
+    Small tasks are made this way: an Ed25519 signature costs more than the rest of a
+    small task's making. Sized, iterable and joinable as the signed frame would be."""
+
+    __slots__ = ("unsigned", "payload", "key", "_signed", "_nbytes")
+
+    def __init__(self, unsigned: bytes, payload: Sequence[Buffer], key: Ed25519PrivateKey) -> None:
+        self.unsigned = unsigned  # the canonical header JSON, without "sig"
+        self.payload = payload
+        self.key = key
+        self._signed: FrameParts | None = None
+        # The signed frame's length: its header gains the "sig" member (``signed_json``).
+        signed_body = len(unsigned) + len(',"sig":""') + SIGNATURE_HEX_LEN
+        self._nbytes = len(head_of(bytes(signed_body))) + sum(memoryview(p).nbytes for p in payload)
+
+    def signed(self) -> FrameParts:
+        if self._signed is None:
+            self._signed = FrameParts(
+                [head_of(signed_json(self.key, self.unsigned)), *self.payload]
+            )
+        return self._signed
+
+    def vouched(self) -> bytes:
+        """The frame without a signature of its own, for a signed batch."""
+        return b"".join([head_of(self.unsigned), *self.payload])
+
+    def digest(self) -> str:
+        return task_digest(self.unsigned)
+
+    def __len__(self) -> int:
+        return self._nbytes
+
+    def __iter__(self) -> Iterator[Buffer]:
+        return iter(self.signed())
+
+    def join(self) -> bytes:
+        return self.signed().join()
+
+
 def task_frame(
     tile_id: str,
     op: str,
@@ -167,11 +215,13 @@ def task_frame(
     *,
     refs: frozenset[str] = frozenset(),
     unfold: Unfold | None = None,
-) -> FrameParts:
+    lazy: bool = False,
+) -> FrameParts | LazyTask:
     """A signed task bundle for ``a @ b`` (with ``unfold``: one of them an image block
     standing for its patch matrix), made of the blocks themselves: nothing is copied
     or hashed here, only the header is built and signed. The signature covers each
-    operand's content id (``Block.id``), which binds the operand's bytes.
+    operand's content id (``Block.id``), which binds the operand's bytes. ``lazy``: a
+    ``LazyTask``, signed when it is first sent alone.
 
     Operand cache: an operand whose name is in ``refs`` is not sent at all, only
     referred to by its id (the worker must hold it from an earlier task).
@@ -207,6 +257,8 @@ def task_frame(
         "tensors": descriptors,
         **({UNFOLD_FIELD: unfold.to_header()} if unfold is not None else {}),
     }
+    if lazy:
+        return LazyTask(canonical_json(header), parts, key)
     return FrameParts([head_of(signed_header_json(key, header)), *parts])
 
 
@@ -263,7 +315,10 @@ def verify_task_blocks(
     worker to cache): ``((a, b), {block_id: tensor})``."""
     if not isinstance(received.message, Task):
         raise ProtocolError(f"expected a task, got a {received.message.TYPE!r} message")
-    verify_bundle(key, received.frame.header)
+    if received.voucher is not None and SIGNATURE_FIELD not in received.frame.header:
+        received.voucher.verify(key, received.frame.header)  # its batch's one signature
+    else:
+        verify_bundle(key, received.frame.header)
     descriptors = received.frame.header.get("tensors", [])
     if not isinstance(descriptors, list):
         raise TensorCodecError('"tensors" must be a list of descriptors')

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.batches import BATCH_BELOW_BYTES
 from common.frames import FrameParts
 from common.messages import task_frame
 from common.ops import TileOp
+from common.task_messages import LazyTask
 from common.tensors import Block, encode_block
 from common.unfold import Unfold
 from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
@@ -35,7 +37,9 @@ class SignedTile:
     tile_id: str
     gemm: TiledGemm
     region: TileRegion
-    bundle: FrameParts  # signed task with both operands, sent as is (also re-issued)
+    # The task with both operands, sent as is (also re-issued): signed, or a small one
+    # signed when first sent alone (``LazyTask``).
+    bundle: FrameParts | LazyTask
     # The operands as sent (Freivalds checks the result against them), each laid out
     # once for all the tiles that share it: tiles that share a row block of A (or a
     # column block of B) share its content id, and so do equal blocks of other GEMMs,
@@ -71,7 +75,7 @@ class SignedTile:
     def block_bytes(self) -> tuple[int, int]:
         return self.a_block.nbytes, self.b_block.nbytes
 
-    def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> FrameParts:
+    def task_frame(self, refs: frozenset[str], key: Ed25519PrivateKey) -> FrameParts | LazyTask:
         """The task for a worker with an operand cache: the shared bundle, or one in
         which the operands named in ``refs`` ("a", "b") are referred to by content id
         only (re-signed; nothing is copied or hashed again)."""
@@ -199,8 +203,10 @@ class TiledGemm:
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             bi, mi, ni, ki = region.index
             a, b = block(("a", bi, mi, ki), region), block(("b", bi, ki, ni), region)
+            # A small task is signed when it is sent alone, or not at all in a batch.
+            small = a.nbytes + b.nbytes < BATCH_BELOW_BYTES
             with COSTS.timed("sign"):
-                bundle = task_frame(tile_id, self.op, a, b, key, unfold=self.unfold)
+                bundle = task_frame(tile_id, self.op, a, b, key, unfold=self.unfold, lazy=small)
             ticket = TileTicket(
                 tile_id=tile_id,
                 gemm_id=self.gemm_id,

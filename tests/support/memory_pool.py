@@ -26,6 +26,7 @@ from common.frames import FrameParts
 from common.messages import DeviceProfile, Message, Task, parse_message
 from common.ops import TileOp
 from common.signing import generate_private_key
+from common.task_messages import LazyTask
 from coordinator.pool.admission import Admission, Admitted, Refusal
 from coordinator.pool.core import CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, Checked, CloseCode, Effects, Send
@@ -41,7 +42,7 @@ def wire_bytes(send: Send) -> Any:
     """A frame as the worker receives it: a task's parts joined, as WebSocket joins the
     fragments the server sends them in."""
     data = send.data
-    return data.join() if isinstance(data, FrameParts) else data
+    return data.join() if isinstance(data, FrameParts | LazyTask) else data
 
 
 class Answer(enum.Enum):

@@ -49,7 +49,8 @@ from common.messages import (
     parse_message,
 )
 from common.signing import fingerprint, generate_private_key, public_key_hex
-from common.tensors import content_id
+from common.task_messages import task_frame
+from common.tensors import content_id, encode_block
 
 # ---- joining --------------------------------------------------------------------------
 
@@ -650,3 +651,18 @@ def test_a_batch_inside_a_batch_gets_an_error_reply(pins: PinStore, key: Ed25519
     actions = session.receive(batch_frame([nested, task(key, "t-3")[0]]), 1.0)
     assert only_error(actions.send).code == "bad_message"
     assert actions.compute == ("t-3",) and session.in_flight == 1
+
+
+def test_small_tasks_under_their_batchs_signature_are_computed_and_a_forged_one_refused(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    a, b = encode_block(torch.randn(4, 6)), encode_block(torch.randn(6, 3))
+    batch = batch_frame([task_frame(f"t-{i}", "mm", a, b, key, lazy=True) for i in (1, 2, 3)])
+    assert session.receive(batch, 1.0).compute == ("t-1", "t-2", "t-3")
+    # Another tile id in a vouched header: not the task the batch's signature covers.
+    forged = batch_frame([task_frame(f"t-{i}", "mm", a, b, key, lazy=True) for i in (4, 5)])
+    actions = session.receive(forged.replace(b'"tile_id":"t-4"', b'"tile_id":"t-6"'), 2.0)
+    error = only_error(actions.send)
+    assert (error.code, error.tile_id) == ("bad_signature", "t-6")
+    assert actions.compute == ("t-5",)
