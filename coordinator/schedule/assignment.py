@@ -7,8 +7,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from coordinator.schedule.records import Assignment, TileRecord, TileTicket, WorkerRecord
 from coordinator.schedule.state import QueueEntry, SchedulerState
@@ -19,6 +20,8 @@ PREFERENCE_LOOKAHEAD = 16  # workers in turn checked for a preference: O(1) per 
 # block already; the download shares the coordinator's uplink), so on fast links a steal
 # on any predicted gain makes a GEMM slower than no steal at all (the simulator shows it).
 STEAL_MARGIN = 1.5
+
+_WORKER_ID = operator.attrgetter("worker_id")
 
 Prefers = Callable[[str, TileTicket], bool]
 FinishAt = Callable[[str, str], float]
@@ -37,7 +40,7 @@ def assign_tiles(
     if state.queued == 0 or not state.ready:
         return []
     assignments: list[Assignment] = []
-    ring = deque(state.workers[worker_id] for worker_id in state.ready)
+    ring = deque(map(state.workers.__getitem__, state.ready))
     if state.planned:
         for worker in ring:
             assignments.extend(_take_planned(state, worker, now))
@@ -48,7 +51,7 @@ def assign_tiles(
         costs = _StealCosts(state, now, finish_at, run_time, busy_time)
         assignments.extend(_steal(state, ring, now, costs))
     # Workers still in the ring keep their turn order for the next call.
-    state.ready = dict.fromkeys(worker.worker_id for worker in ring)
+    state.ready = dict.fromkeys(map(_WORKER_ID, ring))
     return assignments
 
 
@@ -75,7 +78,7 @@ def _assign_common(
 ) -> list[Assignment]:
     """The common queue, FIFO; rotates `ring` and drops the workers it fills."""
     slower = _slower_filter(state, now, finish_at, run_time)
-    largest_cap = _largest_cap(ring)
+    largest_cap = state.largest_cap()
     assignments: list[Assignment] = []
     passed_over: list[QueueEntry] = []
     turns: dict[str, int] = {}  # tiles taken so far in the turn of the worker at the front
@@ -233,16 +236,6 @@ def _steal(
         for worker in full:
             ring.remove(worker)
     return assignments
-
-
-def _largest_cap(workers: Iterable[WorkerRecord]) -> int | None:
-    """The largest memory cap among workers, None when one of them has no cap."""
-    largest = 0
-    for worker in workers:
-        if worker.mem_cap_bytes is None:
-            return None
-        largest = max(largest, worker.mem_cap_bytes)
-    return largest
 
 
 def _may_take(worker: WorkerRecord, tile: TileRecord) -> bool:

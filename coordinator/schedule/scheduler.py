@@ -97,6 +97,7 @@ class Scheduler:
             worker_id, window, mem_cap_bytes, now, state.next_seq(), state.config.slot_flops
         )
         state.workers[worker_id] = worker
+        state.caps_changed()
         state.window_total += window
         state.push_heartbeat(worker)
         state.refresh_ready(worker)

@@ -49,6 +49,21 @@ class SchedulerState:
         self._heartbeats: list[tuple[float, int, str]] = []
         self.window_total = 0
         self.counts = dict.fromkeys(STAT_NAMES, 0)
+        self._largest_cap: int | None = None
+        self._caps_known = False
+
+    def largest_cap(self) -> int | None:
+        """The largest memory cap among the workers (None when one has none): no tile
+        above it is worth offering to any of them. Kept until a worker joins or leaves."""
+        if not self._caps_known:
+            caps = [w.mem_cap_bytes for w in self.workers.values()]
+            capped = [cap for cap in caps if cap is not None]
+            self._largest_cap = max(capped, default=0) if len(capped) == len(caps) else None
+            self._caps_known = True
+        return self._largest_cap
+
+    def caps_changed(self) -> None:
+        self._caps_known = False
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -219,6 +234,7 @@ class SchedulerState:
         """Forget a worker; returns the tiles that went back to the queue because of it."""
         worker_id = worker.worker_id
         del self.workers[worker_id]
+        self.caps_changed()
         self.ready.pop(worker_id, None)
         self.window_total -= worker.window
         lost: list[str] = []
