@@ -288,6 +288,20 @@ class Raw:
             await within(self.ws.close(), 5)
 
 
+def credit_one(ledger: Ledger, worker: str) -> None:
+    """One verified FLOP for ``worker``, queued in the ledger as a tile's credit is."""
+    ledger.credit(
+        worker,
+        name=worker,
+        flops=1,
+        bytes_down=1,
+        bytes_up=1,
+        compute_s=0.1,
+        reputation=1.0,
+        now=1.0,
+    )
+
+
 def ledger_row(coord: Coordinator, name: str) -> Contribution:
     """The ledger row of the worker that joined as ``name`` (tests give unique names)."""
     rows = [c for c in coord.ledger.all() if c.name == name]
@@ -544,16 +558,7 @@ async def test_the_ledger_commits_one_batch_at_a_time_each_taking_what_waited(
     server = CoordinatorServer(key=generate_private_key(), job_name="j", ledger=ledger)
 
     def credit_in_a_turn(worker: str) -> None:
-        ledger.credit(
-            worker,
-            name=worker,
-            flops=1,
-            bytes_down=1,
-            bytes_up=1,
-            compute_s=0.1,
-            reputation=1.0,
-            now=1.0,
-        )
+        credit_one(ledger, worker)
         server.kept_here("g", 0, False)  # any input the server applies
 
     try:
@@ -592,16 +597,7 @@ async def test_a_failed_ledger_commit_is_logged_and_its_writes_go_with_a_later_t
     await server.start("127.0.0.1", 0)  # its timer is what tries again
     try:
         for worker in ("failed", "later"):
-            ledger.credit(
-                worker,
-                name=worker,
-                flops=1,
-                bytes_down=1,
-                bytes_up=1,
-                compute_s=0.1,
-                reputation=1.0,
-                now=1.0,
-            )
+            credit_one(ledger, worker)
             server.kept_here("g", 0, False)
             await asyncio.sleep(0.01)
         await until(lambda: ledger.queued == 0, "the writes to be committed")
