@@ -62,8 +62,13 @@ def frame_head(header: dict[str, Any]) -> bytes:
 
 def head_of(body: bytes) -> bytes:
     """``frame_head`` of a header already serialised as a JSON object."""
-    body += b" " * ((-(_PREFIX.size + len(body))) % PAYLOAD_ALIGN)
+    body += b" " * (head_length(len(body)) - _PREFIX.size - len(body))
     return _PREFIX.pack(len(body)) + body
+
+
+def head_length(body_bytes: int) -> int:
+    """The length of ``head_of`` a header of this many bytes."""
+    return body_bytes + _PREFIX.size + (-(_PREFIX.size + body_bytes)) % PAYLOAD_ALIGN
 
 
 def encode_frame(header: dict[str, Any], payload: Sequence[Buffer] = ()) -> bytes:

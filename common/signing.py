@@ -83,11 +83,9 @@ def sign_bundle(key: Ed25519PrivateKey, header: dict[str, Any]) -> str:
     return key.sign(bundle_digest(header)).hex()
 
 
-def signed_header_json(
-    key: Ed25519PrivateKey, header: dict[str, Any], domain: bytes = TASK_DOMAIN
-) -> bytes:
-    """A header (without "sig") as JSON with its signature added."""
-    return signed_json(key, canonical_json(header), domain)
+def signed_header_json(key: Ed25519PrivateKey, header: dict[str, Any]) -> bytes:
+    """A task header (without "sig") as JSON with its signature added."""
+    return signed_json(key, canonical_json(header))
 
 
 def signed_json(key: Ed25519PrivateKey, unsigned: bytes, domain: bytes = TASK_DOMAIN) -> bytes:

@@ -19,7 +19,7 @@ from common.errors import (
     SignatureError,
     TensorCodecError,
 )
-from common.frames import Buffer, FrameParts, canonical_json, head_of
+from common.frames import Buffer, FrameParts, canonical_json, head_length, head_of
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.message_fields import number, text
 from common.ops import TILE_OPS, TileOp
@@ -180,7 +180,7 @@ class LazyTask:
         self._signed: FrameParts | None = None
         # The signed frame's length: its header gains the "sig" member (``signed_json``).
         signed_body = len(unsigned) + len(',"sig":""') + SIGNATURE_HEX_LEN
-        self._nbytes = len(head_of(bytes(signed_body))) + sum(memoryview(p).nbytes for p in payload)
+        self._nbytes = head_length(signed_body) + sum(memoryview(p).nbytes for p in payload)
 
     def signed(self) -> FrameParts:
         if self._signed is None:
