@@ -4,7 +4,7 @@ operand by operand on the way in; and the product that comes back."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -169,7 +169,7 @@ class LazyTask:
     """A task whose signature is made when it is first sent alone; sent in a batch, it
     goes unsigned and the batch's one signature vouches for it (``common.batches``).
     Small tasks are made this way: an Ed25519 signature costs more than the rest of a
-    small task's making. Sized, iterable and joinable as the signed frame would be."""
+    small task's making. Sized and joinable as the signed frame would be."""
 
     __slots__ = ("unsigned", "payload", "key", "_signed", "_nbytes")
 
@@ -198,9 +198,6 @@ class LazyTask:
 
     def __len__(self) -> int:
         return self._nbytes
-
-    def __iter__(self) -> Iterator[Buffer]:
-        return iter(self.signed())
 
     def join(self) -> bytes:
         return self.signed().join()

@@ -305,27 +305,31 @@ class CoordinatorServer:
         """The connection's one write path: its frames in order, then its close. The
         frames that are ready together go out together, small ones in batches."""
         most = self.config.core.limits.max_batch_frames
-        outbox = conn.outbox
         with contextlib.suppress(ConnectionClosed):
-            item = await outbox.get()
             while True:
-                if isinstance(item, Close):
-                    await conn.ws.close(item.code, close_reason(item.reason))
-                    return
-                frames = []
-                after: Send | Close | None = None
-                while True:
-                    if conn.closing is None or not item.tile_id:
-                        frames.append(item.data)  # else its tiles have moved on
-                    if len(frames) == most or outbox.empty():
-                        break
-                    item = outbox.get_nowait()
-                    if isinstance(item, Close):
-                        after = item
-                        break
+                sends, close = self._ready(conn, await conn.outbox.get(), most)
+                # A closing connection's tiles have moved on: only its last words go.
+                frames = [s.data for s in sends if conn.closing is None or not s.tile_id]
                 for data in packed(frames, most):
                     await conn.ws.send(outgoing(data))
-                item = after if after is not None else await outbox.get()
+                if close is not None:
+                    await conn.ws.close(close.code, close_reason(close.reason))
+                    return
+
+    @staticmethod
+    def _ready(
+        conn: _Connection, first: Send | Close, most: int
+    ) -> tuple[list[Send], Close | None]:
+        """``first`` and what else waits in the outbox now (at most ``most`` frames): the
+        frames to send together, then the close if one came."""
+        sends: list[Send] = []
+        item = first
+        while not isinstance(item, Close):
+            sends.append(item)
+            if len(sends) == most or conn.outbox.empty():
+                return sends, None
+            item = conn.outbox.get_nowait()
+        return sends, item
 
     async def _cut_after_grace(self, conn: _Connection) -> None:
         await asyncio.sleep(CLOSE_GRACE_S)

@@ -37,7 +37,9 @@ from client_app.options import WorkerOptions
 from client_app.worker import RunResult, WorkerCore
 from common import PROTOCOL_VERSION
 from common.auth import answer_challenge, new_nonce
-from common.frames import FrameParts, encode_frame
+from common.batches import batch_frame
+from common.frames import FrameParts, decode_frame, encode_frame
+from common.limits import held_tiles_limit
 from common.messages import (
     Ack,
     Challenge,
@@ -46,12 +48,20 @@ from common.messages import (
     Heartbeat,
     Message,
     Received,
+    Result,
     Task,
     Welcome,
     encode_message,
     parse_messages,
+    verify_task,
 )
-from common.signing import fingerprint, generate_private_key, public_key_hex
+from common.signing import (
+    SIGNATURE_FIELD,
+    fingerprint,
+    generate_private_key,
+    public_key_from_hex,
+    public_key_hex,
+)
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.core import CoreConfig
 from coordinator.pool.ledger import Contribution, Ledger
@@ -613,3 +623,29 @@ async def test_a_failed_ledger_commit_is_logged_and_its_writes_go_with_a_later_t
         assert {c.worker: c.tiles for c in reopened.all()} == {"failed": 1, "later": 1}
     finally:
         reopened.close()
+
+
+async def test_small_tiles_reach_a_worker_in_one_batch_under_one_signature(tmp_path: Path) -> None:
+    async with coordinator(tmp_path) as coord:
+        raw = await Raw.join(coord, "batched", window=2)
+        assert raw.welcome is not None
+        gemm = Gemm(coord.server, "g", (128, 64, 64), seed=3)
+        assert 2 < len(gemm.tiles) <= held_tiles_limit(2)  # small tiles: more than the window
+        while True:  # past acks and the job's state, to the tasks
+            data = await within(raw.ws.recv(), 10)
+            assert isinstance(data, bytes)
+            if decode_frame(data).header["type"] in ("batch", "task"):
+                break
+        assert decode_frame(data).header["type"] == "batch"
+        tasks = parse_messages(data)
+        assert [r.message.tile_id for r in tasks] == gemm.tile_ids  # type: ignore[union-attr]
+        key = public_key_from_hex(raw.welcome.coordinator_key)
+        results = []
+        for received, tile_id in zip(tasks, gemm.tile_ids, strict=True):
+            assert SIGNATURE_FIELD not in received.frame.header  # the batch's signature
+            a, b = verify_task(received, key)
+            results.append(encode_message(Result(tile_id, 0.01), [("c", a @ b)]))
+        await raw.ws.send(batch_frame(results))  # the results back in one message too
+        await gemm.check()
+        assert ledger_row(coord, "batched").tiles == len(gemm.tiles)
+        await raw.close()
