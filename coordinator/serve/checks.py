@@ -36,7 +36,7 @@ from common.limits import DEFAULT_LIMITS, WireLimits
 from common.ops import TileOp
 from coordinator.pool.effects import Check, Checked
 from coordinator.step.cpu_costs import COSTS
-from coordinator.step.torch_threads import computing, orchestrate_on_one_thread
+from coordinator.step.torch_threads import computing, orchestrate_on_one_thread, orchestrating
 from coordinator.tiles.check_parts import CheckCache, new_generator
 from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import check_products
@@ -170,7 +170,9 @@ class CheckThread:
         now, self._waiting = self._waiting[:ON_LOOP_MAX_STACK], self._waiting[ON_LOOP_MAX_STACK:]
         if self._waiting:
             asyncio.get_running_loop().call_soon(self._check_waiting)
-        _hand_back(_outcomes(now, self._on_loop.run_many))
+        with orchestrating():  # a stack of small checks would wake torch's whole team
+            outcomes = _outcomes(now, self._on_loop.run_many)
+        _hand_back(outcomes)
 
     def _on_thread_soon(self, check: Check, done: Done) -> None:
         """Queue a result for the thread, which checks what is queued together (the

@@ -27,8 +27,23 @@ def orchestrate_on_one_thread() -> None:
 @contextmanager
 def computing() -> Iterator[None]:
     """Torch's full team for the calling thread while it multiplies tiles itself."""
+    with _threads(COMPUTE_THREADS):
+        yield
+
+
+@contextmanager
+def orchestrating() -> Iterator[None]:
+    """One torch thread for the calling thread for a while: for orchestration on a
+    thread the coordinator does not own (an event loop that may be its host's main
+    thread), whose setting is left as it was."""
+    with _threads(1):
+        yield
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
     before = torch.get_num_threads()
-    torch.set_num_threads(COMPUTE_THREADS)
+    torch.set_num_threads(count)
     try:
         yield
     finally:

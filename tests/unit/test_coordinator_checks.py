@@ -105,6 +105,39 @@ def test_the_check_thread_multiplies_with_one_torch_thread() -> None:
     assert torch.get_num_threads() == default
 
 
+def test_small_checks_on_the_loop_use_one_torch_thread_and_leave_the_loops_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loop may be its host's main thread: the setting is borrowed, not kept.
+    seen: list[int] = []
+    real = checks_module.check_products
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checks_module, "check_products", recording)
+    job = one_tile(64)
+    a, b = job.matrices()
+
+    async def main() -> tuple[Any, int]:
+        checks = CheckThread()
+        try:
+            return await checks.run(check_of(job, a @ b)), torch.get_num_threads()
+        finally:
+            checks.shutdown()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outcome, after = asyncio.run(main())
+    finally:
+        torch.set_num_threads(before)
+    assert outcome.result.ok
+    assert seen == [1]
+    assert after == 2
+
+
 def test_small_results_of_one_turn_are_checked_together(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = count_check_products(monkeypatch)
     monkeypatch.setattr(checks_module, "ON_LOOP_MAX_STACK", 4)
