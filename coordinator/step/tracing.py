@@ -148,9 +148,10 @@ def _index(self: torch.Tensor, indices: Sequence[torch.Tensor | None]) -> Any:
     return NotImplemented  # integer indices: a shape the graph can hold
 
 
-# Tracing runs the step once on real data, so an op whose result's shape comes from the
-# data (torch.where(cond), x[mask], unique, bincount) would leave that one batch's shapes
-# in the graph, and the next batch would fail deep inside torch. Such a step runs eagerly.
+# An op whose result's shape comes from the data (torch.where(cond), x[mask], unique,
+# bincount) has no shape on fake tensors, and a trace on real data would leave that one
+# batch's shapes in the graph, so the next batch would fail deep inside torch. Such a
+# step runs eagerly.
 _TRACE_TABLE: dict[Any, Callable[..., Any]] = {
     **LOWERINGS,
     aten.nonzero.default: _refuse("nonzero / torch.where(cond) / argwhere"),
@@ -182,8 +183,8 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
     param_names = tuple(name for name, _ in model.named_parameters())
     buffer_names = tuple(name for name, _ in model.named_buffers())
     params = [p.detach() for _, p in model.named_parameters()]
-    # Tracing in real mode runs the step once: clones keep it from updating the real
-    # buffers (BatchNorm statistics would move twice on the first step).
+    # A trace on real data (the fallback below) runs the step once: clones keep it from
+    # updating the real buffers (BatchNorm statistics would move twice on the first step).
     buffers = [b.detach().clone() for _, b in model.named_buffers()]
     leaves, batch_spec = pytree.tree_flatten((inputs, targets))
     n_params, n_buffers = len(params), len(buffers)
@@ -202,15 +203,29 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         grads, loss = grad_and_value(loss_of)(p, b)
         return [grads[name] for name in param_names] + [loss]
 
-    was_training = model.training
-    model.train()
-    try:
+    def traced(mode: str) -> GraphModule:
         # The trace draws from the global RNG (dropout masks) like a real step would;
         # forking it leaves the RNG stream to the real steps, as in local training.
         with torch.random.fork_rng(devices=[]):
-            gm = make_fx(functionalize(step, remove="mutations"), decomposition_table=_TRACE_TABLE)(
-                *params, *buffers, *leaves
-            )
+            return make_fx(  # type: ignore[no-any-return]
+                functionalize(step, remove="mutations"),
+                decomposition_table=_TRACE_TABLE,
+                tracing_mode=mode,
+            )(*params, *buffers, *leaves)
+
+    was_training = model.training
+    model.train()
+    try:
+        # On fake tensors first: shapes only, no arithmetic, and none of the step's
+        # activations held at once (a real trace holds all of them and every gradient
+        # on top of the model's own memory: the coordinator's peak). A few ops' shape
+        # rules are stricter than their CPU kernels (grouped_mm asks for bf16): those
+        # steps are traced on real data, as they run.
+        try:
+            gm = traced("fake")
+        except Exception as exc:  # noqa: BLE001 - the real trace says what is wrong
+            log.debug("tracing on fake tensors failed (%s): tracing on real data", exc)
+            gm = traced("real")
     except Exception as exc:
         raise CaptureError(capture_reason(exc), exc) from exc
     finally:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from support.small_nets import BatchNormNet
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.fx import Node
 
 from coordinator.jobs.tiny_gpt import make_job
@@ -247,3 +248,45 @@ def test_tracing_does_not_consume_the_global_rng() -> None:
     state = torch.random.get_rng_state()
     trace_step(job, x, y)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class _Watched(nn.Module):
+    """A linear layer that notes whether each forward saw real data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+        self.real: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.real.append(not is_fake(x))
+        return self.linear(x)
+
+
+def test_the_trace_runs_the_step_on_fake_tensors_not_on_the_data() -> None:
+    # A real trace computes the whole step and holds all its activations and gradients
+    # at once: more memory than training itself.
+    model = _Watched()
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    traced = trace_step(small_job(model, x, y), x, y)
+    assert model.real == [False]
+    vals = [n.meta.get("val") for n in traced.graph.nodes if n.op == "call_function"]
+    assert vals and all(isinstance(v, FakeTensor) for v in vals if isinstance(v, torch.Tensor))
+
+
+def test_a_step_whose_shape_rules_refuse_fake_tensors_is_traced_on_real_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _Watched()
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    real_forward = model.forward
+
+    def strict(x: torch.Tensor) -> torch.Tensor:
+        if is_fake(x):
+            raise RuntimeError("no shape rule for this op on fake tensors")
+        return real_forward(x)
+
+    monkeypatch.setattr(model, "forward", strict)
+    traced = trace_step(small_job(model, x, y), x, y)
+    assert model.real == [True]
+    assert [GEMM_OPS[n.target] for n in traced.gemm_nodes()].count("addmm") == 1
