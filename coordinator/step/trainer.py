@@ -27,6 +27,7 @@ from coordinator.step.eager import run_eager_step
 from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
 from coordinator.step.flops import describe
 from coordinator.step.gemm_names import step_label
+from coordinator.step.heap import release_free_memory
 from coordinator.step.job import Job
 from coordinator.step.ranks import Ranks
 from coordinator.step.tracing import StepTracer, dag_summary, gemm_dag
@@ -277,6 +278,7 @@ class Trainer:
             checkpoint_s = time.perf_counter() - waited
         self.job.optimizer.step()
         self.job.optimizer.zero_grad(set_to_none=True)
+        release_free_memory()  # the step's tensors are gone: coordinator.step.heap says why
         if self.ranks is not None:
             self.ranks.broadcast_buffers(model)
         after = self.pool_counters()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job
+from coordinator.step import trainer as trainer_module
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import GemmDone, StepCancelled
 from coordinator.step.job import Job, train_locally
@@ -150,6 +151,21 @@ def test_training_stops_when_the_batches_run_out(tmp_path: Path) -> None:
     records = Trainer(_mlp_job(batches=2), None, metrics_out=metrics).run(5)
     assert [r.step for r in records] == [0, 1]
     assert len(metrics.read_text().splitlines()) == 2
+
+
+def test_the_heap_is_trimmed_after_each_step_once_its_gradients_are_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    job = _mlp_job(batches=3)
+    grads_then: list[bool] = []
+
+    def trim() -> bool:
+        grads_then.append(any(p.grad is not None for p in job.model.parameters()))
+        return True
+
+    monkeypatch.setattr(trainer_module, "release_free_memory", trim)
+    Trainer(job, None).run(3)
+    assert grads_then == [False, False, False]
 
 
 def test_a_cancelled_step_raises_and_records_nothing(tmp_path: Path) -> None:
