@@ -8,6 +8,11 @@ the coordinator's RSS climbed above what any step holds at once. ``malloc_trim``
 the free pages of every arena back; between steps, when the step's tensors are gone,
 is when most of the heap is free.
 
+Pages handed back are faulted in and zeroed again when the next step allocates, so the
+heap is trimmed only once its free memory passes a bound (``TRIM_ABOVE_BYTES``): a
+small model's step reuses what it freed at no cost, and no model's free memory grows
+past the bound.
+
 Elsewhere (macOS, Windows, musl) there is no ``malloc_trim`` and nothing is done.
 """
 
@@ -17,24 +22,54 @@ import ctypes
 import sys
 from collections.abc import Callable
 
+TRIM_ABOVE_BYTES = 256 << 20  # free heap memory kept rather than faulted in again
 
-def _malloc_trim() -> Callable[[int], int] | None:
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012 - ctypes' own declaration
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",  # bytes free in the arenas
+            "keepcost",
+        )
+    ]
+
+
+def _libc() -> tuple[Callable[[int], int] | None, Callable[[], _MallInfo2] | None]:
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim  # this process's libc
-    except (OSError, AttributeError):
-        return None
-    return trim
+        return None, None
+    libc = ctypes.CDLL(None)  # this process's C library
+    trim = getattr(libc, "malloc_trim", None)
+    info = getattr(libc, "mallinfo2", None)  # glibc 2.33 on: without it, always trim
+    if info is not None:
+        info.restype = _MallInfo2
+    return trim, info
 
 
-_TRIM = _malloc_trim()
+_TRIM, _INFO = _libc()
 
 
-def release_free_memory() -> bool:
-    """Return the heap's free pages to the system; False where the C library cannot.
-    (ctypes lets go of the GIL for the call: the other threads run on meanwhile.)"""
+def free_heap_bytes() -> int | None:
+    """Bytes free in the C heap's arenas; None where the C library cannot say."""
+    return None if _INFO is None else int(_INFO().fordblks)
+
+
+def release_free_memory(above_bytes: int = TRIM_ABOVE_BYTES) -> bool:
+    """Return the heap's free pages to the system if more than ``above_bytes`` are free
+    (or the C library cannot say how many); True when it trimmed. (ctypes lets go of
+    the GIL for the call: the other threads run on meanwhile.)"""
     if _TRIM is None:
+        return False
+    free = free_heap_bytes()
+    if free is not None and free <= above_bytes:
         return False
     _TRIM(0)
     return True

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import networkx as nx
 import torch
@@ -203,7 +203,7 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         grads, loss = grad_and_value(loss_of)(p, b)
         return [grads[name] for name in param_names] + [loss]
 
-    def traced(mode: str) -> GraphModule:
+    def traced(mode: Literal["real", "fake"]) -> GraphModule:
         # The trace draws from the global RNG (dropout masks) like a real step would;
         # forking it leaves the RNG stream to the real steps, as in local training.
         with torch.random.fork_rng(devices=[]):
