@@ -324,11 +324,11 @@ def main() -> None:
     parser.add_argument("--eager-only", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument(
         "--min-offload-intensity",
-        type=float,
         nargs="+",
-        default=[0.0],
-        help="serve --min-offload-intensity: GEMMs below this many FLOP per byte stay here; "
-        "several values: one run each against the same eager baseline (planner cost@F)",
+        default=["auto"],
+        help="serve --min-offload-intensity: GEMMs below this many FLOP per byte stay here "
+        "(auto: serve's default; 0: none); several values: one run each against the same "
+        "eager baseline (planner cost@F)",
     )
     parser.add_argument("--eager-threads", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -360,7 +360,7 @@ def main() -> None:
         gflop = step_gflop(make)
         runs = [(p, f) for p in planners for f in args.min_offload_intensity]
         for planner, intensity in runs:
-            label = f"{planner}@{intensity:g}" if intensity else planner
+            label = planner if intensity == "auto" else f"{planner}@{intensity}"
             served = serve_job_measured(
                 spec,
                 args.steps,
@@ -368,7 +368,7 @@ def main() -> None:
                 "--planner",
                 planner,
                 "--min-offload-intensity",
-                str(intensity),
+                intensity,
                 env=sizes,
             )
             records = served.records[skip:]

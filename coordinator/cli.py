@@ -195,12 +195,12 @@ def _pool_options(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--min-offload-intensity",
-        type=float,
-        default=0.0,
+        default="auto",
         metavar="FLOP_PER_BYTE",
         help="GEMMs doing fewer FLOPs than this per byte they would move run at the "
         "coordinator, where handing them out costs its CPU more than computing them "
-        "(0: off)",
+        "(0: off; auto, the default: below this machine's break-even, the least intense "
+        "first, at most 5%% of the FLOPs)",
     )
     group.add_argument(
         "--planner",

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.messages import JobState
 from common.signing import fingerprint, load_or_create_private_key
+from coordinator.plan.keep_home import KeepHome
 from coordinator.plan.live import LivePlanning, Planner
 from coordinator.plan.planner import plan_config_for
 from coordinator.pool.front_door import FrontDoor
@@ -236,11 +237,12 @@ class CoordinatorRun:
             server,
             asyncio.get_running_loop(),
             self.key,
-            plan_config_for(options.min_offload_mflop, options.min_offload_intensity),
+            plan_config_for(options.min_offload_mflop, options.min_offload_intensity or 0.0),
             LivePlanning(
                 cost_model=options.planner is Planner.COST,
                 coordinator_flops_per_s=options.coordinator_gflops * 1e9,
             ),
+            KeepHome() if options.min_offload_intensity is None else None,
         )
         return Trainer(
             self.job,

@@ -41,7 +41,7 @@ class ServeOptions:
     local_worker_threads: int | None
     min_workers: int
     min_offload_mflop: float
-    min_offload_intensity: float
+    min_offload_intensity: float | None  # None: auto (coordinator.plan.keep_home)
     planner: Planner
     coordinator_gflops: float
     heartbeat_timeout: float
@@ -88,7 +88,7 @@ class ServeOptions:
             local_worker_threads=args.local_worker_threads,
             min_workers=args.min_workers or max(1, args.local_workers),
             min_offload_mflop=args.min_offload_mflop,
-            min_offload_intensity=args.min_offload_intensity,
+            min_offload_intensity=offload_intensity(args.min_offload_intensity),
             planner=Planner(args.planner),
             coordinator_gflops=coordinator_gflops(args.coordinator_gflops, args.local_workers),
             heartbeat_timeout=args.heartbeat_timeout,
@@ -164,6 +164,21 @@ class ServeOptions:
                 ),
             ),
         )
+
+
+def offload_intensity(value: str | float) -> float | None:
+    """--min-offload-intensity as a number, or None for auto."""
+    if value == "auto":
+        return None
+    try:
+        intensity = float(value)
+    except ValueError:
+        raise SystemExit(
+            f"--min-offload-intensity must be a number or auto, not {value!r}"
+        ) from None
+    if not 0 <= intensity < float("inf"):
+        raise SystemExit("--min-offload-intensity must be >= 0 and finite")
+    return intensity
 
 
 def coordinator_gflops(value: str, local_workers: int) -> float:

@@ -16,9 +16,11 @@ from typing import Protocol
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.gemm_speed import matmul_gflops
 from common.ops import TileOp
 from common.tensors import DTYPE_NAMES
 from common.unfold import Unfold
+from coordinator.plan.keep_home import KeepHome
 from coordinator.plan.live import Commitments, LivePlanning
 from coordinator.plan.planner import GemmShape, PlanConfig
 from coordinator.pool.workers import PoolView
@@ -50,7 +52,10 @@ class TileOffload:
         key: Ed25519PrivateKey,
         plan_config: Callable[[int, int | None], PlanConfig],
         planning: LivePlanning = DEFAULT_PLANNING,
+        keep_home: KeepHome | None = None,
     ) -> None:
+        """``keep_home``: which GEMMs are cheaper computed here than handed out (None:
+        the planner's ``min_offload_intensity`` alone decides)."""
         self._server = server
         self._loop = loop
         self._key = key
@@ -58,6 +63,8 @@ class TileOffload:
         self._planning = planning
         self._commitments = Commitments()  # training thread only, as start() is
         self._clock = time.monotonic
+        self._keep_home = keep_home
+        self._speeds: dict[torch.dtype, float] = {}  # FLOP/s of a GEMM here, by dtype
 
     def start(
         self,
@@ -79,6 +86,8 @@ class TileOffload:
         batch, m, k = (a_shape[0], a_shape[1], a_shape[2]) if op == TileOp.BMM else (1, *a_shape)
         n = b_shape[-1]
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
+        if self._keep_home is not None and self._keep_home.keeps(shape, self._speed(a.dtype)):
+            return 0  # fewer FLOPs than bytes are worth: cheaper here than as tiles
         pool = self._server.pool  # an immutable snapshot: safe to read from this thread
         config = self._plan_config(pool.active, pool.memory_cap)
         self._commitments.forget(e.worker_id for e in pool.estimates)
@@ -107,3 +116,14 @@ class TileOffload:
                 self._server.kept_here, gemm.gemm_id, len(local), finished
             )
         return sent
+
+    def _speed(self, dtype: torch.dtype) -> float:
+        """FLOP/s of a GEMM in ``dtype`` on this thread, as it computes the GEMMs kept
+        here; measured once per dtype (a CPU without bf16 units runs bf16 far slower than
+        fp32: keeping its bf16 GEMMs here would cost more than it saves)."""
+        if dtype not in self._speeds:
+            # Its own generator: drawing from the global one would shift the training's
+            # random stream (dropout masks) away from local torch's.
+            a = torch.rand(256, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
+            self._speeds[dtype] = matmul_gflops(a, a, target_s=0.02) * 1e9
+        return self._speeds[dtype]

@@ -92,7 +92,10 @@ _HEAVY_WORDS = frozenset(
 DEPTHWISE = "depthwise convolution"  # forward and backward, tallied under one name
 
 # Why an op's FLOPs stayed at the coordinator, by op name.
-_PLANNER = "the planner kept it here: too small to tile, or faster here than as tiles"
+_PLANNER = (
+    "the planner kept it here: too small to tile, too few FLOPs per byte to be worth"
+    " handing out, or faster here than as tiles"
+)
 KEPT_WHY = {
     "mm": _PLANNER,
     "addmm": _PLANNER,
