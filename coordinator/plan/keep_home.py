@@ -59,6 +59,8 @@ class KeepHome:
     def keeps(self, shape: GemmShape, flops_per_s: float) -> bool:
         """Whether the coordinator computes this GEMM itself, at ``flops_per_s`` (its own
         speed in the GEMM's dtype). Counts the GEMM among those seen either way."""
+        if not shape.flops:
+            return False  # nothing to weigh (an empty GEMM): the planner's call
         level = _bin(intensity(shape))
         self._flops[level] = self._flops.get(level, 0) + shape.flops
         self._total += shape.flops

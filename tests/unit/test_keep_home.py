@@ -64,6 +64,7 @@ def test_what_stays_is_bounded_by_its_share_of_the_flops_least_intense_first() -
     assert kept == [False, True, False, False, False, False]  # the bmm: least intense
     assert 0 < kept_flops <= 0.05 * total
     assert not any(KeepHome(share=0.0).keeps(shape, GFLOPS_90) for shape in small)
+    assert not KeepHome(share=1.0).keeps(GemmShape("mm", 1, 0, 0, 0, 4), GFLOPS_90)
     with pytest.raises(ValueError):
         KeepHome(share=1.5)
 
