@@ -196,7 +196,7 @@ def _pool_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--min-offload-intensity",
         default="auto",
-        metavar="FLOP_PER_BYTE",
+        metavar="FLOP_PER_BYTE|auto",
         help="GEMMs doing fewer FLOPs than this per byte they would move run at the "
         "coordinator, where handing them out costs its CPU more than computing them "
         "(0: off; auto, the default: below this machine's break-even, the least intense "
