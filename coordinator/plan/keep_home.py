@@ -39,7 +39,8 @@ def intensity(shape: GemmShape) -> float:
 
 
 def _bin(value: float) -> int:
-    return math.floor(math.log2(value) * BINS_PER_OCTAVE) if value > 0 else -(1 << 30)
+    """The quarter-octave bin of a positive intensity."""
+    return math.floor(math.log2(value) * BINS_PER_OCTAVE)
 
 
 @dataclass
