@@ -102,6 +102,10 @@ def _checked(source: str, key: str, value: Any, action: argparse.Action, base_di
         if not isinstance(value, str) or not value:
             raise wrong("a path (a non-empty string)")
         converted = base_dir / Path(value).expanduser()
+    elif action.type is None and action.default == "auto":  # a number, or the word auto
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise wrong('a number or "auto"')
+        converted = value if isinstance(value, str) else str(value)  # as typed on the line
     elif action.type is None:
         if not isinstance(value, str):
             raise wrong("a string")

@@ -41,6 +41,21 @@ def test_file_values_apply_and_the_command_line_wins(tmp_path: Path) -> None:
     assert args.heartbeat_timeout == 10.0  # untouched default
 
 
+@pytest.mark.parametrize(
+    ("text", "intensity", "gflops"),
+    [
+        ("min-offload-intensity = 60\ncoordinator-gflops = 12.5\n", "60", "12.5"),
+        ('min-offload-intensity = "auto"\ncoordinator-gflops = "0"\n', "auto", "0"),
+    ],
+)
+def test_number_or_auto_options_take_either_from_a_file(
+    tmp_path: Path, text: str, intensity: str, gflops: str
+) -> None:
+    # What the command line would give: the number as typed, read as it is there.
+    args = parse_args(["serve", "--config", str(_write(tmp_path, text))])
+    assert (args.min_offload_intensity, args.coordinator_gflops) == (intensity, gflops)
+
+
 def test_without_config_the_defaults_stand() -> None:
     args = parse_args(["serve"])
     assert args.config is None and args.steps == 20 and args.log_format == "text"
@@ -65,6 +80,7 @@ def test_absolute_and_home_paths_are_kept(tmp_path: Path) -> None:
         ("fresh = 1\n", "fresh must be true or false"),
         ("state-dir = 3\n", "state-dir must be a path"),
         ("job = ['a']\n", "job must be a string"),
+        ("min-offload-intensity = true\n", 'min-offload-intensity must be a number or "auto"'),
         ("log-format = 'xml'\n", "log-format must be one of text, json, not 'xml'"),
         ("[serve]\nsteps = 3\n", "unknown key 'serve'"),
         ("steps = 3\nsteps-x = 1\n", "unknown key 'steps-x'"),
