@@ -237,12 +237,12 @@ class CoordinatorRun:
             server,
             asyncio.get_running_loop(),
             self.key,
-            plan_config_for(options.min_offload_mflop, options.min_offload_intensity or 0.0),
+            plan_config_for(options.min_offload_mflop),
             LivePlanning(
                 cost_model=options.planner is Planner.COST,
                 coordinator_flops_per_s=options.coordinator_gflops * 1e9,
             ),
-            KeepHome() if options.min_offload_intensity is None else None,
+            KeepHome(below=options.min_offload_intensity),
         )
         return Trainer(
             self.job,

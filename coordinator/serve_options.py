@@ -41,7 +41,7 @@ class ServeOptions:
     local_worker_threads: int | None
     min_workers: int
     min_offload_mflop: float
-    min_offload_intensity: float | None  # None: auto (coordinator.plan.keep_home)
+    min_offload_intensity: float | None  # None: auto (KeepHome.below)
     planner: Planner
     coordinator_gflops: float
     heartbeat_timeout: float

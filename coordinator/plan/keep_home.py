@@ -12,6 +12,9 @@ The point of a pool is still that workers compute: what this keeps here is at mo
 under break-even (a small one) still hands out nearly all of its work, and the operator
 sees its workers busy.
 
+A fixed intensity instead (``--min-offload-intensity F``) keeps every GEMM under it,
+whatever its share; 0 keeps none.
+
 Pure: no torch, no clock. Intensities are counted in quarter-octave bins, so a job whose
 shapes change every step (data-dependent lengths) keeps a bounded table.
 """
@@ -19,6 +22,7 @@ shapes change every step (data-dependent lengths) keeps a bounded table.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.plan.planner import GemmShape
@@ -48,24 +52,30 @@ class KeepHome:
     """Decides, GEMM by GEMM as a run goes, which stay here (not thread-safe: the
     training thread asks)."""
 
+    below: float | None = None  # a fixed intensity; None: this machine's break-even
     cpu_s_per_byte: float = CPU_S_PER_BYTE
     share: float = KEPT_SHARE
     _flops: dict[int, int] = field(default_factory=dict)  # FLOPs seen, by intensity bin
     _total: int = 0
 
     def __post_init__(self) -> None:
+        if self.below is not None and not self.below >= 0:
+            raise ValueError("below must be >= 0")
         if not self.cpu_s_per_byte >= 0 or not 0 <= self.share <= 1:
             raise ValueError("cpu_s_per_byte must be >= 0 and share in [0, 1]")
 
-    def keeps(self, shape: GemmShape, flops_per_s: float) -> bool:
-        """Whether the coordinator computes this GEMM itself, at ``flops_per_s`` (its own
-        speed in the GEMM's dtype). Counts the GEMM among those seen either way."""
+    def keeps(self, shape: GemmShape, flops_per_s: Callable[[], float]) -> bool:
+        """Whether the coordinator computes this GEMM itself. ``flops_per_s``: its own
+        speed in the GEMM's dtype, asked only where the break-even decides. Counts the
+        GEMM among those seen either way."""
         if not shape.flops:
             return False  # nothing to weigh (an empty GEMM): the planner's call
+        if self.below is not None:
+            return intensity(shape) < self.below
         level = _bin(intensity(shape))
         self._flops[level] = self._flops.get(level, 0) + shape.flops
         self._total += shape.flops
-        breakeven = flops_per_s * self.cpu_s_per_byte
+        breakeven = flops_per_s() * self.cpu_s_per_byte
         if breakeven <= 0:
             return False
         return level < min(_bin(breakeven), self._first_over_budget())

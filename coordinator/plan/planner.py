@@ -105,11 +105,6 @@ class TileRegion:
 @dataclass(frozen=True)
 class PlanConfig:
     min_offload_flops: int = 1 << 20  # GEMMs smaller than this run at the coordinator
-    # GEMMs doing fewer FLOPs per byte they would move (operands out, result back) run at
-    # the coordinator: below about its CPU per byte handed out times its own FLOP/s,
-    # cutting, hashing, sending and checking those bytes costs it more CPU than the
-    # GEMM would (attention's products, with their short K). 0: every GEMM may go.
-    min_offload_intensity: float = 0.0
     max_tile_flops: int = 1 << 31  # upper bound on one tile's work
     tile_mem_cap_bytes: int = 256 << 20  # a tile's operands+output must fit a worker's cap
     target_tiles: int = 4  # aim for at least this many tiles (usually ~2x connected workers)
@@ -137,10 +132,6 @@ class PlanConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlanConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.min_offload_intensity >= 0:
-            raise ValueError(
-                f"PlanConfig.min_offload_intensity must be >= 0, got {self.min_offload_intensity}"
-            )
 
 
 @dataclass(frozen=True)
@@ -183,8 +174,6 @@ def plan_gemm(shape: GemmShape, config: PlanConfig = PlanConfig()) -> GemmPlan |
     """
     if min(shape.dims) == 0 or shape.flops < config.min_offload_flops:
         return None
-    if shape.flops < config.min_offload_intensity * (shape.operand_bytes + shape.output_bytes):
-        return None  # too few FLOPs for its bytes: cheaper here than handed out
     _check_feasible(shape, config)
     grid = _grid_for_limits(shape, config)
     if _smallest_tile_outputs(shape, grid) < config.min_tile_outputs:
@@ -364,15 +353,12 @@ def _tiles(
     )
 
 
-def plan_config_for(
-    min_offload_mflop: float, min_offload_intensity: float = 0.0
-) -> Callable[[int, int | None], PlanConfig]:
+def plan_config_for(min_offload_mflop: float) -> Callable[[int, int | None], PlanConfig]:
     """The planner's limits for a pool of ``workers`` with the smallest ``memory_cap``."""
 
     def config(workers: int, memory_cap: int | None) -> PlanConfig:
         return PlanConfig(
             min_offload_flops=int(min_offload_mflop * 1e6),
-            min_offload_intensity=min_offload_intensity,
             target_tiles=max(2, 2 * workers),
             # Never above the default: it keeps every tile well inside the wire limits.
             tile_mem_cap_bytes=min(

@@ -55,7 +55,7 @@ class TileOffload:
         keep_home: KeepHome | None = None,
     ) -> None:
         """``keep_home``: which GEMMs are cheaper computed here than handed out (None:
-        the planner's ``min_offload_intensity`` alone decides)."""
+        every GEMM goes to the planner)."""
         self._server = server
         self._loop = loop
         self._key = key
@@ -86,7 +86,9 @@ class TileOffload:
         batch, m, k = (a_shape[0], a_shape[1], a_shape[2]) if op == TileOp.BMM else (1, *a_shape)
         n = b_shape[-1]
         shape = GemmShape(op=op, batch=batch, m=m, n=n, k=k, itemsize=a.element_size())
-        if self._keep_home is not None and self._keep_home.keeps(shape, self._speed(a.dtype)):
+        if self._keep_home is not None and self._keep_home.keeps(
+            shape, lambda: self._speed(a.dtype)
+        ):
             return 0  # fewer FLOPs than bytes are worth: cheaper here than as tiles
         pool = self._server.pool  # an immutable snapshot: safe to read from this thread
         config = self._plan_config(pool.active, pool.memory_cap)

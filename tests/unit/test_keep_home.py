@@ -23,7 +23,18 @@ from coordinator.serve_options import offload_intensity
 SCORES = GemmShape("bmm", 96, 128, 128, 64, 4)
 LINEAR = GemmShape("mm", 1, 1024, 768, 768, 4)
 FC = GemmShape("mm", 1, 1024, 3072, 768, 4)
-GFLOPS_90 = 90e9  # this machine's speed here: break-even 117 FLOP per byte
+
+
+def GFLOPS_90() -> float:  # noqa: N802 - a speed, as the offload measures it
+    return 90e9  # this machine's speed here: break-even 117 FLOP per byte
+
+
+def GFLOPS_9() -> float:  # noqa: N802
+    return 9e9
+
+
+def unasked() -> float:
+    raise AssertionError("a fixed intensity needs no speed")
 
 
 def test_intensity_is_flops_per_byte_moved() -> None:
@@ -48,7 +59,7 @@ def test_only_gemms_below_break_even_stay_and_the_rest_go() -> None:
         assert kept == [False, True, True, False, False, False]
     # A coordinator five times slower breaks even below attention's intensity: it keeps
     # nothing (a CPU without bf16 units, for a bf16 GEMM).
-    assert not any(KeepHome().keeps(shape, GFLOPS_90 / 10) for shape in layer)
+    assert not any(KeepHome().keeps(shape, GFLOPS_9) for shape in layer)
 
 
 def test_what_stays_is_bounded_by_its_share_of_the_flops_least_intense_first() -> None:
@@ -104,6 +115,16 @@ def test_the_offload_runs_low_intensity_gemms_here_with_keep_home(
         assert torch.equal(torch.get_rng_state(), rng)
     finally:
         loop.close()
+
+
+def test_a_fixed_intensity_keeps_every_gemm_under_it_whatever_its_share() -> None:
+    # --min-offload-intensity 60: the scores stay, all of them; the linear layer goes.
+    keep = KeepHome(below=60.0)
+    for _ in range(3):
+        assert [keep.keeps(s, unasked) for s in (SCORES, SCORES, LINEAR)] == [True, True, False]
+    assert not any(KeepHome(below=0.0).keeps(s, unasked) for s in (SCORES, LINEAR))
+    with pytest.raises(ValueError, match="below"):
+        KeepHome(below=-1.0)
 
 
 @pytest.mark.parametrize(("value", "want"), [("auto", None), ("0", 0.0), ("60", 60.0)])

@@ -201,20 +201,3 @@ def test_auto_pulls_where_links_bind_and_following_gains_little() -> None:
     # Always following, the same pool gets every tile named.
     named = LivePlanning(rule="finish").plan(BIG, slow_links, CONFIG)
     assert named.plan is not None and len(named.owners) == len(named.plan.tiles)
-
-
-def test_gemms_below_the_offload_intensity_stay_here_whoever_could_take_them() -> None:
-    # One attention head's scores (128 x 64 x 128: 16 FLOP per byte moved) and a linear
-    # layer's product (1024 x 768 x 768: 140 FLOP per byte), at 60 FLOP per byte.
-    scores = GemmShape("bmm", 96, 128, 128, 64, 4)
-    linear = GemmShape("mm", 1, 1024, 768, 768, 4)
-    for shape, intensity in ((scores, 16.0), (linear, 139.6)):
-        moved = shape.operand_bytes + shape.output_bytes
-        assert shape.flops / moved == pytest.approx(intensity, abs=0.05)
-    config = replace(CONFIG, min_offload_intensity=60.0)
-    for planning in (LivePlanning(cost_model=True), LivePlanning(cost_model=False)):
-        assert planning.plan(scores, GUESSED, config).plan is None
-        assert planning.plan(scores, GUESSED, CONFIG).plan is not None
-        assert planning.plan(linear, GUESSED, config).plan is not None
-    with pytest.raises(ValueError, match="min_offload_intensity"):
-        PlanConfig(min_offload_intensity=-1.0)
