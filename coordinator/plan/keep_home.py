@@ -66,8 +66,8 @@ class KeepHome:
 
     def keeps(self, shape: GemmShape, flops_per_s: Callable[[], float]) -> bool:
         """Whether the coordinator computes this GEMM itself. ``flops_per_s``: its own
-        speed in the GEMM's dtype, asked only where the break-even decides. Counts the
-        GEMM among those seen either way."""
+        speed in the GEMM's dtype, asked only where the break-even decides. Without a
+        fixed intensity, counts the GEMM among those seen either way."""
         if not shape.flops:
             return False  # nothing to weigh (an empty GEMM): the planner's call
         if self.below is not None:
