@@ -83,6 +83,7 @@ from coordinator.pool.core import CoreConfig  # noqa: E402
 from coordinator.run import open_ledger  # noqa: E402
 from coordinator.serve.gc_policy import settle_after_start  # noqa: E402
 from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
+from coordinator.step.cpu_costs import COSTS  # noqa: E402
 from coordinator.step.torch_threads import orchestrate_on_one_thread  # noqa: E402
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm  # noqa: E402
 
@@ -367,6 +368,9 @@ def _snapshot(server: CoordinatorServer) -> dict[str, Any]:
         "queued": server.scheduler.queued_count(),
         "pending": server.scheduler.pending(),
         "counters": asdict(server.counters),
+        # CPU seconds by stage and by named thread (``COSTS``), the bench's own threads
+        # (cutting, comparing with torch.matmul) not among them.
+        "costs": COSTS.snapshot(),
     }
 
 
@@ -751,8 +755,10 @@ def _merged(replies: list[dict[str, Any]]) -> dict[str, Any]:
     if len(replies) == 1:
         return replies[0]
     out: dict[str, Any] = {}
-    for name, value in replies[0].items():
-        values = [reply[name] for reply in replies]
+    names = dict.fromkeys(name for reply in replies for name in reply)  # CPU stages may differ
+    for name in names:
+        values = [reply[name] for reply in replies if name in reply]
+        value = values[0]
         if name == "t":
             out[name] = values
         elif isinstance(value, bool):
@@ -774,6 +780,39 @@ def _latest(t: float | list[float]) -> float:
 
 def _earliest(t: float | list[float]) -> float:
     return min(t) if isinstance(t, list) else t
+
+
+def _per_tile_parts(
+    before: dict[str, float],
+    after: dict[str, float],
+    counters_after: dict[str, int],
+    counters_before: dict[str, int],
+    total_us: float,
+) -> dict[str, float]:
+    """Microseconds of coordinator CPU per verified tile by part, largest first: the
+    stages timed where they run, what each named thread spent beyond them, and what is
+    left of ``total_us`` (the process's CPU per tile): threads without a name (the
+    bench's cutting threads beyond their stages, Python's own), measured over about the
+    same window."""
+    tiles = counters_after["tiles_verified"] - counters_before["tiles_verified"]
+    if tiles <= 0:
+        return {}
+    spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    # Stages that run on a named thread, taken out of its total so nothing counts twice.
+    on_thread = {
+        "thread:event_loop": ("check_on_loop", "sign_variant"),
+        "thread:checks": ("decode", "check", "assemble", "stranded_tiles"),
+    }
+    parts = {k: v for k, v in spent.items() if not k.startswith("thread:")}
+    for thread, stages in on_thread.items():
+        if thread in spent:
+            parts[f"{thread[7:]} rest"] = spent[thread] - sum(spent.get(s, 0.0) for s in stages)
+    for k, v in spent.items():
+        if k.startswith("thread:") and k not in on_thread:
+            parts[k[7:]] = v
+    per_tile = {k: 1e6 * v / tiles for k, v in parts.items()}
+    per_tile["unnamed threads"] = total_us - sum(per_tile.values())
+    return dict(sorted(per_tile.items(), key=lambda kv: -kv[1]))
 
 
 def _measurements(
@@ -871,6 +910,13 @@ def _measurements(
         "tiles_sent_per_s": (b["tiles_sent"] - a["tiles_sent"]) / steady_s,
         "tiles_verified_per_s": verified_per_s,
         "cpu_us_per_tile": 1e4 * cpu_percent / verified_per_s if verified_per_s else 0.0,
+        "cpu_us_per_tile_by_part": _per_tile_parts(
+            steady_a["costs"],
+            steady_b["costs"],
+            b,
+            a,
+            1e4 * cpu_percent / verified_per_s if verified_per_s else 0.0,
+        ),
         "workers_with_tiles": sum(1 for s in stats if s["tiles"]),
         "tiles_computed_by_workers": sum(s["tiles"] for s in stats),
         "tiles_submitted": stream["tiles_submitted"],
@@ -954,6 +1000,11 @@ def format_table(m: dict[str, Any]) -> str:
             f"{m['cpu_us_per_tile']:.0f} us (one core: {1e6 / m['cpu_us_per_tile']:.0f} tiles/s)"
             if m["cpu_us_per_tile"]
             else "-",
+        ),
+        (
+            "the same, by part (us)",
+            ", ".join(f"{k} {v:.0f}" for k, v in m["cpu_us_per_tile_by_part"].items() if v >= 1)
+            or "-",
         ),
         ("workers that computed tiles", f"{m['workers_with_tiles']} / {cfg['workers']}"),
         ("tiles submitted / verified", f"{m['tiles_submitted']} / {m['tiles_verified']}"),

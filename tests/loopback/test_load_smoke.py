@@ -46,3 +46,7 @@ def test_thirty_workers_are_welcomed_beat_and_compute_every_gemm_correctly(ranks
     assert m["tiles_computed_here"] == 0, table
     assert m["tiles_verified"] == m["tiles_submitted"] == 64 * m["gemms_submitted"], table
     assert m["workers_with_tiles"] == WORKERS, table
+    # The coordinator's CPU per tile, by part: its stages and threads, counted by each rank.
+    parts = m["cpu_us_per_tile_by_part"]
+    assert {"event_loop rest", "check_on_loop", "cut", "sign", "ledger"} <= set(parts), table
+    assert all(parts[k] > 0 for k in ("event_loop rest", "check_on_loop", "cut")), table
