@@ -304,18 +304,19 @@ def coordinator_process(pipe: Connection, cfg: LoadConfig, profile: str = "") ->
     """Entry point of the coordinator process: serve, then obey the driver's commands.
 
     ``profile``: write cProfile stats of the event-loop thread (where heartbeats wait)
-    to this file.
+    over the tile phase (from the first GEMM fed until the drain) to this file: what
+    the loop spends per tile, without the joins and leaves around it.
     """
     _raise_fd_limit(cfg.workers)
-    if not profile:
-        asyncio.run(_coordinator(pipe, cfg))
-        return
-    profiler = cProfile.Profile()
-    profiler.runcall(asyncio.run, _coordinator(pipe, cfg))
-    profiler.dump_stats(profile)
+    profiler = cProfile.Profile() if profile else None
+    asyncio.run(_coordinator(pipe, cfg, profiler))
+    if profiler is not None:
+        profiler.dump_stats(profile)
 
 
-async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
+async def _coordinator(
+    pipe: Connection, cfg: LoadConfig, profiler: cProfile.Profile | None = None
+) -> None:
     with tempfile.TemporaryDirectory(prefix="cleave-load-") as tmp:
         ledger = open_ledger(cfg.ledger or Path(tmp) / "ledger.sqlite")
         key = generate_private_key()
@@ -347,9 +348,13 @@ async def _coordinator(pipe: Connection, cfg: LoadConfig) -> None:
                     tracked = len(gc.get_objects())
                     pipe.send({"build_s": build_s, "bytes": len(body), "gc_objects": tracked})
                 elif command == "feed":
+                    if profiler is not None:
+                        profiler.enable()  # this thread's calls: the event loop's
                     stream.start()
                     pipe.send("ok")
                 elif command == "drain":
+                    if profiler is not None:
+                        profiler.disable()
                     report = await stream.drain(cfg.drain_timeout_s)
                     pipe.send({"stream": asdict(report), "loop": lag.report(), **_snapshot(server)})
                 elif command == "quit":
