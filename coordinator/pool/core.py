@@ -54,7 +54,7 @@ from coordinator.pool.reputation import (
 )
 from coordinator.pool.status import core_status
 from coordinator.pool.verdicts import judge, placed_anyway
-from coordinator.pool.workers import Counters, PoolView, Worker
+from coordinator.pool.workers import Counters, PoolView, Worker, WorkerState
 from coordinator.schedule.scheduler import (
     SHARED_SLOT_FLOPS,
     Assignment,
@@ -381,24 +381,29 @@ class CoordinatorCore:
         self.rescue_stranded(effects)
 
     def refresh_pool(self) -> None:
-        """Publish a new ``PoolView`` (on joins, leaves, pauses, and moved estimates)."""
-        caps = [
-            w.profile.mem_cap_bytes
-            for w in self.workers.values()
-            if w.profile.mem_cap_bytes >= MIN_PLANNING_MEMORY_CAP
-        ]
+        """Publish a new ``PoolView`` (on joins, leaves, pauses, and moved estimates).
+
+        One pass over the workers: it runs at every join, so a thousand workers
+        reconnecting at once cost the loop a thousand such passes."""
+        active = 0
+        estimates: list[DeviceEstimate] = []
+        # The smallest cap, so any worker can take any tile. Caps below a floor are
+        # left out: one volunteer must not shred every GEMM into crumbs; the scheduler
+        # gives that worker no tile over its cap, and tiles nobody can take are
+        # computed here.
+        cap: int | None = None
+        paused = WorkerState.PAUSED
+        for w in self.workers.values():
+            mem_cap = w.profile.mem_cap_bytes
+            if mem_cap >= MIN_PLANNING_MEMORY_CAP and (cap is None or mem_cap < cap):
+                cap = mem_cap
+            if w.state != paused:
+                active += 1
+                if w.estimate is not None:
+                    estimates.append(w.estimate)
         self._estimates_moved = False
         self.pool = PoolView(
-            workers=len(self.workers),
-            active=self.active_workers(),
-            estimates=tuple(
-                w.estimate for w in self.workers.values() if w.estimate is not None and not w.paused
-            ),
-            # The smallest cap, so any worker can take any tile. Caps below a floor are
-            # left out: one volunteer must not shred every GEMM into crumbs; the
-            # scheduler gives that worker no tile over its cap, and tiles nobody can
-            # take are computed here.
-            memory_cap=min(caps) if caps else None,
+            workers=len(self.workers), active=active, estimates=tuple(estimates), memory_cap=cap
         )
 
     def dispatch(self, effects: Effects) -> None:

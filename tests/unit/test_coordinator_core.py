@@ -380,6 +380,8 @@ def test_a_pause_hands_the_tiles_to_another_worker_and_resume_takes_work_again(
     assert tasks(joined, w2) == [jobs[2].tile_id, jobs[3].tile_id]
     paused = h.receive(w1, Pause("computer in use"))
     assert paused.workers_changed and h.core.pool.active == 1
+    # The planner plans for the workers that take tiles: not the paused one.
+    assert [e.worker_id for e in h.core.pool.estimates] == [w2]
     assert h.core.scheduler.in_flight(w1) == frozenset()
     shown = next(w for w in h.core.status(h.now)["workers"] if w["id"] == w1)
     assert (shown["state"], shown["reason"], shown["in_flight"]) == ("paused", "computer in use", 0)
@@ -387,6 +389,7 @@ def test_a_pause_hands_the_tiles_to_another_worker_and_resume_takes_work_again(
     assert sorted(given) == held  # the paused worker's tiles
     resumed = h.receive(w1, Resume())
     assert resumed.workers_changed and h.core.pool.active == 2
+    assert sorted(e.worker_id for e in h.core.pool.estimates) == sorted([w1, w2])
     assert h.core.workers[w1].state is WorkerState.WORKING
 
 
