@@ -8,6 +8,7 @@ only reads operands; the coordinator copies results into its own outputs).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -212,8 +213,10 @@ class Block:
         """The operand as its bytes lie: row order."""
         return self.tensor.mT if self.transposed else self.tensor
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """(Cached: each task that carries the block asks, and each asking is two torch
+        calls.)"""
         return self.tensor.numel() * self.tensor.element_size()
 
 
