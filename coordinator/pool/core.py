@@ -392,7 +392,7 @@ class CoordinatorCore:
         # gives that worker no tile over its cap, and tiles nobody can take are
         # computed here.
         cap: int | None = None
-        paused = WorkerState.PAUSED
+        paused = WorkerState.PAUSED  # Worker.paused, without a property call per worker
         for w in self.workers.values():
             mem_cap = w.profile.mem_cap_bytes
             if mem_cap >= MIN_PLANNING_MEMORY_CAP and (cap is None or mem_cap < cap):
