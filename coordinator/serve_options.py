@@ -168,34 +168,32 @@ class ServeOptions:
 
 def offload_intensity(value: str | float) -> float | None:
     """--min-offload-intensity as a number, or None for auto."""
-    if value == "auto":
-        return None
-    try:
-        intensity = float(value)
-    except ValueError:
-        raise SystemExit(
-            f"--min-offload-intensity must be a number or auto, not {value!r}"
-        ) from None
-    if not 0 <= intensity < float("inf"):
-        raise SystemExit("--min-offload-intensity must be >= 0 and finite")
-    return intensity
+    return _number_or_auto("--min-offload-intensity", value)
 
 
 def coordinator_gflops(value: str, local_workers: int) -> float:
     """--coordinator-gflops as a number. auto measures this machine, unless local workers
     run here too: they already use its cores, and a share for the coordinator would
     compete with them while the planner counts both."""
-    if value != "auto":
-        try:
-            gflops = float(value)
-        except ValueError:
-            raise SystemExit(
-                f"--coordinator-gflops must be a number or auto, not {value!r}"
-            ) from None
-        if not gflops >= 0 or gflops == float("inf"):
-            raise SystemExit("--coordinator-gflops must be >= 0 and finite")
+    gflops = _number_or_auto("--coordinator-gflops", value)
+    if gflops is not None:
         return gflops
     if local_workers:
         return 0.0
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    # Its own generator: the global one is the job's (its initialisation, its dropout).
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 512, generator=generator), torch.randn(512, 512, generator=generator)
     return matmul_gflops(a, b, target_s=0.2)
+
+
+def _number_or_auto(option: str, value: str | float) -> float | None:
+    """An option that takes a number >= 0 or the word auto (None)."""
+    if value == "auto":
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        raise SystemExit(f"{option} must be a number or auto, not {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise SystemExit(f"{option} must be >= 0 and finite")
+    return number

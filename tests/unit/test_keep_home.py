@@ -132,7 +132,7 @@ def test_min_offload_intensity_values(value: str, want: float | None) -> None:
     assert offload_intensity(value) == want
 
 
-@pytest.mark.parametrize("value", ["fast", "-1", "inf"])
+@pytest.mark.parametrize("value", ["fast", "-1", "inf", "nan"])
 def test_bad_min_offload_intensity_is_refused(value: str) -> None:
     with pytest.raises(SystemExit, match="min-offload-intensity"):
         offload_intensity(value)
