@@ -788,18 +788,13 @@ def _earliest(t: float | list[float]) -> float:
 
 
 def _per_tile_parts(
-    before: dict[str, float],
-    after: dict[str, float],
-    counters_after: dict[str, int],
-    counters_before: dict[str, int],
-    total_us: float,
+    before: dict[str, float], after: dict[str, float], tiles: int, total_us: float
 ) -> dict[str, float]:
     """Microseconds of coordinator CPU per verified tile by part, largest first: the
     stages timed where they run, what each named thread spent beyond them, and what is
     left of ``total_us`` (the process's CPU per tile): threads without a name (the
     bench's cutting threads beyond their stages, Python's own), measured over about the
     same window."""
-    tiles = counters_after["tiles_verified"] - counters_before["tiles_verified"]
     if tiles <= 0:
         return {}
     spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
@@ -865,7 +860,9 @@ def _measurements(
     bench_check_s = steady_b["bench_check_cpu_s"] - steady_a["bench_check_cpu_s"]
     cpu_percent = max(0.0, cpu_percent - 100 * bench_check_s / steady_s)
     a, b, end = steady_a["counters"], steady_b["counters"], final["counters"]
-    verified_per_s = (b["tiles_verified"] - a["tiles_verified"]) / steady_s
+    verified = b["tiles_verified"] - a["tiles_verified"]
+    verified_per_s = verified / steady_s
+    cpu_us_per_tile = 1e4 * cpu_percent / verified_per_s if verified_per_s else 0.0
     stream = final["stream"]
     errors = Counter(code for s in stats for code in s["errors"])
     return {
@@ -914,13 +911,9 @@ def _measurements(
         "steady_s": steady_s,
         "tiles_sent_per_s": (b["tiles_sent"] - a["tiles_sent"]) / steady_s,
         "tiles_verified_per_s": verified_per_s,
-        "cpu_us_per_tile": 1e4 * cpu_percent / verified_per_s if verified_per_s else 0.0,
+        "cpu_us_per_tile": cpu_us_per_tile,
         "cpu_us_per_tile_by_part": _per_tile_parts(
-            steady_a["costs"],
-            steady_b["costs"],
-            b,
-            a,
-            1e4 * cpu_percent / verified_per_s if verified_per_s else 0.0,
+            steady_a["costs"], steady_b["costs"], verified, cpu_us_per_tile
         ),
         "workers_with_tiles": sum(1 for s in stats if s["tiles"]),
         "tiles_computed_by_workers": sum(s["tiles"] for s in stats),
