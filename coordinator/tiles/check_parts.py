@@ -86,7 +86,10 @@ def rows_times(x: torch.Tensor, width: int, v: torch.Tensor) -> torch.Tensor:
     its rows would copy it across memory, and ``vᵀ`` times its bytes' rows is the
     skinny product again."""
     if not stored_layout(x)[1]:
-        return times_skinny(x.reshape(-1, width), v)
+        # vᵀ, the product's packed left operand, laid out in order: as a strided view
+        # some BLAS builds (MKL on AVX-512) took a path several times slower for it
+        # with a few columns, and read x at a fraction of memory speed.
+        return times_skinny(x.reshape(-1, width), v.mT.contiguous().mT)
     *lead, rows, cols = x.shape
     chunks = cols // width
     projected = v.mT @ x.mT.reshape(*lead, chunks, width, rows)  # [..., chunks, V, rows]
