@@ -105,7 +105,25 @@ def chunk_norms(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
         return torch.linalg.vector_norm(x.reshape(*x.shape[:-1], chunks, width), dim=-1)
     stored = x.mT.reshape(*x.shape[:-2], chunks, width, x.shape[-2])  # [..., chunks, width, rows]
     ones = torch.ones(1, width, dtype=x.dtype)
-    return (ones @ stored.square()).squeeze(-2).mT.sqrt()
+    return (ones @ _squared(stored)).squeeze(-2).mT.sqrt()
+
+
+SCRATCH_MAX = 1 << 22  # elements of each dtype a thread keeps for squared blocks
+_scratch = threading.local()
+
+
+def _squared(x: torch.Tensor) -> torch.Tensor:
+    """``x²``, into a buffer this thread keeps where it fits (valid until its next
+    call). A fresh copy of a block's size is fresh pages, faulted in and zeroed again
+    for each block: the coordinator hands its free heap back to the system."""
+    size = x.numel()
+    if size > SCRATCH_MAX:
+        return x.square()
+    buffers: dict[torch.dtype, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(x.dtype)
+    if buffer is None or buffer.numel() < size:
+        buffer = buffers[x.dtype] = torch.empty(size, dtype=x.dtype)
+    return torch.square(x, out=buffer[:size].view(x.shape))
 
 
 @dataclass(frozen=True)
