@@ -44,7 +44,8 @@ class GemmOffload(Protocol):
     ) -> int:
         """Begin computing ``a @ b`` elsewhere ("mm": 2-D, "bmm": 3-D; with ``unfold``,
         one of them is an image block standing for its patch matrix) and call ``done``
-        (from any thread) with the product or an exception. Returns the FLOPs handed to
+        (from any thread) with the product, a tensor nothing else holds (an addmm's
+        bias is added into it), or an exception. Returns the FLOPs handed to
         workers (some tiles may be computed here); 0: nothing started, run it locally."""
         ...
 
@@ -285,9 +286,11 @@ def _finish_gemm(node: Node, env: dict[Node, Any], product: torch.Tensor) -> tor
 
 
 def finish_addmm(product: torch.Tensor, bias: torch.Tensor, kwargs: Any) -> torch.Tensor:
-    """addmm is ``beta * bias + alpha * (a @ b)``; the tiles computed only ``a @ b``."""
+    """addmm is ``beta * bias + alpha * (a @ b)``; the tiles computed only ``a @ b``.
+    ``product`` is the GEMM's own output, which nothing else holds: the rest is added
+    into it, not into a new tensor of its size (fresh pages to fault in, every layer)."""
     beta: Any = kwargs.get("beta", 1)
     alpha: Any = kwargs.get("alpha", 1)
     if alpha != 1:
-        product = product * alpha
-    return product + (bias if beta == 1 else bias * beta)
+        product.mul_(alpha)
+    return product.add_(bias if beta == 1 else bias * beta)
