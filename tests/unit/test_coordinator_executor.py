@@ -22,7 +22,7 @@ from support.small_nets import BatchNormNet
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job
-from coordinator.step.executor import DataflowExecutor, GemmDone, StepCancelled
+from coordinator.step.executor import DataflowExecutor, GemmDone, StepCancelled, finish_addmm
 from coordinator.step.job import Job
 from coordinator.step.tracing import TracedStep, trace_step
 
@@ -394,3 +394,16 @@ def test_local_graph_without_gemms_or_offload_calls() -> None:
     got, stats = DataflowExecutor(offload).run(traced, flat_args(model, traced, x, y))
     assert_exact(got, eager(model, F.cross_entropy, x, y))
     assert offload.count == 0 and stats.max_gemms_in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("bias_shape", "kwargs"),
+    [((5,), {}), ((3, 5), {"beta": 2.0}), ((1, 5), {"alpha": 0.5, "beta": -1.5}), ((3, 1), {})],
+)
+def test_finish_addmm_equals_torch_addmm(bias_shape: tuple[int, ...], kwargs: Any) -> None:
+    gen = torch.Generator().manual_seed(7)
+    bias, a, b = (torch.randn(s, generator=gen) for s in (bias_shape, (3, 4), (4, 5)))
+    kept = bias.clone()
+    out = finish_addmm(a @ b, bias, kwargs)
+    torch.testing.assert_close(out, torch.addmm(bias, a, b, **kwargs), rtol=1e-6, atol=1e-6)
+    assert torch.equal(bias, kept)  # the bias is read, never written
