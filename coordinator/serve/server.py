@@ -50,6 +50,7 @@ from coordinator.serve.handshake import (
     handshake,
     peer,
 )
+from coordinator.serve.zero_copy import ZeroCopyConnection
 from coordinator.step.cpu_costs import COSTS
 from coordinator.tiles.tiled_gemm import SignedTile
 
@@ -182,6 +183,7 @@ class CoordinatorServer:
             port,
             ssl=ssl_context,
             compression=None,  # deflate on float data costs most of the throughput
+            create_connection=ZeroCopyConnection,  # operand blocks sent without a copy
             max_size=self.config.max_message_bytes,
             process_request=self._process_request,
             ping_interval=20,

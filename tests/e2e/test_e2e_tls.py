@@ -3,8 +3,6 @@ with a self-signed certificate generated for 127.0.0.1 and localhost."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import sqlite3
 import ssl
 import urllib.error
@@ -12,10 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from support.certs import self_signed
 from support.procs import Coordinator, Worker, assert_losses_match, wait_until
 from websockets.sync.client import connect as ws_connect
 
@@ -25,46 +20,13 @@ from coordinator.jobs.tiny_gpt import make_job
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 def _ledger(state: Path) -> dict[str, int]:
     with sqlite3.connect(state / "ledger.sqlite") as db:
         return dict(db.execute("SELECT name, tiles FROM contributions").fetchall())
 
 
 def test_local_worker_over_wss_matches_local_torch(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     coord = Coordinator(
         tmp_path,
         "--steps",
@@ -85,7 +47,7 @@ def test_local_worker_over_wss_matches_local_torch(tmp_path: Path) -> None:
 
 
 def test_status_https_and_untrusted_or_plain_clients_are_refused(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     coord = Coordinator(
         tmp_path,
         "--steps",
@@ -143,7 +105,7 @@ def test_tls_cert_and_key_go_together(tmp_path: Path) -> None:
     def options(*tls: str) -> ServeOptions:
         return ServeOptions.from_args(parse_args(["serve", "--coordinator-gflops", "0", *tls]))
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     assert options().tls_context() is None
     assert options("--tls-cert", str(cert), "--tls-key", str(key)).tls_context() is not None
     for half in (("--tls-cert", str(cert)), ("--tls-key", str(key))):

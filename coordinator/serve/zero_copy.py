@@ -1,0 +1,67 @@
+"""A WebSocket server connection that sends a large frame's payload from the buffer it
+was given, not from a copy.
+
+websockets serializes every frame into a new bytes object, its payload copied in behind
+its header; for the operand blocks that tasks carry, that is a copy on the event loop of
+every byte the coordinator sends. ``ZeroCopyConnection`` writes a frame of
+``ZERO_COPY_FROM`` bytes or more to the transport as its header and then its payload as
+it lies (the transport copies only what the socket does not take at once). Smaller
+frames, and frames an extension would transform, take websockets' own path. A server's
+frames are never masked (RFC 6455 §5.1), so the payload goes out as it is.
+
+The payloads are the blocks' own memory, which nothing writes once it is cut.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.frames import Frame
+from websockets.server import ServerProtocol
+
+# Below this a frame's copy costs less than the second write (a system call) it saves.
+ZERO_COPY_FROM = 1 << 16
+
+
+def frame_head(frame: Frame, length: int) -> bytes:
+    """An unmasked frame's header for a payload of ``length`` bytes (RFC 6455 §5.2)."""
+    first = (
+        (0x80 if frame.fin else 0)
+        | (0x40 if frame.rsv1 else 0)
+        | (0x20 if frame.rsv2 else 0)
+        | (0x10 if frame.rsv3 else 0)
+        | frame.opcode
+    )
+    if length < 126:
+        return struct.pack("!BB", first, length)
+    if length < 1 << 16:
+        return struct.pack("!BBH", first, 126, length)
+    return struct.pack("!BBQ", first, 127, length)
+
+
+class _ZeroCopyProtocol(ServerProtocol):
+    """websockets' server protocol, writing a large frame as header and payload."""
+
+    def send_frame(self, frame: Frame) -> None:
+        payload = memoryview(frame.data)
+        if self.extensions or payload.nbytes < ZERO_COPY_FROM or not payload.c_contiguous:
+            super().send_frame(frame)
+            return
+        frame.check()  # as serializing it would
+        if self.debug:
+            self.logger.debug("> %s", frame)
+        payload = payload.cast("B")
+        self.writes.append(frame_head(frame, payload.nbytes))
+        self.writes.append(payload)  # type: ignore[arg-type]  # the transport takes any buffer
+
+
+class ZeroCopyConnection(ServerConnection):
+    """``serve(create_connection=ZeroCopyConnection)``: websockets builds each
+    connection's protocol itself, so the protocol's class is swapped here for one that
+    writes large frames without copying them (it adds no state of its own)."""
+
+    def __init__(self, protocol: ServerProtocol, *args: Any, **kwargs: Any) -> None:
+        protocol.__class__ = _ZeroCopyProtocol
+        super().__init__(protocol, *args, **kwargs)

@@ -1,0 +1,130 @@
+"""The coordinator's WebSocket connections write large frames from the sender's buffer
+(coordinator.serve.zero_copy): a stock websockets client on 127.0.0.1, plain and TLS,
+must receive every message byte for byte, at the frame sizes where the header's length
+field changes form and around the size where frames start to go out uncopied, in whole
+messages and in fragments of every kind of buffer the coordinator sends."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ssl
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.certs import self_signed
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.frames import Frame, Opcode
+
+from coordinator.serve import zero_copy
+from coordinator.serve.zero_copy import ZERO_COPY_FROM, ZeroCopyConnection
+
+pytestmark = [pytest.mark.loopback, pytest.mark.timeout(60)]
+
+SIZES = (0, 1, 125, 126, 127, 65535, ZERO_COPY_FROM - 1, ZERO_COPY_FROM, ZERO_COPY_FROM + 1)
+SIZES += ((1 << 20) + 3, 3 << 20)
+
+
+def _payload(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _messages() -> list[bytes | str | list[object]]:
+    """Whole messages of each size, a text message, and fragmented messages whose parts
+    are the buffers the coordinator hands websockets: bytes, bytearrays, memoryviews of
+    numpy and torch memory (a float32 view among them), and slices of those."""
+    messages: list[bytes | str | list[object]] = [_payload(n, n) for n in SIZES]
+    messages.append("a text frame " * 10_000)
+    floats = torch.arange(300_000, dtype=torch.float32)
+    block = torch.from_numpy(np.frombuffer(_payload(1 << 18, 7), dtype=np.uint8).copy())
+    messages.append(
+        [
+            b"head",
+            memoryview(floats.numpy()),  # format "f": its length counts floats, not bytes
+            bytearray(_payload(ZERO_COPY_FROM, 3)),
+            memoryview(block.numpy())[5 : 5 + ZERO_COPY_FROM + 17],
+            _payload(70_000, 4),
+        ]
+    )
+    return messages
+
+
+def _as_bytes(message: bytes | str | list[object]) -> bytes | str:
+    if isinstance(message, list):
+        return b"".join(memoryview(part).cast("B").tobytes() for part in message)  # type: ignore[arg-type]
+    return message
+
+
+def _digest(message: bytes | str) -> str:
+    return hashlib.sha256(message if isinstance(message, bytes) else message.encode()).hexdigest()
+
+
+async def _exchange(
+    messages: Sequence[bytes | str | list[object]],
+    server_tls: ssl.SSLContext | None,
+    client_tls: ssl.SSLContext | None,
+) -> tuple[list[bytes | str], int | None, str, type]:
+    protocols: list[type] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        protocols.append(type(ws.protocol))
+        for message in messages:
+            await ws.send(message)  # type: ignore[arg-type]
+        await ws.close(1000, "done")
+
+    async with serve(
+        handler,
+        "127.0.0.1",
+        0,
+        ssl=server_tls,
+        compression=None,
+        max_size=None,
+        create_connection=ZeroCopyConnection,
+    ) as server:
+        port = server.sockets[0].getsockname()[1]
+        scheme = "wss" if client_tls else "ws"
+        received: list[bytes | str] = []
+        async with connect(
+            f"{scheme}://127.0.0.1:{port}", ssl=client_tls, compression=None, max_size=None
+        ) as ws:
+            async for message in ws:
+                received.append(message)
+        assert ws.close_code is not None
+        return received, ws.close_code, ws.close_reason or "", protocols[0]
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_every_message_arrives_byte_for_byte(tls: bool, tmp_path: Path) -> None:
+    server_tls = client_tls = None
+    if tls:
+        cert, key = self_signed(tmp_path)
+        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_tls.load_cert_chain(cert, key)
+        client_tls = ssl.create_default_context(cafile=str(cert))
+    messages = _messages()
+    received, code, reason, protocol = await asyncio.wait_for(
+        _exchange(messages, server_tls, client_tls), 30
+    )
+    assert protocol.__name__ == "_ZeroCopyProtocol"
+    expected = [_as_bytes(m) for m in messages]
+    assert [len(m) for m in received] == [len(m) for m in expected]
+    assert [_digest(m) for m in received] == [_digest(m) for m in expected]
+    assert (code, reason) == (1000, "done")
+
+
+@pytest.mark.parametrize("length", [0, 125, 126, 65535, 65536, 1 << 32])
+def test_frame_head_is_rfc_6455(length: int) -> None:
+    """Against websockets' own serializer: the same header for the same frame."""
+    for opcode, fin in ((Opcode.BINARY, True), (Opcode.BINARY, False), (Opcode.CONT, True)):
+        small = min(length, 1 << 17)  # websockets needs the payload itself
+        frame = Frame(opcode, b"\0" * small, fin)
+        theirs = frame.serialize(mask=False, extensions=[])
+        ours = zero_copy.frame_head(frame, small)
+        assert theirs[: len(ours)] == ours and len(theirs) == len(ours) + small
+    if length > 1 << 17:
+        head = zero_copy.frame_head(Frame(Opcode.BINARY, b""), length)
+        assert head[1] == 127 and int.from_bytes(head[2:], "big") == length
