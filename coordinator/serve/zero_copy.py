@@ -9,7 +9,9 @@ it lies (the transport copies only what the socket does not take at once). Small
 frames, and frames an extension would transform, take websockets' own path. A server's
 frames are never masked (RFC 6455 §5.1), so the payload goes out as it is.
 
-The payloads are the blocks' own memory, which nothing writes once it is cut.
+The transport may hold on to a payload (TLS encrypts it later), so what the coordinator
+sends must not change once handed over: operand blocks are never written after they are
+cut, and headers and batches are new bytes.
 """
 
 from __future__ import annotations
