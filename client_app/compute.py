@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from common.ops import TILE_OPS, TileOp
+from common.scratch import Scratch
 from common.tensors import stored_layout
 
 
@@ -79,7 +80,7 @@ class TileComputer:
             raise ValueError(f"threads must be >= 1, not {threads}")
         self.threads = threads
         self.device = torch.device("cuda" if use_gpu and cuda_available() else "cpu")
-        self._scratch: dict[int, torch.Tensor] = {}
+        self._scratch = Scratch()
         pin_full_precision()
 
     @property
@@ -121,17 +122,14 @@ class TileComputer:
         Operands are views of the received frame, whose alignment Python's allocator
         decides. bf16/fp16 CPU kernels (oneDNN, AMX) run ~2x slower on misaligned
         operands; fp32 kernels measured no difference, so only 2-byte types are copied.
-        The copies go into buffers reused from tile to tile: fresh ones would pay a page
-        fault per 4 KiB, which cost as much as the copy itself.
+        The copies go into buffers reused from tile to tile (``Scratch``): fresh ones
+        would pay a page fault per 4 KiB, which cost as much as the copy itself.
         """
         if t.data_ptr() % KERNEL_ALIGN == 0:
             return t
-        buf = self._scratch.get(slot)
-        if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
-            buf = self._scratch[slot] = torch.empty(t.numel(), dtype=t.dtype)
         # A transposed operand is copied in the order its bytes lie, and stays transposed.
         stored, transposed = stored_layout(t)
-        copy = buf[: t.numel()].view(stored.shape).copy_(stored)
+        copy = self._scratch.take(slot, stored.shape, t.dtype).copy_(stored)
         return copy.mT if transposed else copy
 
 

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from common.scratch import Scratch
 from common.tensors import stored_layout
 
 SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
@@ -109,21 +110,23 @@ def chunk_norms(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
 
 
 SCRATCH_MAX = 1 << 22  # elements of each dtype a thread keeps for squared blocks
-_scratch = threading.local()
+
+
+class _ThreadScratch(threading.local):
+    def __init__(self) -> None:
+        self.scratch = Scratch()
+
+
+_scratch = _ThreadScratch()
 
 
 def _squared(x: torch.Tensor) -> torch.Tensor:
     """``x²``, into a buffer this thread keeps where it fits (valid until its next
     call). A fresh copy of a block's size is fresh pages, faulted in and zeroed again
     for each block: the coordinator hands its free heap back to the system."""
-    size = x.numel()
-    if size > SCRATCH_MAX:
+    if x.numel() > SCRATCH_MAX:
         return x.square()
-    buffers: dict[torch.dtype, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(x.dtype)
-    if buffer is None or buffer.numel() < size:
-        buffer = buffers[x.dtype] = torch.empty(size, dtype=x.dtype)
-    return torch.square(x, out=buffer[:size].view(x.shape))
+    return torch.square(x, out=_scratch.scratch.take(x.dtype, x.shape, x.dtype))
 
 
 @dataclass(frozen=True)

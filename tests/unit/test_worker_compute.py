@@ -137,3 +137,16 @@ def test_gflops_measurement_uses_the_injected_clock() -> None:
         TileComputer(1, use_gpu=False), target_s=0.02, n=64, clock=lambda: next(ticks)
     )
     assert gflops == pytest.approx(2 * 64**3 / 0.006 / 1e9)  # the median run
+
+
+def test_misaligned_half_precision_operands_in_turn_reuse_the_copies_correctly() -> None:
+    """bf16 operands off the 64-byte grid are copied into buffers the computer reuses:
+    tiles of several shapes in turn, each against plain torch on its own operands."""
+    computer = TileComputer(threads=1, use_gpu=False)
+    gen = torch.Generator().manual_seed(3)
+    for m, k, n in ((8, 16, 8), (32, 64, 48), (4, 8, 4), (32, 64, 48)):
+        flat = torch.randn(1 + m * k + k * n, generator=gen).to(torch.bfloat16)
+        a, b = flat[1 : 1 + m * k].view(m, k), flat[1 + m * k :].view(k, n)
+        assert a.data_ptr() % 64 != 0  # one element past the allocator's alignment
+        c = computer.compute("mm", a, b)
+        torch.testing.assert_close(c, a.clone() @ b.clone(), rtol=1.6e-2, atol=1e-2)
