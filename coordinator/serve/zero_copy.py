@@ -47,8 +47,13 @@ class _ZeroCopyProtocol(ServerProtocol):
     """websockets' server protocol, writing a large frame as header and payload."""
 
     def send_frame(self, frame: Frame) -> None:
-        payload = memoryview(frame.data)
-        if self.extensions or payload.nbytes < ZERO_COPY_FROM or not payload.c_contiguous:
+        # Most frames are small (heartbeats, acks, small tasks): len() decides for them
+        # without a memoryview made.
+        if (
+            self.extensions
+            or len(frame.data) < ZERO_COPY_FROM
+            or not (payload := memoryview(frame.data)).c_contiguous
+        ):
             super().send_frame(frame)
             return
         frame.check()  # as serializing it would
