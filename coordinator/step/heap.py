@@ -8,10 +8,13 @@ the coordinator's RSS climbed above what any step holds at once. ``malloc_trim``
 the free pages of every arena back; between steps, when the step's tensors are gone,
 is when most of the heap is free.
 
-Pages handed back are faulted in and zeroed again when the next step allocates, so the
-heap is trimmed only once its free memory passes a bound (``TRIM_ABOVE_BYTES``): a
-small model's step reuses what it freed at no cost, and no model's free memory grows
-past the bound.
+Pages handed back are faulted in and zeroed again when the next step allocates, and a
+step allocates again what the one before freed (its operand blocks, results and
+activations): faulting them in anew costs the kernel about as much as the copies that
+fill them. So the heap is trimmed only once its free memory passes both a bound
+(``TRIM_ABOVE_BYTES``) and the memory the heap has in use: a step's transients are kept
+for the next one, while no heap grows to more than half free, whatever fragmentation
+does over the steps.
 
 Elsewhere (macOS, Windows, musl) there is no ``malloc_trim`` and nothing is done.
 """
@@ -22,7 +25,7 @@ import ctypes
 import sys
 from collections.abc import Callable
 
-TRIM_ABOVE_BYTES = 256 << 20  # free heap memory kept rather than faulted in again
+TRIM_ABOVE_BYTES = 256 << 20  # free heap memory always kept rather than faulted in again
 
 
 class _MallInfo2(ctypes.Structure):
@@ -62,14 +65,21 @@ def free_heap_bytes() -> int | None:
     return None if _INFO is None else int(_INFO().fordblks)
 
 
-def release_free_memory(above_bytes: int = TRIM_ABOVE_BYTES) -> bool:
+def trim_due(free: int, in_use: int, above_bytes: int, up_to_in_use: bool) -> bool:
+    """Whether a heap with ``free`` and ``in_use`` bytes in its arenas is trimmed."""
+    return free > above_bytes and not (up_to_in_use and free <= in_use)
+
+
+def release_free_memory(above_bytes: int = TRIM_ABOVE_BYTES, *, up_to_in_use: bool = True) -> bool:
     """Return the heap's free pages to the system if more than ``above_bytes`` are free
-    (or the C library cannot say how many); True when it trimmed. (ctypes lets go of
-    the GIL for the call: the other threads run on meanwhile.)"""
+    and (with ``up_to_in_use``) more than the heap has in use, or if the C library cannot
+    say; True when it trimmed. (ctypes lets go of the GIL for the call: the other
+    threads run on meanwhile.)"""
     if _TRIM is None:
         return False
-    free = free_heap_bytes()
-    if free is not None and free <= above_bytes:
-        return False
+    if _INFO is not None:
+        info = _INFO()
+        if not trim_due(int(info.fordblks), int(info.uordblks), above_bytes, up_to_in_use):
+            return False
     _TRIM(0)
     return True
