@@ -223,44 +223,35 @@ class ZeroCopyConnection(ServerConnection, asyncio.BufferedProtocol):
 
     def _split(self, data: memoryview) -> None:
         """Hand websockets what it reads itself, in runs, and start reading a large
-        frame's payload where one begins."""
+        frame's payload where one begins. A small frame is skipped over whole: only its
+        header is looked at."""
         end = len(data)
-        at = 0
         run = 0  # data[run:at] is websockets'
+        if self._head:
+            start = self._finish_head(data)
+            if start is None:
+                return
+            run = start
+        at = run + self._passing  # past the rest of a frame websockets is reading
+        self._passing = 0
         while at < end:
-            if self._passing:
-                step = min(self._passing, end - at)
-                at += step
-                self._passing -= step
-                continue
-            if self._head:  # a header begun in the previous read
-                head = self._head
-                while True:
-                    size, length = frame_header(head) if len(head) >= 2 else (2, None)
-                    if length is not None or at == end:
-                        break
-                    take = min(size - len(head), end - at)
-                    head += data[at : at + take]
-                    at += take
-                if length is None:
-                    return
-                self._head = bytearray()
-                if self._take(bytes(head), length, data, at):
-                    at = min(end, at + length)
-                else:
-                    self.data_received(bytes(head))
-                    self._passing = length
-                run = at
-                continue
-            if end - at < 2:
-                size, length = 2, None
-            else:
-                size, length = frame_header(data[at : at + 14])
-            if length is None:  # the header goes on in the next read
+            length = 0
+            size = 2
+            if end - at >= 2:
+                second = data[at + 1]
+                length = second & 0x7F
+                size = (6 if second & 0x80 else 2) + (
+                    2 if length == 126 else 8 if length == 127 else 0
+                )
+            if end - at < size:  # the header goes on in the next read
                 if run < at:
                     self._feed(data[run:at])
                 self._head = bytearray(data[at:end])
                 return
+            if length == 126:
+                (length,) = struct.unpack_from("!H", data, at + 2)
+            elif length == 127:
+                (length,) = struct.unpack_from("!Q", data, at + 2)
             if length >= ZERO_COPY_FROM:
                 if run < at:
                     self._feed(data[run:at])
@@ -268,10 +259,33 @@ class ZeroCopyConnection(ServerConnection, asyncio.BufferedProtocol):
                 if self._take(data[at : at + size].tobytes(), length, data, at + size):
                     at = run = min(end, at + size + length)
                     continue
-            at += size
-            self._passing = length
+            at += size + length
+        self._passing = at - end if at > end else 0
         if run < end:
             self._feed(data[run:end])
+
+    def _finish_head(self, data: memoryview) -> int | None:
+        """Complete the header begun in an earlier read from the start of ``data``, and
+        take its frame or hand the header to websockets; where in ``data`` what follows
+        the header's frame begins (``_passing`` says how much of it is websockets'), or
+        None when ``data`` ended first."""
+        head = self._head
+        at = 0
+        while True:
+            size, length = frame_header(head) if len(head) >= 2 else (2, None)
+            if length is not None:
+                break
+            if at == len(data):
+                return None
+            take = min(size - len(head), len(data) - at)
+            head += data[at : at + take]
+            at += take
+        self._head = bytearray()
+        if self._take(bytes(head), length, data, at):
+            return min(len(data), at + length)
+        self.data_received(bytes(head))
+        self._passing = length
+        return at
 
     def _feed(self, data: memoryview) -> None:
         # websockets appends what it is given to its own buffer: a view of the chunk

@@ -143,11 +143,16 @@ CLOSE = _frame(Opcode.CLOSE, Close(1000, "bye").serialize())
 _P = {seed: _payload(size, seed) for seed, size in ((10, 10), (11, BIG + 4464), (12, BIG))}
 _P |= {seed: _payload(size, seed) for seed, size in ((13, BIG - 1), (14, 100_000), (15, 5))}
 _P |= {seed: _payload(size, seed) for seed, size in ((16, 80_000), (17, 1 << 20), (18, 3))}
+# A small frame whose payload reads on the wire as the header of a large one: a reader
+# that lost its place in the stream there would take what follows as that frame's.
+_DECOY_WIRE = _frame(Opcode.BINARY, bytes(70_000))[:14]
+DECOY = _frame(Opcode.BINARY, _DECOY_WIRE)[-14:]  # masking it again unmasks it
 GOOD = [
     _frame(Opcode.BINARY, _P[10]),
     _frame(Opcode.BINARY, _P[11]),  # 64-bit length
     _frame(Opcode.BINARY, _P[12]),
     _frame(Opcode.BINARY, _P[13]),  # 16-bit length, just under
+    _frame(Opcode.BINARY, DECOY),
     _frame(Opcode.PING, b"are you there"),
     _frame(Opcode.BINARY, _P[14], fin=False),
     _frame(Opcode.CONT, _P[15], fin=False),
@@ -155,7 +160,9 @@ GOOD = [
     _frame(Opcode.BINARY, _P[17]),
     _frame(Opcode.BINARY, _P[18]),
 ]
-GOOD_MESSAGES = [_P[10], _P[11], _P[12], _P[13], _P[14] + _P[15] + _P[16], _P[17], _P[18]]
+GOOD_MESSAGES = [_P[10], _P[11], _P[12], _P[13], DECOY]
+GOOD_MESSAGES += [_P[14] + _P[15] + _P[16], _P[17], _P[18]]
+GOOD_TAKEN = 5  # its data frames of ZERO_COPY_FROM bytes or more
 # Each stream: its frames, and whether the client ends it by closing its side mid-way.
 STREAMS: dict[str, tuple[list[bytes], int | None]] = {
     "good": (GOOD + [CLOSE], None),
@@ -217,12 +224,13 @@ class _Outcome:
 
 async def _play(
     connection: type[ServerConnection], frames: list[bytes], cuts: list[int], end_at: int | None
-) -> _Outcome:
+) -> tuple[_Outcome, int]:
     """Send the stream in pieces, each after the server read all before it; what the
-    server made of it."""
+    server made of it, and how many frames ZeroCopyConnection read itself."""
     outcome = _Outcome()
     done = asyncio.Event()
     read = [0]
+    taken = [0]
 
     class Counted(connection):  # type: ignore[valid-type,misc]
         def data_received(self, data: bytes) -> None:
@@ -233,6 +241,10 @@ async def _play(
         def buffer_updated(self, nbytes: int) -> None:
             read[0] += nbytes
             super().buffer_updated(nbytes)
+
+        def _deliver(self, payload: object) -> None:
+            taken[0] += 1
+            super()._deliver(payload)
 
     async def handler(ws: ServerConnection) -> None:
         try:
@@ -279,7 +291,7 @@ async def _play(
             writer.close()
         await asyncio.wait_for(done.wait(), WAIT_S)
         writer.close()
-    return outcome
+    return outcome, taken[0]
 
 
 @pytest.mark.parametrize("how", ["whole", "frames", "headers", "inside"])
@@ -287,10 +299,11 @@ async def _play(
 async def test_a_stream_ends_as_it_does_on_websockets_own_connection(name: str, how: str) -> None:
     frames, end_at = STREAMS[name]
     cuts = _cuts(frames, how)
-    theirs = await _play(ServerConnection, frames, cuts, end_at)
-    ours = await _play(ZeroCopyConnection, frames, cuts, end_at)
+    theirs, _ = await _play(ServerConnection, frames, cuts, end_at)
+    ours, taken = await _play(ZeroCopyConnection, frames, cuts, end_at)
     assert ours == theirs
     if name == "good":
+        assert taken == GOOD_TAKEN  # it kept its place in the stream throughout
         assert ours.digests == [_digest(m) for m in GOOD_MESSAGES]
         assert ours.closed == "clean" and ours.close_sent == (1000, "bye")
     else:
