@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python bench/bench_tile.py
 	$(BIN)/python bench/bench_wire.py
 	$(BIN)/python bench/bench_egress.py
+	$(BIN)/python bench/bench_ingress.py
 	$(BIN)/python bench/bench_verify.py
 	$(BIN)/python bench/bench_step.py
 
