@@ -141,6 +141,10 @@ class _Buffers(threading.local):
 _BUFFERS = _Buffers()
 
 
+# What _take and _room read of websockets' protocol, besides its state and extensions.
+_PROTOCOL_STATE = ("current_size", "max_message_size", "max_fragment_size", "parser", "reader")
+
+
 @dataclass(slots=True)
 class _Payload:
     """A large frame's payload being read into ``memory``."""
@@ -213,13 +217,15 @@ class ZeroCopyConnection(ServerConnection, asyncio.BufferedProtocol):
         """Whether websockets' parser waits for a frame's first byte with nothing
         buffered. RFC 6455 §4.1 has a client wait for the handshake's answer before it
         sends a frame, so it does, unless a client sent early; then websockets reads
-        that connection alone."""
-        if self.protocol.reader.buffer:
+        that connection alone. So it does too where its protocol is not laid out as this
+        class expects (websockets before the limits ``_room`` reads)."""
+        protocol = self.protocol
+        if not all(hasattr(protocol, name) for name in _PROTOCOL_STATE) or protocol.reader.buffer:
             return False
-        parser: Any = self.protocol.parser
-        while parser.gi_yieldfrom is not None:
+        parser: Any = protocol.parser
+        while getattr(parser, "gi_yieldfrom", None) is not None:
             parser = parser.gi_yieldfrom
-        return parser.gi_code is StreamReader.at_eof.__code__  # type: ignore[no-any-return]
+        return getattr(parser, "gi_code", None) is StreamReader.at_eof.__code__
 
     def _split(self, data: memoryview) -> None:
         """Hand websockets what it reads itself, in runs, and start reading a large

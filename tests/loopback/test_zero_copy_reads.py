@@ -109,6 +109,18 @@ async def test_every_message_a_client_sends_arrives_byte_for_byte(
     assert framing is True  # the frames were read by ZeroCopyConnection, not websockets
 
 
+async def test_websockets_reads_every_frame_where_its_protocol_is_laid_out_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An older websockets, without the limits the connection reads: it leaves the
+    frames to websockets, and every message still arrives."""
+    monkeypatch.setattr(zero_copy, "_PROTOCOL_STATE", ("max_size_of_another_version",))
+    messages = _client_messages()
+    got, framing = await asyncio.wait_for(_send_all(messages, None, None), 60)
+    assert got == [_digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]
+    assert framing is False
+
+
 # ---- a raw client: byte streams cut where the test says ----------------------------------
 
 HANDSHAKE = (
