@@ -35,6 +35,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
@@ -120,22 +121,23 @@ class _Buffers(threading.local):
         # While a read of ``chunk`` is handled: a read nested in that (TLS reads what
         # is left when websockets closes the transport) gets a chunk of its own.
         self.lent = False
-        self.kept: list[bytearray] = []
+        self.kept: list[np.ndarray] = []
 
-    def take(self, size: int) -> bytearray:
-        fits = [b for b in self.kept if len(b) >= size]
-        if not fits:
-            return bytearray(size)
-        best = min(fits, key=len)
-        self.kept.remove(best)
-        return best
+    def take(self, size: int) -> np.ndarray:
+        fits = [i for i, kept in enumerate(self.kept) if len(kept) >= size]
+        if fits:  # the smallest that fits
+            return self.kept.pop(min(fits, key=lambda i: len(self.kept[i])))
+        # Not a bytearray, which zeroes all its memory at once: a header alone would make
+        # the process hold what its frame says it will carry. This one's pages are held
+        # as the payload arrives, as websockets' own buffer grows.
+        return np.empty(size, dtype=np.uint8)
 
-    def give(self, buffer: bytearray) -> None:
+    def give(self, buffer: np.ndarray) -> None:
         if len(buffer) > KEPT_UP_TO:
             return
         self.kept.append(buffer)
         if len(self.kept) > KEPT_BUFFERS:
-            self.kept.remove(min(self.kept, key=len))
+            self.kept.pop(min(range(len(self.kept)), key=lambda i: len(self.kept[i])))
 
 
 _BUFFERS = _Buffers()
@@ -151,7 +153,7 @@ class _Payload:
 
     head: bytes  # the frame's header: its last four bytes are the mask
     length: int
-    memory: bytearray
+    memory: np.ndarray
     view: memoryview
     filled: int = 0
 
@@ -319,7 +321,7 @@ class ZeroCopyConnection(ServerConnection, asyncio.BufferedProtocol):
                 self._framing = False  # closing: the rest is websockets'
             return False
         memory = _BUFFERS.take(length)
-        payload = _Payload(head, length, memory, memoryview(memory)[:length])
+        payload = _Payload(head, length, memory, memory.data[:length])
         arrived = min(len(data) - at, length)
         payload.view[:arrived] = data[at : at + arrived]
         payload.filled = arrived

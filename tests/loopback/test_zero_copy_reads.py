@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from support.certs import self_signed
 from websockets.asyncio.client import connect
@@ -342,11 +343,22 @@ def test_payload_buffers_are_reused_within_bounds() -> None:
     assert buffers.take(90_000) is kept  # the smallest one that fits
     buffers.give(kept)
     assert len(buffers.take(200_000)) == 200_000  # none fits: a new one
-    assert buffers.kept == [kept]
+    assert len(buffers.kept) == 1 and buffers.kept[0] is kept
     huge = buffers.take(zero_copy.KEPT_UP_TO + 1)
     buffers.give(huge)
     assert all(b is not huge for b in buffers.kept)  # its memory goes back
     for n in range(zero_copy.KEPT_BUFFERS + 2):
-        buffers.give(bytearray(1000 + n))
+        buffers.give(np.empty(1000 + n, dtype=np.uint8))
     assert len(buffers.kept) == zero_copy.KEPT_BUFFERS
     assert any(b is kept for b in buffers.kept)  # the smallest were let go
+
+
+def test_a_frame_announced_is_not_held_in_memory_before_it_arrives() -> None:
+    """A header says how large its payload will be; the buffer for it takes memory only
+    as the payload arrives, so headers alone cannot make the coordinator hold memory."""
+    process = psutil.Process()
+    before = process.memory_info().rss
+    buffer = zero_copy._Buffers().take(256 << 20)
+    grew = process.memory_info().rss - before
+    assert len(buffer) == 256 << 20
+    assert grew < 64 << 20, f"{grew >> 20} MiB held for a payload not yet sent"
