@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.certs import self_signed
-from websockets.asyncio.client import connect
-from websockets.asyncio.server import ServerConnection, serve
+from support.certs import tls_contexts
+from support.zero_copy_pair import zero_copy_pair
+from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 
 from coordinator.serve import zero_copy
-from coordinator.serve.zero_copy import ZERO_COPY_FROM, ZeroCopyConnection
+from coordinator.serve.zero_copy import ZERO_COPY_FROM
 
 pytestmark = [pytest.mark.loopback, pytest.mark.timeout(60)]
 
@@ -76,35 +76,19 @@ async def _exchange(
             await ws.send(message)  # type: ignore[arg-type]
         await ws.close(1000, "done")
 
-    async with serve(
-        handler,
-        "127.0.0.1",
-        0,
-        ssl=server_tls,
-        compression=None,
-        max_size=None,
-        create_connection=ZeroCopyConnection,
-    ) as server:
-        port = server.sockets[0].getsockname()[1]
-        scheme = "wss" if client_tls else "ws"
-        received: list[bytes | str] = []
-        async with connect(
-            f"{scheme}://127.0.0.1:{port}", ssl=client_tls, compression=None, max_size=None
-        ) as ws:
-            async for message in ws:
-                received.append(message)
-        assert ws.close_code is not None
-        return received, ws.close_code, ws.close_reason or "", protocols[0]
+    received: list[bytes | str] = []
+    async with zero_copy_pair(handler, server_tls, client_tls) as ws:
+        async for message in ws:
+            received.append(message)
+    assert ws.close_code is not None
+    return received, ws.close_code, ws.close_reason or "", protocols[0]
 
 
 @pytest.mark.parametrize("tls", [False, True])
 async def test_every_message_arrives_byte_for_byte(tls: bool, tmp_path: Path) -> None:
     server_tls = client_tls = None
     if tls:
-        cert, key = self_signed(tmp_path)
-        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_tls.load_cert_chain(cert, key)
-        client_tls = ssl.create_default_context(cafile=str(cert))
+        server_tls, client_tls = tls_contexts(tmp_path)
     messages = _messages()
     received, code, reason, protocol = await asyncio.wait_for(
         _exchange(messages, server_tls, client_tls), 30

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from support.certs import self_signed
-from websockets.asyncio.client import connect
+from support.certs import tls_contexts
+from support.zero_copy_pair import zero_copy_pair
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import Close, Opcode
@@ -73,23 +73,10 @@ async def _send_all(
         framing.append(getattr(ws, "_framing", None))
         await ws.send("done")
 
-    async with serve(
-        handler,
-        "127.0.0.1",
-        0,
-        ssl=server_tls,
-        compression=None,
-        max_size=None,
-        create_connection=ZeroCopyConnection,
-    ) as server:
-        port = server.sockets[0].getsockname()[1]
-        scheme = "wss" if client_tls else "ws"
-        async with connect(
-            f"{scheme}://127.0.0.1:{port}", ssl=client_tls, compression=None, max_size=None
-        ) as ws:
-            for message in messages:
-                await ws.send(message)
-            assert await ws.recv() == "done"
+    async with zero_copy_pair(handler, server_tls, client_tls) as ws:
+        for message in messages:
+            await ws.send(message)
+        assert await ws.recv() == "done"
     return got, framing[0]
 
 
@@ -99,10 +86,7 @@ async def test_every_message_a_client_sends_arrives_byte_for_byte(
 ) -> None:
     server_tls = client_tls = None
     if tls:
-        cert, key = self_signed(tmp_path)
-        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_tls.load_cert_chain(cert, key)
-        client_tls = ssl.create_default_context(cafile=str(cert))
+        server_tls, client_tls = tls_contexts(tmp_path)
     messages = _client_messages()
     got, framing = await asyncio.wait_for(_send_all(messages, server_tls, client_tls), 60)
     expected = [_digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]

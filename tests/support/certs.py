@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from pathlib import Path
 
 from cryptography import x509
@@ -44,3 +45,11 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
         )
     )
     return cert_path, key_path
+
+
+def tls_contexts(tmp: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts for TLS on 127.0.0.1 with a certificate made in ``tmp``."""
+    cert, key = self_signed(tmp)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
