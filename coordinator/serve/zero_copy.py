@@ -94,19 +94,20 @@ class _ZeroCopyProtocol(ServerProtocol):
         self.writes.append(payload)  # type: ignore[arg-type]  # the transport takes any buffer
 
 
-def frame_header(head: bytes | bytearray | memoryview) -> tuple[int, int | None]:
-    """The length of the frame header that ``head`` starts with, and its payload's
-    length (None while ``head`` holds less than the whole header). ``head`` must hold
-    at least the first two bytes."""
-    second = head[1]
+def header_extent(data: bytes | bytearray | memoryview, at: int = 0) -> tuple[int, int | None]:
+    """The length of the frame header that starts at ``data[at]``, and its payload's
+    length (None while ``data`` ends before the header does)."""
+    if len(data) - at < 2:
+        return 2, None
+    second = data[at + 1]
     length = second & 0x7F
     size = 2 + (2 if length == 126 else 8 if length == 127 else 0) + (4 if second & 0x80 else 0)
-    if len(head) < size:
+    if len(data) - at < size:
         return size, None
     if length == 126:
-        (length,) = struct.unpack_from("!H", head, 2)
+        (length,) = struct.unpack_from("!H", data, at + 2)
     elif length == 127:
-        (length,) = struct.unpack_from("!Q", head, 2)
+        (length,) = struct.unpack_from("!Q", data, at + 2)
     return size, length
 
 
@@ -243,23 +244,12 @@ class ZeroCopyConnection(ServerConnection, asyncio.BufferedProtocol):
         at = run + self._passing  # past the rest of a frame websockets is reading
         self._passing = 0
         while at < end:
-            length = 0
-            size = 2
-            if end - at >= 2:
-                second = data[at + 1]
-                length = second & 0x7F
-                size = (6 if second & 0x80 else 2) + (
-                    2 if length == 126 else 8 if length == 127 else 0
-                )
-            if end - at < size:  # the header goes on in the next read
+            size, length = header_extent(data, at)
+            if length is None:  # the header goes on in the next read
                 if run < at:
                     self._feed(data[run:at])
                 self._head = bytearray(data[at:end])
                 return
-            if length == 126:
-                (length,) = struct.unpack_from("!H", data, at + 2)
-            elif length == 127:
-                (length,) = struct.unpack_from("!Q", data, at + 2)
             if length >= ZERO_COPY_FROM:
                 if run < at:
                     self._feed(data[run:at])
@@ -280,7 +270,7 @@ class ZeroCopyConnection(ServerConnection, asyncio.BufferedProtocol):
         head = self._head
         at = 0
         while True:
-            size, length = frame_header(head) if len(head) >= 2 else (2, None)
+            size, length = header_extent(head)
             if length is not None:
                 break
             if at == len(data):
