@@ -60,9 +60,13 @@ def _libc() -> tuple[Callable[[int], int] | None, Callable[[], _MallInfo2] | Non
 _TRIM, _INFO = _libc()
 
 
-def free_heap_bytes() -> int | None:
-    """Bytes free in the C heap's arenas; None where the C library cannot say."""
-    return None if _INFO is None else int(_INFO().fordblks)
+def heap_bytes() -> tuple[int, int] | None:
+    """Bytes free and bytes in use in the C heap's arenas; None where the C library
+    cannot say."""
+    if _INFO is None:
+        return None
+    info = _INFO()
+    return int(info.fordblks), int(info.uordblks)
 
 
 def trim_due(free: int, in_use: int, above_bytes: int, up_to_in_use: bool) -> bool:
@@ -77,9 +81,8 @@ def release_free_memory(above_bytes: int = TRIM_ABOVE_BYTES, *, up_to_in_use: bo
     threads run on meanwhile.)"""
     if _TRIM is None:
         return False
-    if _INFO is not None:
-        info = _INFO()
-        if not trim_due(int(info.fordblks), int(info.uordblks), above_bytes, up_to_in_use):
-            return False
+    heap = heap_bytes()
+    if heap is not None and not trim_due(*heap, above_bytes, up_to_in_use):
+        return False
     _TRIM(0)
     return True
