@@ -1,8 +1,8 @@
 """Buffers reused from call to call for a hot path's temporaries.
 
 A fresh tensor of a block's size is fresh memory: its pages are faulted in and zeroed
-when first written, which can cost as much as the work that fills them (the coordinator
-also hands its free heap back between steps). A ``Scratch`` keeps one buffer per key,
+when first written, which can cost as much as the work that fills them (and the
+coordinator may hand its free heap back between steps). A ``Scratch`` keeps one buffer per key,
 grown when a larger one is asked for; what it hands out is valid until the next
 ``take`` of the same key. Not thread-safe: one per thread.
 """

@@ -113,7 +113,9 @@ def header_extent(data: bytes | bytearray | memoryview, at: int = 0) -> tuple[in
 
 class _Buffers(threading.local):
     """Per event-loop thread: the chunk the socket is read into, and payload buffers
-    kept for reuse (their memory is faulted in already)."""
+    kept for reuse (their memory is faulted in already). A pool, not a
+    ``common.scratch.Scratch``: several connections may each be midway through a payload,
+    and only a few buffers are kept, whatever the number of connections."""
 
     def __init__(self) -> None:
         # A view, never the bytearray itself: asyncio's TLS layer fills the rest of a
