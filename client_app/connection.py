@@ -1,8 +1,9 @@
 """The worker's WebSocket to its coordinator: opening it, sending on it, closing it.
 
 Thin wrappers over websockets that hold what the pump must not forget: no compression
-(DESIGN §3), a stop that does not wait out the open timeout, and the teardown race
-after a close with code 1009 (DESIGN §6).
+(DESIGN §3), large frames read without websockets' copies (``common.frame_reads``), a
+stop that does not wait out the open timeout, and the teardown race after a close with
+code 1009 (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.protocol import State
 
+from common.frame_reads import FrameReads
+
 log = logging.getLogger("client_app.worker")  # the pump's log, as it has always been
 
 PING_INTERVAL_S = 20.0
 OPEN_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
+
+
+class DirectReadConnection(FrameReads, ClientConnection):
+    """websockets' client connection, reading a large frame (a task's operands) straight
+    into a buffer of its size rather than through websockets' copies."""
 
 
 async def open_connection(
@@ -39,6 +47,7 @@ async def open_connection(
             ping_interval=PING_INTERVAL_S,
             open_timeout=OPEN_TIMEOUT_S,
             close_timeout=CLOSE_TIMEOUT_S,
+            create_connection=DirectReadConnection,
         )
     )
     # A stop must not wait out the open timeout of an unresponsive host.

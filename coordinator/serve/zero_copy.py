@@ -14,47 +14,23 @@ The transport may hold on to a payload (TLS encrypts it later), so what the coor
 sends must not change once handed over: operand blocks are never written after they are
 cut, and headers and batches are new bytes.
 
-On the way in, websockets appends every chunk the socket returns to one growing buffer,
-slices each frame's payload out of it, and unmasks the slice into new bytes: three
-copies of every result byte on the event loop. ``ZeroCopyConnection`` is a
-``BufferedProtocol``: it reads each frame's header itself, and a data frame of
-``ZERO_COPY_FROM`` bytes or more is read by the socket (or the TLS layer) straight into
-a buffer of its size, then unmasked into the bytes websockets hands on. Every other
-frame, and everything before the handshake ends, passes to websockets as it came, so
-the checks and errors on those are websockets' own. It takes a frame only where
-websockets would accept it as it is (masked, no reserved bits or extensions, within the
-size limits, a continuation only inside a message) and gives it to websockets' protocol
-as a parsed frame.
+On the way in, a large frame's payload is read straight into a buffer of its size
+(``common.frame_reads``), as on the worker's end.
 """
 
 from __future__ import annotations
 
-import asyncio
 import struct
-import threading
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from websockets.asyncio.server import ServerConnection
-from websockets.frames import Frame, Opcode
-from websockets.protocol import State
+from websockets.frames import Frame
 from websockets.server import ServerProtocol
-from websockets.streams import StreamReader
 
-try:
-    from websockets.speedups import apply_mask
-except ImportError:  # websockets built without its C extension
-    from websockets.utils import apply_mask
+from common.frame_reads import FrameReads
 
 # Below this a frame's copy costs less than the second write (a system call) it saves.
 ZERO_COPY_FROM = 1 << 16
-# What the socket is read into between large payloads (asyncio's own read size).
-CHUNK = 1 << 18
-# Payload buffers kept for reuse per thread (a fresh one is faulted in page by page), and
-# the largest kept: a rare huge frame must not hold its memory for good.
-KEPT_BUFFERS = 4
-KEPT_UP_TO = 16 << 20
 
 
 def frame_head(frame: Frame, length: int) -> bytes:
@@ -94,267 +70,12 @@ class _ZeroCopyProtocol(ServerProtocol):
         self.writes.append(payload)  # type: ignore[arg-type]  # the transport takes any buffer
 
 
-def header_extent(data: bytes | bytearray | memoryview, at: int = 0) -> tuple[int, int | None]:
-    """The length of the frame header that starts at ``data[at]``, and its payload's
-    length (None while ``data`` ends before the header does)."""
-    if len(data) - at < 2:
-        return 2, None
-    second = data[at + 1]
-    length = second & 0x7F
-    size = 2 + (2 if length == 126 else 8 if length == 127 else 0) + (4 if second & 0x80 else 0)
-    if len(data) - at < size:
-        return size, None
-    if length == 126:
-        (length,) = struct.unpack_from("!H", data, at + 2)
-    elif length == 127:
-        (length,) = struct.unpack_from("!Q", data, at + 2)
-    return size, length
-
-
-class _Buffers(threading.local):
-    """Per event-loop thread: the chunk the socket is read into, and payload buffers
-    kept for reuse (their memory is faulted in already). A pool, not a
-    ``common.scratch.Scratch``: several connections may each be midway through a payload,
-    and only a few buffers are kept, whatever the number of connections."""
-
-    def __init__(self) -> None:
-        # A view, never the bytearray itself: asyncio's TLS layer fills the rest of a
-        # read buffer through a slice of it, and a bytearray's slice is a copy.
-        self.chunk = memoryview(bytearray(CHUNK))
-        # While a read of ``chunk`` is handled: a read nested in that (TLS reads what
-        # is left when websockets closes the transport) gets a chunk of its own.
-        self.lent = False
-        self.kept: list[np.ndarray] = []
-
-    def take(self, size: int) -> np.ndarray:
-        fits = [i for i, kept in enumerate(self.kept) if len(kept) >= size]
-        if fits:  # the smallest that fits
-            return self.kept.pop(min(fits, key=lambda i: len(self.kept[i])))
-        # Not a bytearray, which zeroes all its memory at once: a header alone would make
-        # the process hold what its frame says it will carry. This one's pages are held
-        # as the payload arrives, as websockets' own buffer grows.
-        return np.empty(size, dtype=np.uint8)
-
-    def give(self, buffer: np.ndarray) -> None:
-        if len(buffer) > KEPT_UP_TO:
-            return
-        self.kept.append(buffer)
-        if len(self.kept) > KEPT_BUFFERS:
-            self.kept.pop(min(range(len(self.kept)), key=lambda i: len(self.kept[i])))
-
-
-_BUFFERS = _Buffers()
-
-
-# What _take and _room read of websockets' protocol, besides its state and extensions.
-_PROTOCOL_STATE = ("current_size", "max_message_size", "max_fragment_size", "parser", "reader")
-
-
-@dataclass(slots=True)
-class _Payload:
-    """A large frame's payload being read into ``memory``."""
-
-    head: bytes  # the frame's header: its last four bytes are the mask
-    length: int
-    memory: np.ndarray
-    view: memoryview
-    filled: int = 0
-
-
-class ZeroCopyConnection(ServerConnection, asyncio.BufferedProtocol):
+class ZeroCopyConnection(FrameReads, ServerConnection):
     """``serve(create_connection=ZeroCopyConnection)``. websockets builds each
     connection's protocol itself, so the protocol's class is swapped here for one that
     writes large frames without copying them (it adds no state of its own); the reads
-    are this class's, as a ``BufferedProtocol``."""
+    are ``FrameReads``'."""
 
     def __init__(self, protocol: ServerProtocol, *args: Any, **kwargs: Any) -> None:
         protocol.__class__ = _ZeroCopyProtocol
         super().__init__(protocol, *args, **kwargs)
-        # None until the handshake is over, then whether this class reads the frames.
-        self._framing: bool | None = None
-        self._head = bytearray()  # a header split across reads
-        self._passing = 0  # bytes of the current frame still to hand to websockets
-        self._payload: _Payload | None = None
-        self._chunk = _BUFFERS.chunk  # what the last get_buffer handed out
-
-    # ---- asyncio.BufferedProtocol ------------------------------------------------------
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        payload = self._payload
-        if payload is not None:
-            return payload.view[payload.filled :]
-        self._chunk = memoryview(bytearray(CHUNK)) if _BUFFERS.lent else _BUFFERS.chunk
-        return self._chunk
-
-    def buffer_updated(self, nbytes: int) -> None:
-        payload = self._payload
-        if payload is not None:
-            payload.filled += nbytes
-            if payload.filled == payload.length:
-                self._deliver(payload)
-            return
-        chunk = self._chunk
-        shared = chunk is _BUFFERS.chunk
-        _BUFFERS.lent |= shared
-        try:
-            data = chunk[:nbytes]
-            if self._framing is None and self.protocol.state is not State.CONNECTING:
-                self._framing = self.protocol.state is State.OPEN and self._at_frame_start()
-            if self._framing:
-                self._split(data)
-            else:
-                self.data_received(bytes(data))
-        finally:
-            if shared:
-                _BUFFERS.lent = False
-
-    def eof_received(self) -> None:
-        self._hand_over_partial()
-        super().eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._hand_over_partial()
-        super().connection_lost(exc)
-
-    # ---- framing ---------------------------------------------------------------------
-
-    def _at_frame_start(self) -> bool:
-        """Whether websockets' parser waits for a frame's first byte with nothing
-        buffered. RFC 6455 §4.1 has a client wait for the handshake's answer before it
-        sends a frame, so it does, unless a client sent early; then websockets reads
-        that connection alone. So it does too where its protocol is not laid out as this
-        class expects (websockets before the limits ``_room`` reads)."""
-        protocol = self.protocol
-        if not all(hasattr(protocol, name) for name in _PROTOCOL_STATE) or protocol.reader.buffer:
-            return False
-        parser: Any = protocol.parser
-        while getattr(parser, "gi_yieldfrom", None) is not None:
-            parser = parser.gi_yieldfrom
-        return getattr(parser, "gi_code", None) is StreamReader.at_eof.__code__
-
-    def _split(self, data: memoryview) -> None:
-        """Hand websockets what it reads itself, in runs, and start reading a large
-        frame's payload where one begins. A small frame is skipped over whole: only its
-        header is looked at."""
-        end = len(data)
-        run = 0  # data[run:at] is websockets'
-        if self._head:
-            start = self._finish_head(data)
-            if start is None:
-                return
-            run = start
-        at = run + self._passing  # past the rest of a frame websockets is reading
-        self._passing = 0
-        while at < end:
-            size, length = header_extent(data, at)
-            if length is None:  # the header goes on in the next read
-                if run < at:
-                    self._feed(data[run:at])
-                self._head = bytearray(data[at:end])
-                return
-            if length >= ZERO_COPY_FROM:
-                if run < at:
-                    self._feed(data[run:at])
-                run = at
-                if self._take(data[at : at + size].tobytes(), length, data, at + size):
-                    at = run = min(end, at + size + length)
-                    continue
-            at += size + length
-        self._passing = at - end if at > end else 0
-        if run < end:
-            self._feed(data[run:end])
-
-    def _finish_head(self, data: memoryview) -> int | None:
-        """Complete the header begun in an earlier read from the start of ``data``, and
-        take its frame or hand the header to websockets; where in ``data`` what follows
-        the header's frame begins (``_passing`` says how much of it is websockets'), or
-        None when ``data`` ended first."""
-        head = self._head
-        at = 0
-        while True:
-            size, length = header_extent(head)
-            if length is not None:
-                break
-            if at == len(data):
-                return None
-            take = min(size - len(head), len(data) - at)
-            head += data[at : at + take]
-            at += take
-        self._head = bytearray()
-        if self._take(bytes(head), length, data, at):
-            return min(len(data), at + length)
-        self.data_received(bytes(head))
-        self._passing = length
-        return at
-
-    def _feed(self, data: memoryview) -> None:
-        # websockets appends what it is given to its own buffer: a view of the chunk
-        # read will do.
-        self.data_received(data)  # type: ignore[arg-type]
-
-    def _take(self, head: bytes, length: int, data: memoryview, at: int) -> bool:
-        """Start reading the payload of the frame ``head`` heads (the part of it that
-        ``data[at:]`` holds is copied in now), if it is one for this class to read:
-        large, a data frame, and one websockets would accept."""
-        protocol = self.protocol
-        first, second = head[0], head[1]
-        opcode = first & 0x0F
-        if (
-            length < ZERO_COPY_FROM
-            or protocol.state is not State.OPEN
-            or protocol.extensions
-            or first & 0x70  # reserved bits
-            or not second & 0x80  # a client's frames are masked
-            or opcode not in (Opcode.BINARY, Opcode.CONT)
-            or (opcode == Opcode.CONT) != (protocol.current_size is not None)
-            or length > self._room()
-        ):
-            if protocol.state is not State.OPEN:
-                self._framing = False  # closing: the rest is websockets'
-            return False
-        memory = _BUFFERS.take(length)
-        payload = _Payload(head, length, memory, memory.data[:length])
-        arrived = min(len(data) - at, length)
-        payload.view[:arrived] = data[at : at + arrived]
-        payload.filled = arrived
-        if arrived == length:
-            self._deliver(payload)
-        else:
-            self._payload = payload
-        return True
-
-    def _room(self) -> int:
-        """The largest payload websockets would accept now (as its parser works it out)."""
-        protocol = self.protocol
-        room = 1 << 63
-        if protocol.max_message_size is not None:
-            room = protocol.max_message_size - (protocol.current_size or 0)
-        if protocol.max_fragment_size is not None:
-            room = min(room, protocol.max_fragment_size)
-        return room
-
-    def _deliver(self, payload: _Payload) -> None:
-        self._payload = None
-        head = payload.head
-        data = apply_mask(payload.view, head[-4:])
-        _BUFFERS.give(payload.memory)
-        frame = Frame(Opcode(head[0] & 0x0F), data, bool(head[0] & 0x80))
-        if self.debug:
-            self.logger.debug("< %s", frame)
-        # _take checked all that recv_frame would raise for on a data frame.
-        self.protocol.recv_frame(frame)
-        # websockets' own handling of what the frame produced, as after any read.
-        self.data_received(b"")
-
-    def _hand_over_partial(self) -> None:
-        """At the end of the stream, give websockets what it has not seen of a frame cut
-        short, so that it ends the connection as it would have."""
-        partial: bytes | bytearray = self._head
-        if (payload := self._payload) is not None:
-            partial = payload.head + payload.view[: payload.filled]
-            _BUFFERS.give(payload.memory)
-        self._payload = None
-        self._head = bytearray()
-        self._framing = False
-        if partial and not self.protocol.reader.eof:
-            self.protocol.receive_data(partial)

@@ -1,5 +1,5 @@
 """The coordinator's WebSocket connections read a large frame's payload straight into a
-buffer of its size (coordinator.serve.zero_copy), and hand every other frame to
+buffer of its size (common.frame_reads), and hand every other frame to
 websockets. On 127.0.0.1, plain and TLS: a stock websockets client's messages arrive
 byte for byte; and a raw client's byte streams, cut at every kind of place (inside a
 header, a mask, a payload, at frame boundaries), good and bad, end exactly as they do on
@@ -25,7 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import Close, Opcode
 from websockets.server import ServerProtocol
 
-from coordinator.serve import zero_copy
+from common import frame_reads
 from coordinator.serve.zero_copy import ZERO_COPY_FROM, ZeroCopyConnection
 
 pytestmark = [pytest.mark.loopback, pytest.mark.timeout(120)]
@@ -99,7 +99,7 @@ async def test_websockets_reads_every_frame_where_its_protocol_is_laid_out_other
 ) -> None:
     """An older websockets, without the limits the connection reads: it leaves the
     frames to websockets, and every message still arrives."""
-    monkeypatch.setattr(zero_copy, "_PROTOCOL_STATE", ("max_size_of_another_version",))
+    monkeypatch.setattr(frame_reads, "_PROTOCOL_STATE", ("max_size_of_another_version",))
     messages = _client_messages()
     got, framing = await asyncio.wait_for(_send_all(messages, None, None), 60)
     assert got == [_digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]
@@ -324,19 +324,19 @@ async def test_a_read_nested_in_handling_a_read_gets_its_own_buffer() -> None:
 
 
 def test_payload_buffers_are_reused_within_bounds() -> None:
-    buffers = zero_copy._Buffers()
+    buffers = frame_reads._Buffers()
     kept = buffers.take(100_000)
     buffers.give(kept)
     assert buffers.take(90_000) is kept  # the smallest one that fits
     buffers.give(kept)
     assert len(buffers.take(200_000)) == 200_000  # none fits: a new one
     assert len(buffers.kept) == 1 and buffers.kept[0] is kept
-    huge = buffers.take(zero_copy.KEPT_UP_TO + 1)
+    huge = buffers.take(frame_reads.KEPT_UP_TO + 1)
     buffers.give(huge)
     assert all(b is not huge for b in buffers.kept)  # its memory goes back
-    for n in range(zero_copy.KEPT_BUFFERS + 2):
+    for n in range(frame_reads.KEPT_BUFFERS + 2):
         buffers.give(np.empty(1000 + n, dtype=np.uint8))
-    assert len(buffers.kept) == zero_copy.KEPT_BUFFERS
+    assert len(buffers.kept) == frame_reads.KEPT_BUFFERS
     assert any(b is kept for b in buffers.kept)  # the smallest were let go
 
 
@@ -345,7 +345,7 @@ def test_a_frame_announced_is_not_held_in_memory_before_it_arrives() -> None:
     as the payload arrives, so headers alone cannot make the coordinator hold memory."""
     process = psutil.Process()
     before = process.memory_info().rss
-    buffer = zero_copy._Buffers().take(256 << 20)
+    buffer = frame_reads._Buffers().take(256 << 20)
     grew = process.memory_info().rss - before
     assert len(buffer) == 256 << 20
     assert grew < 64 << 20, f"{grew >> 20} MiB held for a payload not yet sent"
