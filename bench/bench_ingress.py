@@ -5,9 +5,11 @@ Cleave's (``common.frame_reads``), on both ends:
   result's size (an fp32 side x side tile) as fast as the server takes them; this
   process serves them, first with websockets' ``ServerConnection``, then with the
   coordinator's ``ZeroCopyConnection``;
-- coordinator -> worker operands: a server subprocess sends messages of one operand
-  block's size; this process receives them, first with websockets' ``ClientConnection``,
-  then with the worker's ``DirectReadConnection``.
+- coordinator -> worker tasks: a server subprocess (the coordinator's connection) sends
+  tasks as the coordinator does, a header and two operand blocks as fragments of one
+  message, the blocks together an fp32 side x side tile's size; this process receives
+  them, first with websockets' ``ClientConnection``, then with the worker's
+  ``DirectReadConnection``.
 
 This process counts its own CPU time from the first message to the last (the other
 end's CPU is not counted). Runs alternate and the best of each counts, since this
@@ -36,6 +38,7 @@ from client_app.connection import DirectReadConnection  # noqa: E402
 from coordinator.serve.zero_copy import ZeroCopyConnection  # noqa: E402
 
 SIDES = (64, 256, 512, 1024)
+TASK_HEAD_BYTES = 400  # a task's header, before its operands
 
 
 def _message(size: int) -> bytes:
@@ -81,12 +84,14 @@ async def _receive_all(connection: type[ServerConnection], size: int, count: int
 
 def _server(ports: Any, size: int, count: int) -> None:
     async def main() -> None:
-        payload = _message(size)
+        # As the coordinator sends a task: its header, then its two operand blocks, each
+        # a fragment of one message (common.frames.FrameParts).
+        task = [bytes(TASK_HEAD_BYTES), _message(size // 2), _message(size - size // 2)]
         finished = asyncio.Event()
 
         async def handler(ws: ServerConnection) -> None:
             for _ in range(count):
-                await ws.send(payload)
+                await ws.send(task)
             await ws.recv()
             finished.set()
 
@@ -110,7 +115,7 @@ async def _take_all(connection: type[ClientConnection], size: int, count: int) -
         await ws.recv()  # the first message starts the clock: a warm connection
         start = time.process_time()
         for _ in range(count - 1):
-            if len(await ws.recv()) != size:
+            if len(await ws.recv()) != size + TASK_HEAD_BYTES:
                 raise AssertionError("a message arrived cut")
         spent = time.process_time() - start
         await ws.send("done")
@@ -153,8 +158,8 @@ def run(quick: bool, repeat: int) -> None:
     )
     print()
     _table(
-        "operand (fp32)",
-        "worker receiving operands",
+        "operands (fp32)",
+        "worker receiving tasks",
         repeat,
         quick,
         lambda cleave, size, count: _take_all(

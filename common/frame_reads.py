@@ -106,7 +106,7 @@ class _Payload:
 
     head: bytes  # the frame's header: its last four bytes are the mask, if it is masked
     length: int
-    memory: np.ndarray
+    memory: np.ndarray | None  # None: the payload came whole in one read, ``view`` is there
     view: memoryview
     filled: int = 0
 
@@ -131,20 +131,24 @@ class FrameReads(asyncio.BufferedProtocol):
         self._head = bytearray()  # a header split across reads
         self._passing = 0  # bytes of the current frame still to hand to websockets
         self._payload: _Payload | None = None
+        self._direct = False  # whether get_buffer handed out the payload's own memory
         self._chunk = _BUFFERS.chunk  # what the last get_buffer handed out
 
     # ---- asyncio.BufferedProtocol ------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
         payload = self._payload
-        if payload is not None:
+        # The rest of a large payload is read where it goes. A short rest is read into
+        # the chunk with what follows it, and copied: one system call, not two.
+        self._direct = payload is not None and payload.length - payload.filled >= CHUNK
+        if payload is not None and self._direct:
             return payload.view[payload.filled :]
         self._chunk = memoryview(bytearray(CHUNK)) if _BUFFERS.lent else _BUFFERS.chunk
         return self._chunk
 
     def buffer_updated(self, nbytes: int) -> None:
         payload = self._payload
-        if payload is not None:
+        if payload is not None and self._direct:
             payload.filled += nbytes
             if payload.filled == payload.length:
                 self._deliver(payload)
@@ -154,11 +158,19 @@ class FrameReads(asyncio.BufferedProtocol):
         _BUFFERS.lent |= shared
         try:
             data = chunk[:nbytes]
+            if payload is not None:
+                taken = min(nbytes, payload.length - payload.filled)
+                payload.view[payload.filled : payload.filled + taken] = data[:taken]
+                payload.filled += taken
+                if payload.filled < payload.length:
+                    return
+                self._deliver(payload)
+                data = data[taken:]
             if self._framing is None and self.protocol.state is not State.CONNECTING:
                 self._framing = self._at_frame_start()
             if self._framing:
                 self._split(data)
-            else:
+            elif data:
                 self.data_received(bytes(data))
         finally:
             if shared:
@@ -273,15 +285,14 @@ class FrameReads(asyncio.BufferedProtocol):
             if protocol.state is not State.OPEN:
                 self._framing = False  # closing: the rest is websockets'
             return False
+        if len(data) - at >= length:  # all in this read: unmasked or copied from there
+            self._deliver(_Payload(head, length, None, data[at : at + length], length))
+            return True
         memory = _BUFFERS.take(length)
         payload = _Payload(head, length, memory, memory.data[:length])
-        arrived = min(len(data) - at, length)
-        payload.view[:arrived] = data[at : at + arrived]
-        payload.filled = arrived
-        if arrived == length:
-            self._deliver(payload)
-        else:
-            self._payload = payload
+        payload.view[: len(data) - at] = data[at:]
+        payload.filled = len(data) - at
+        self._payload = payload
         return True
 
     def _room(self) -> int:
@@ -300,7 +311,8 @@ class FrameReads(asyncio.BufferedProtocol):
         # A client's frame is unmasked into new bytes; a server's is copied into them
         # once (websockets' receiver then hands a one-frame message on as it is).
         data = apply_mask(payload.view, head[-4:]) if head[1] & 0x80 else bytes(payload.view)
-        _BUFFERS.give(payload.memory)
+        if payload.memory is not None:
+            _BUFFERS.give(payload.memory)
         frame = Frame(Opcode(head[0] & 0x0F), data, bool(head[0] & 0x80))
         if self.debug:
             self.logger.debug("< %s", frame)
@@ -313,7 +325,7 @@ class FrameReads(asyncio.BufferedProtocol):
         """At the end of the stream, give websockets what it has not seen of a frame cut
         short, so that it ends the connection as it would have."""
         partial: bytes | bytearray = self._head
-        if (payload := self._payload) is not None:
+        if (payload := self._payload) is not None and payload.memory is not None:
             partial = payload.head + payload.view[: payload.filled]
             _BUFFERS.give(payload.memory)
         self._payload = None
