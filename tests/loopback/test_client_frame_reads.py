@@ -20,13 +20,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
+from support import ws_streams
 from support.certs import tls_contexts
+from support.ws_streams import digest, payload
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
-from websockets.frames import Close, Opcode
+from websockets.frames import Opcode
 
 from client_app.connection import DirectReadConnection, close_quietly, open_connection
 from common.frame_reads import READ_DIRECT_FROM
@@ -39,112 +40,19 @@ WAIT_S = 20.0
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 §1.3
 
 
-def _payload(size: int, seed: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
-def _digest(message: bytes | str) -> str:
-    return hashlib.sha256(message if isinstance(message, bytes) else message.encode()).hexdigest()
-
-
 # ---- a raw server: byte streams cut where the test says ----------------------------------
 
 
 def _frame(
     opcode: Opcode, data: bytes, fin: bool = True, *, masked: bool = False, rsv1: bool = False
 ) -> bytes:
-    """A server's frame as RFC 6455 §5.2 lays it out (unmasked), also one websockets would
-    refuse to build or to take from a server (masked)."""
-    first = (0x80 if fin else 0) | (0x40 if rsv1 else 0) | opcode
-    bit = 0x80 if masked else 0
-    n = len(data)
-    if n < 126:
-        head = struct.pack("!BB", first, bit | n)
-    elif n < 1 << 16:
-        head = struct.pack("!BBH", first, bit | 126, n)
-    else:
-        head = struct.pack("!BBQ", first, bit | 127, n)
-    if not masked:
-        return head + data
-    mask = bytes([0x3C, 0xA5, 0x0F, 0x96])
-    flat = np.frombuffer(data, dtype=np.uint8)
-    keys = np.resize(np.frombuffer(mask, dtype=np.uint8), n)
-    return head + mask + (flat ^ keys).tobytes()
+    """A server's frame (unmasked unless told)."""
+    return ws_streams.frame(opcode, data, fin, masked=masked, rsv1=rsv1)
 
 
-CLOSE = _frame(Opcode.CLOSE, Close(1000, "bye").serialize())
-_P = {seed: _payload(size, seed) for seed, size in ((10, 10), (11, BIG + 4464), (12, BIG))}
-_P |= {seed: _payload(size, seed) for seed, size in ((13, BIG - 1), (14, 100_000), (15, 5))}
-_P |= {seed: _payload(size, seed) for seed, size in ((16, 80_000), (17, 1 << 20), (18, 3))}
-# A small frame whose payload is, byte for byte, the header of a large one: a reader that
-# lost its place in the stream there would take what follows as that frame's payload.
-DECOY = _frame(Opcode.BINARY, bytes(70_000))[:10]
-GOOD = [
-    _frame(Opcode.BINARY, _P[10]),
-    _frame(Opcode.BINARY, _P[11]),  # 64-bit length
-    _frame(Opcode.BINARY, _P[12]),
-    _frame(Opcode.BINARY, _P[13]),  # 16-bit length, just under
-    _frame(Opcode.BINARY, DECOY),
-    _frame(Opcode.PING, b"are you there"),
-    _frame(Opcode.BINARY, _P[14], fin=False),
-    _frame(Opcode.CONT, _P[15], fin=False),
-    _frame(Opcode.CONT, _P[16]),
-    _frame(Opcode.BINARY, _P[17]),
-    _frame(Opcode.BINARY, _P[18]),
-]
-GOOD_MESSAGES = [_P[10], _P[11], _P[12], _P[13], DECOY]
-GOOD_MESSAGES += [_P[14] + _P[15] + _P[16], _P[17], _P[18]]
-GOOD_TAKEN = 5  # its data frames of READ_DIRECT_FROM bytes or more
-# Each stream: its frames, and where the server hangs up inside it (None: at its end).
-STREAMS: dict[str, tuple[list[bytes], int | None]] = {
-    "good": (GOOD + [CLOSE], None),
-    "over max_size": ([GOOD[0], _frame(Opcode.BINARY, _payload(MAX_SIZE + 1, 20))], None),
-    "message over max_size": (
-        [
-            _frame(Opcode.BINARY, _payload(MAX_SIZE - BIG, 21), fin=False),
-            _frame(Opcode.CONT, _payload(BIG + 1, 22)),
-        ],
-        None,
-    ),
-    "masked": ([GOOD[0], _frame(Opcode.BINARY, _payload(BIG, 23), masked=True)], None),
-    "continuation first": ([_frame(Opcode.CONT, _payload(BIG, 24))], None),
-    "new message inside a message": (
-        [
-            _frame(Opcode.BINARY, _payload(5, 25), fin=False),
-            _frame(Opcode.BINARY, _payload(BIG, 26)),
-        ],
-        None,
-    ),
-    "reserved bit": ([_frame(Opcode.BINARY, _payload(BIG, 27), rsv1=True)], None),
-    "large text": ([_frame(Opcode.TEXT, b"x" * BIG)], None),
-    "large control frame": ([_frame(Opcode.PING, _payload(BIG, 28))], None),
-    # GOOD[1]'s header is 10 bytes long.
-    "ends inside a payload": ([GOOD[0], GOOD[1]], len(GOOD[0]) + 1000),
-    "ends inside a header": ([GOOD[0], GOOD[1]], len(GOOD[0]) + 5),
-    "ends after a header": ([GOOD[0], GOOD[1]], len(GOOD[0]) + 10),
-}
-
-
-def _cuts(frames: Sequence[bytes], how: str) -> list[int]:
-    """Offsets in the stream of ``frames`` where the server waits for the client to
-    have read everything before it sends on."""
-    if how == "whole":
-        return []
-    cuts: list[int] = []
-    start = 0
-    for frame in frames:
-        header = 2 + (2 if frame[1] & 0x7F == 126 else 8 if frame[1] & 0x7F == 127 else 0)
-        header += 4 if frame[1] & 0x80 else 0
-        if how == "frames":
-            cuts.append(start)
-        elif how == "headers":  # a header completed inside a read that goes on
-            cuts += [start + 1, start + 3]
-        else:  # "inside": after one byte, inside the length, the mask, the payload
-            for at in (1, 2, 3, header - 2, header, header + 1, header + 1000):
-                if at < len(frame):
-                    cuts.append(start + at)
-        start += len(frame)
-    return sorted(set(c for c in cuts if 0 < c < start))
+_SIDE = ws_streams.streams(masked=False, big=BIG, max_size=MAX_SIZE)
+STREAMS, GOOD_MESSAGES, _P, CLOSE = _SIDE.streams, _SIDE.good_messages, _SIDE.payloads, _SIDE.close
+GOOD_TAKEN = ws_streams.GOOD_TAKEN
 
 
 def _switching_protocols(request: bytes) -> bytes:
@@ -224,7 +132,7 @@ class _Session:
         outcome = self.outcome
         try:
             async for message in ws:
-                outcome.digests.append(_digest(message))
+                outcome.digests.append(digest(message))
         except ConnectionClosed as exc:
             outcome.closed = type(exc).__name__
         else:
@@ -316,13 +224,13 @@ async def _play(
 @pytest.mark.parametrize("name", list(STREAMS))
 async def test_a_stream_ends_as_it_does_on_websockets_own_connection(name: str, how: str) -> None:
     frames, end_at = STREAMS[name]
-    cuts = _cuts(frames, how)
+    cuts = ws_streams.cuts(frames, how)
     theirs, _ = await _play(ClientConnection, frames, cuts, end_at)
     ours, taken = await _play(DirectReadConnection, frames, cuts, end_at)
     assert ours == theirs
     if name == "good":
         assert taken == GOOD_TAKEN  # it kept its place in the stream throughout
-        assert ours.digests == [_digest(m) for m in GOOD_MESSAGES]
+        assert ours.digests == [digest(m) for m in GOOD_MESSAGES]
         assert ours.closed == "clean" and ours.close_sent == (1000, "bye")
     else:
         assert ours.closed == "ConnectionClosedError"
@@ -350,7 +258,7 @@ async def test_frames_in_the_read_of_the_101_arrive_and_the_reader_takes_over_af
         framings.append(getattr(session.conn, "_framing", None))
         await session.send(CLOSE)
         await session.hang_up()
-    assert session.outcome.digests == [_digest(m) for m in (_P[18], _P[14], _P[11], _P[17])]
+    assert session.outcome.digests == [digest(m) for m in (_P[18], _P[14], _P[11], _P[17])]
     assert session.outcome.closed == "clean" and session.outcome.close_sent == (1000, "bye")
     if connection is DirectReadConnection:
         # Not while websockets held the first frames, then from the next frame's start.
@@ -366,10 +274,10 @@ def _server_messages() -> list[bytes | list[bytes]]:
     where payloads start to be read directly, and fragmented messages whose fragments
     are large, small and mixed."""
     sizes = (0, 1, 125, 126, 65535, BIG - 1, BIG, BIG + 1, (1 << 20) + 3, 3 << 20)
-    messages: list[bytes | list[bytes]] = [_payload(n, n) for n in sizes]
-    messages.append([_payload(BIG + 5, 1), _payload(7, 2), _payload(3 * BIG, 3)])
-    messages.append([_payload(10, 4), _payload(BIG, 5)])
-    messages.append([_payload(2 * BIG, 6), _payload(BIG, 7)])
+    messages: list[bytes | list[bytes]] = [payload(n, n) for n in sizes]
+    messages.append([payload(BIG + 5, 1), payload(7, 2), payload(3 * BIG, 3)])
+    messages.append([payload(10, 4), payload(BIG, 5)])
+    messages.append([payload(2 * BIG, 6), payload(BIG, 7)])
     return messages
 
 
@@ -403,7 +311,7 @@ async def _receive_all(
         try:
             assert await ws.recv() == b"challenge"
             await ws.send(b"answer")
-            got = [_digest(await ws.recv()) for _ in messages]
+            got = [digest(await ws.recv()) for _ in messages]
             framing = ws._framing  # before the close, which ends the reader's part
         finally:
             await close_quietly(ws)
@@ -419,5 +327,5 @@ async def test_every_message_a_server_sends_arrives_byte_for_byte(
         server_tls, client_tls = tls_contexts(tmp_path)
     messages = _server_messages()
     got, framing = await asyncio.wait_for(_receive_all(messages, server_tls, client_tls), 60)
-    assert got == [_digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]
+    assert got == [digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]
     assert framing is True  # the frames were read by DirectReadConnection, not websockets
