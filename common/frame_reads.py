@@ -7,12 +7,19 @@ new bytes; a receiver then joins a message's frames into one more. ``FrameReads`
 a connection an ``asyncio.BufferedProtocol``: it reads each frame's header itself, and a
 data frame of ``READ_DIRECT_FROM`` bytes or more is read by the socket (or the TLS
 layer) straight into a buffer of its size, then unmasked (or, from a server, copied
-once) into the bytes websockets hands on. Every other frame, and everything before the
+once) into the bytes websockets hands on. A payload that came whole in one read is
+unmasked or copied from where it lies. Every other frame, and everything before the
 handshake ends, passes to websockets as it came, so the checks and errors on those are
 websockets' own. It takes a frame only where websockets would accept it as it is
 (masked from a client and unmasked from a server, no reserved bits or extensions, within
 the size limits, a continuation only inside a message) and gives it to websockets'
 protocol as a parsed frame.
+
+It starts reading frames at the first read that begins at a frame's start with nothing
+left in websockets' buffer. A peer that streams frames back to back from its handshake
+on may never give one, and then websockets reads them all; Cleave's coordinator and
+worker each wait for the other's answer in their handshake (challenge, hello, welcome),
+and the read after such a wait begins at a frame's start.
 """
 
 from __future__ import annotations
