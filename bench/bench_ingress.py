@@ -6,8 +6,9 @@ Cleave's (``common.frame_reads``), on both ends:
   process serves them, first with websockets' ``ServerConnection``, then with the
   coordinator's ``ZeroCopyConnection``;
 - coordinator -> worker tasks: a server subprocess (the coordinator's connection) sends
-  tasks as the coordinator does, a header and two operand blocks as fragments of one
-  message, the blocks together an fp32 side x side tile's size; this process receives
+  tasks as the coordinator does: a header and two operand blocks, the blocks together an
+  fp32 side x side tile's size, joined when small and otherwise written one after
+  another as one frame (``coordinator.serve.server.outgoing``); this process receives
   them, first with websockets' ``ClientConnection``, then with the worker's
   ``DirectReadConnection``.
 
@@ -35,6 +36,8 @@ from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 
 from client_app.connection import DirectReadConnection  # noqa: E402
+from common.frames import FrameParts  # noqa: E402
+from coordinator.serve.server import outgoing  # noqa: E402
 from coordinator.serve.zero_copy import ZeroCopyConnection  # noqa: E402
 
 SIDES = (64, 256, 512, 1024)
@@ -84,9 +87,9 @@ async def _receive_all(connection: type[ServerConnection], size: int, count: int
 
 def _server(ports: Any, size: int, count: int) -> None:
     async def main() -> None:
-        # As the coordinator sends a task: its header, then its two operand blocks, each
-        # a fragment of one message (common.frames.FrameParts).
-        task = [bytes(TASK_HEAD_BYTES), _message(size // 2), _message(size - size // 2)]
+        # As the coordinator sends a task: its header, then its two operand blocks.
+        head, blocks = bytes(TASK_HEAD_BYTES), (_message(size // 2), _message(size - size // 2))
+        task = outgoing(FrameParts([head, *blocks]))
         finished = asyncio.Event()
 
         async def handler(ws: ServerConnection) -> None:
@@ -95,7 +98,14 @@ def _server(ports: Any, size: int, count: int) -> None:
             await ws.recv()
             finished.set()
 
-        async with serve(handler, "127.0.0.1", 0, compression=None, max_size=None) as server:
+        async with serve(
+            handler,
+            "127.0.0.1",
+            0,
+            compression=None,
+            max_size=None,
+            create_connection=ZeroCopyConnection,
+        ) as server:
             ports.send(server.sockets[0].getsockname()[1])
             await asyncio.wait_for(finished.wait(), 300)
 

@@ -79,8 +79,9 @@ def encode_frame(header: dict[str, Any], payload: Sequence[Buffer] = ()) -> byte
 class FrameParts:
     """One wire message held as the consecutive buffers it is made of (its head, then
     payload parts), so that operand blocks shared by many tasks are never copied into
-    each task's frame. The server sends the parts as fragments of one WebSocket
-    message; the receiver gets the joined bytes, exactly as if it had been one buffer.
+    each task's frame. The server writes the parts one after another as the payload of
+    one WebSocket frame; the receiver gets the joined bytes, exactly as if it had been
+    one buffer.
     """
 
     __slots__ = ("parts", "_nbytes")

@@ -61,15 +61,15 @@ log = logging.getLogger("cleave.coordinator")
 # Longer than websockets' own close timeout, which governs a peer that is merely slow.
 CLOSE_GRACE_S = 30.0
 LEDGER_RETRY_S = 1.0  # after a failed ledger commit, before its writes are tried again
-# A task frame below this size is joined and sent as one WebSocket frame: each fragment
-# costs a pass through websockets' send path (tens of microseconds of Python), more than
-# copying this many bytes; larger ones go out as fragments, their blocks uncopied.
+# A task frame below this size is joined before it is sent: each of its parts would be a
+# write of its own (a system call and a pass through the transport), which costs more
+# than copying this many bytes; larger ones go out as their parts, the blocks uncopied.
 JOIN_BELOW_BYTES = 128 << 10
 
 
 def outgoing(data: bytes | FrameParts) -> bytes | FrameParts:
     """What to hand websockets for one frame: a small task joined (one WebSocket frame,
-    see ``JOIN_BELOW_BYTES``), a large one as its parts (fragments of one message)."""
+    see ``JOIN_BELOW_BYTES``), a large one as its parts (one frame, written part by part)."""
     if isinstance(data, FrameParts) and len(data) < JOIN_BELOW_BYTES:
         return data.join()
     return data

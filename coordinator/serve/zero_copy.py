@@ -10,6 +10,11 @@ it lies (the transport copies only what the socket does not take at once). Small
 frames, and frames an extension would transform, take websockets' own path. A server's
 frames are never masked (RFC 6455 §5.1), so the payload goes out as it is.
 
+A task held as its parts (``common.frames.FrameParts``: its head and the operand blocks
+it shares with other tasks) goes out as one frame whose header is followed by each part
+as it lies. As fragments of one message, each part would be a frame of its own, and the
+receiver would join them into one more copy.
+
 The transport may hold on to a payload (TLS encrypts it later), so what the coordinator
 sends must not change once handed over: operand blocks are never written after they are
 cut, and headers and batches are new bytes.
@@ -20,6 +25,7 @@ On the way in, a large frame's payload is read straight into a buffer of its siz
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from typing import Any
 
@@ -28,6 +34,7 @@ from websockets.frames import Frame
 from websockets.server import ServerProtocol
 
 from common.frame_reads import FrameReads
+from common.frames import FrameParts
 
 # Below this a frame's copy costs less than the second write (a system call) it saves.
 ZERO_COPY_FROM = 1 << 16
@@ -53,6 +60,9 @@ class _ZeroCopyProtocol(ServerProtocol):
     """websockets' server protocol, writing a large frame as header and payload."""
 
     def send_frame(self, frame: Frame) -> None:
+        if isinstance(frame.data, FrameParts):
+            self._send_parts(frame, frame.data)
+            return
         # Most frames are small (heartbeats, acks, small tasks): len() decides for them
         # without a memoryview made.
         if (
@@ -69,6 +79,17 @@ class _ZeroCopyProtocol(ServerProtocol):
         self.writes.append(frame_head(frame, payload.nbytes))
         self.writes.append(payload)  # type: ignore[arg-type]  # the transport takes any buffer
 
+    def _send_parts(self, frame: Frame, parts: FrameParts) -> None:
+        frame.check()
+        if self.debug:
+            self.logger.debug(
+                "> %s [%d bytes in %d parts]", frame.opcode.name, len(parts), len(parts.parts)
+            )
+        self.writes.append(frame_head(frame, len(parts)))
+        for part in parts:
+            view = memoryview(part)
+            self.writes.append(view.cast("B") if view.c_contiguous else view.tobytes())  # type: ignore[arg-type]
+
 
 class ZeroCopyConnection(FrameReads, ServerConnection):
     """``serve(create_connection=ZeroCopyConnection)``. websockets builds each
@@ -79,3 +100,16 @@ class ZeroCopyConnection(FrameReads, ServerConnection):
     def __init__(self, protocol: ServerProtocol, *args: Any, **kwargs: Any) -> None:
         protocol.__class__ = _ZeroCopyProtocol
         super().__init__(protocol, *args, **kwargs)
+
+    async def send(self, message: Any, text: bool | None = None) -> None:
+        """websockets' ``send``; a ``FrameParts`` goes out as one binary frame."""
+        if not isinstance(message, FrameParts):
+            await super().send(message, text=text)
+        elif self.protocol.extensions:  # an extension transforms the payload as a whole
+            await super().send(message.join())
+        else:
+            # As websockets' own send: a fragmented message in progress goes out first.
+            while self.send_in_progress is not None:
+                await asyncio.shield(self.send_in_progress)
+            async with self.send_context():
+                self.protocol.send_binary(message)  # type: ignore[arg-type]

@@ -533,8 +533,8 @@ async def test_too_many_simultaneous_handshakes_are_told_to_come_back(tmp_path: 
 
 
 def test_small_task_frames_go_out_joined_and_large_ones_as_their_parts() -> None:
-    # A fragment costs a pass through websockets' send path: a small task is cheaper
-    # copied into one frame; a large one keeps its shared blocks uncopied.
+    # A part costs a write of its own: a small task is cheaper copied into one buffer; a
+    # large one keeps its shared blocks uncopied.
     head, block = b"head", bytes(range(256)) * 64
     small = FrameParts([head, block, block])
     assert outgoing(small) == small.join()

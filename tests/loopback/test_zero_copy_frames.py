@@ -2,7 +2,8 @@
 (coordinator.serve.zero_copy): a stock websockets client on 127.0.0.1, plain and TLS,
 must receive every message byte for byte, at the frame sizes where the header's length
 field changes form and around the size where frames start to go out uncopied, in whole
-messages and in fragments of every kind of buffer the coordinator sends."""
+messages and in fragments of every kind of buffer the coordinator sends; a task held as
+its parts (``FrameParts``) arrives as one frame."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from support.zero_copy_pair import zero_copy_pair
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 
+from common.frames import FrameParts
 from coordinator.serve import zero_copy
 from coordinator.serve.zero_copy import ZERO_COPY_FROM
 
@@ -33,28 +35,34 @@ def _payload(size: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def _messages() -> list[bytes | str | list[object]]:
-    """Whole messages of each size, a text message, and fragmented messages whose parts
-    are the buffers the coordinator hands websockets: bytes, bytearrays, memoryviews of
-    numpy and torch memory (a float32 view among them), and slices of those."""
-    messages: list[bytes | str | list[object]] = [_payload(n, n) for n in SIZES]
+Message = bytes | str | list[object] | FrameParts
+
+
+def _messages() -> list[Message]:
+    """Whole messages of each size, a text message, and messages made of the buffers the
+    coordinator hands websockets (bytes, bytearrays, memoryviews of numpy and torch
+    memory, a float32 view among them, and slices of those), as fragments and as
+    ``FrameParts`` of every size around the threshold."""
+    messages: list[Message] = [_payload(n, n) for n in SIZES]
     messages.append("a text frame " * 10_000)
     floats = torch.arange(300_000, dtype=torch.float32)
     block = torch.from_numpy(np.frombuffer(_payload(1 << 18, 7), dtype=np.uint8).copy())
-    messages.append(
-        [
-            b"head",
-            memoryview(floats.numpy()),  # format "f": its length counts floats, not bytes
-            bytearray(_payload(ZERO_COPY_FROM, 3)),
-            memoryview(block.numpy())[5 : 5 + ZERO_COPY_FROM + 17],
-            _payload(70_000, 4),
-        ]
-    )
+    parts = [
+        b"head",
+        memoryview(floats.numpy()),  # format "f": its length counts floats, not bytes
+        bytearray(_payload(ZERO_COPY_FROM, 3)),
+        memoryview(block.numpy())[5 : 5 + ZERO_COPY_FROM + 17],
+        _payload(70_000, 4),
+    ]
+    messages.append(parts)
+    messages.append(FrameParts(parts))
+    for n in (1, 125, ZERO_COPY_FROM - 5, ZERO_COPY_FROM, (1 << 20) + 3):
+        messages.append(FrameParts([b"head", b"", _payload(n, n + 1)]))
     return messages
 
 
-def _as_bytes(message: bytes | str | list[object]) -> bytes | str:
-    if isinstance(message, list):
+def _as_bytes(message: Message) -> bytes | str:
+    if isinstance(message, list | FrameParts):
         return b"".join(memoryview(part).cast("B").tobytes() for part in message)  # type: ignore[arg-type]
     return message
 
@@ -64,24 +72,35 @@ def _digest(message: bytes | str) -> str:
 
 
 async def _exchange(
-    messages: Sequence[bytes | str | list[object]],
+    messages: Sequence[Message],
     server_tls: ssl.SSLContext | None,
     client_tls: ssl.SSLContext | None,
-) -> tuple[list[bytes | str], int | None, str, type]:
+) -> tuple[list[bytes | str], int | None, str, type, list[tuple[Opcode, bool]]]:
     protocols: list[type] = []
 
     async def handler(ws: ServerConnection) -> None:
         protocols.append(type(ws.protocol))
+        await ws.recv()  # the client counts frames from here
         for message in messages:
             await ws.send(message)  # type: ignore[arg-type]
         await ws.close(1000, "done")
 
     received: list[bytes | str] = []
+    frames: list[tuple[Opcode, bool]] = []  # each data frame the client parsed: opcode, fin
     async with zero_copy_pair(handler, server_tls, client_tls) as ws:
+        parsed = ws.protocol.recv_frame
+
+        def recv_frame(frame: Frame) -> None:
+            if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                frames.append((frame.opcode, frame.fin))
+            parsed(frame)
+
+        ws.protocol.recv_frame = recv_frame  # type: ignore[method-assign]
+        await ws.send("go")
         async for message in ws:
             received.append(message)
     assert ws.close_code is not None
-    return received, ws.close_code, ws.close_reason or "", protocols[0]
+    return received, ws.close_code, ws.close_reason or "", protocols[0], frames
 
 
 @pytest.mark.parametrize("tls", [False, True])
@@ -90,7 +109,7 @@ async def test_every_message_arrives_byte_for_byte(tls: bool, tmp_path: Path) ->
     if tls:
         server_tls, client_tls = tls_contexts(tmp_path)
     messages = _messages()
-    received, code, reason, protocol = await asyncio.wait_for(
+    received, code, reason, protocol, frames = await asyncio.wait_for(
         _exchange(messages, server_tls, client_tls), 30
     )
     assert protocol.__name__ == "_ZeroCopyProtocol"
@@ -98,6 +117,11 @@ async def test_every_message_arrives_byte_for_byte(tls: bool, tmp_path: Path) ->
     assert [len(m) for m in received] == [len(m) for m in expected]
     assert [_digest(m) for m in received] == [_digest(m) for m in expected]
     assert (code, reason) == (1000, "done")
+    # Whole messages and FrameParts are a frame each; fragments a frame per part and a
+    # closing empty one.
+    fragments = sum(len(m) + 1 for m in messages if isinstance(m, list))
+    assert len(frames) == len(messages) - sum(isinstance(m, list) for m in messages) + fragments
+    assert frames[-6:] == [(Opcode.BINARY, True)] * 6
 
 
 @pytest.mark.parametrize("length", [0, 125, 126, 65535, 65536, 1 << 32])
