@@ -40,11 +40,13 @@ class BlockCache(Mapping[str, V], Generic[V]):
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def record(self, blocks: Iterable[tuple[str, V | None]]) -> None:
+    def record(self, blocks: Iterable[tuple[str, V | None]]) -> list[str]:
         """One task's blocks, in order: a held one becomes the most recently used; a new
-        one is added (its value given; None: it did not arrive, so nothing to keep)."""
+        one is added (its value given; None: it did not arrive, so nothing to keep).
+        Returns the blocks let go to fit the budget, the least recently used first."""
+        evicted: list[str] = []
         if self.budget <= 0:
-            return
+            return evicted
         for block, value in blocks:
             if block in self._blocks:
                 self._blocks.move_to_end(block)
@@ -52,8 +54,15 @@ class BlockCache(Mapping[str, V], Generic[V]):
                 self._blocks[block] = value
                 self.bytes += self._size(value)
         while self.bytes > self.budget and self._blocks:
-            _, evicted = self._blocks.popitem(last=False)
-            self.bytes -= self._size(evicted)
+            block, value = self._blocks.popitem(last=False)
+            self.bytes -= self._size(value)
+            evicted.append(block)
+        return evicted
+
+    def replace(self, block: str, value: V) -> None:
+        """A held block's value swapped for an equal one of the same size; its place in
+        the order stays."""
+        self._blocks[block] = value
 
     def clear(self) -> None:
         self._blocks.clear()

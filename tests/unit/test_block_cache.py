@@ -23,3 +23,11 @@ def test_a_zero_budget_keeps_nothing() -> None:
     cache: BlockCache[int] = BlockCache(0, int)
     cache.record([("a", 1)])
     assert len(cache) == 0 and cache.bytes == 0
+
+
+def test_record_names_what_it_let_go_and_replace_keeps_the_order() -> None:
+    cache: BlockCache[int] = BlockCache(30, int)
+    assert cache.record([("a", 10), ("b", 10), ("c", 10)]) == []
+    assert cache.record([("a", None), ("d", 15)]) == ["b", "c"]
+    cache.replace("a", 10)
+    assert list(cache) == ["a", "d"] and cache.bytes == 25
