@@ -1,9 +1,9 @@
 """The worker's WebSocket to its coordinator: opening it, sending on it, closing it.
 
 Thin wrappers over websockets that hold what the pump must not forget: no compression
-(DESIGN §3), large frames read without websockets' copies (``common.frame_reads``), a
-stop that does not wait out the open timeout, and the teardown race after a close with
-code 1009 (DESIGN §6).
+(DESIGN §3), large frames read and written without websockets' copies
+(``common.frame_reads``, ``common.frame_writes``), a stop that does not wait out the
+open timeout, and the teardown race after a close with code 1009 (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.protocol import State
 
 from common.frame_reads import FrameReads
+from common.frame_writes import FrameWrites
+from common.frames import FrameParts
 
 log = logging.getLogger("client_app.worker")  # the pump's log, as it has always been
 
@@ -25,9 +27,10 @@ OPEN_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 
 
-class DirectReadConnection(FrameReads, ClientConnection):
+class DirectReadConnection(FrameReads, FrameWrites, ClientConnection):
     """websockets' client connection, reading a large frame (a task's operands) straight
-    into a buffer of its size rather than through websockets' copies."""
+    into a buffer of its size and writing one (a result) masked part by part, rather
+    than through websockets' copies."""
 
 
 async def open_connection(
@@ -68,7 +71,7 @@ async def open_connection(
 # known teardown race; on an open one it would be a real bug and is re-raised.
 
 
-async def send_frames(ws: ClientConnection, *frames: bytes) -> None:
+async def send_frames(ws: ClientConnection, *frames: bytes | FrameParts) -> None:
     for frame in frames:
         try:
             await ws.send(frame)

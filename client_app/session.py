@@ -27,7 +27,7 @@ from client_app.session_types import NO_ACTIONS, Actions, Phase, SessionStats, T
 from common.auth import answer_challenge, check_welcome, new_nonce
 from common.batches import Voucher, inner_frames, vouchers
 from common.errors import ErrorCode, KeyMismatchError, LimitExceeded, ProtocolError
-from common.frames import Buffer
+from common.frames import Buffer, FrameParts
 from common.job_about import JobAbout
 from common.limits import DEFAULT_LIMITS, WireLimits, held_tiles_limit
 from common.messages import (
@@ -48,6 +48,7 @@ from common.messages import (
     Task,
     Welcome,
     encode_message,
+    message_parts,
     parse_message,
     verify_job_state,
     verify_task_blocks,
@@ -379,7 +380,7 @@ class WorkerSession:
     def tile_finished(self, job: TileJob, c: torch.Tensor, compute_s: float) -> bytes | None:
         """The Result to send for ``job``; None if it was cancelled or its connection is gone."""
         result = self.tile_done(job, compute_s)
-        return None if result is None else self.result_frame(result, c)
+        return None if result is None else self.result_frame(result, c).join()
 
     def tile_done(self, job: TileJob, compute_s: float) -> Result | None:
         """``tile_finished`` in two parts: this one books ``job`` as computed (the next
@@ -391,8 +392,11 @@ class WorkerSession:
         self.stats.flop_done += job.flop
         return Result(tile_id=job.tile_id, compute_s=round(compute_s, 6))
 
-    def result_frame(self, result: Result, c: torch.Tensor) -> bytes:
-        return self._out(encode_message(result, [("c", c)]))
+    def result_frame(self, result: Result, c: torch.Tensor) -> FrameParts:
+        """The Result's frame as its parts: ``c`` is sent from where it lies."""
+        frame = message_parts(result, [("c", c)])
+        self.stats.bytes_out += len(frame)
+        return frame
 
     def tile_failed(self, job: TileJob, exc: BaseException) -> bytes | None:
         """The Error to send when computing ``job`` raised (out of memory, say)."""

@@ -33,7 +33,7 @@ from common.errors import (
     FrameError,
     ProtocolError,
 )
-from common.frames import Frame, decode_frame, encode_frame
+from common.frames import Frame, FrameParts, decode_frame, frame_head
 from common.handshake_messages import MAX_URL_CHARS, Challenge, DeviceProfile, Hello, Welcome
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.message_fields import wire_header
@@ -129,11 +129,19 @@ MESSAGE_TYPES: dict[str, Any] = {
 
 def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None) -> bytes:
     """Frame a message; tensors (if any) go into the payload and the header's "tensors"."""
+    return message_parts(msg, tensors).join()
+
+
+def message_parts(
+    msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None
+) -> FrameParts:
+    """``encode_message``'s frame as its parts: the tensors' bytes are not copied into
+    it (they must not change until it is sent)."""
     header = wire_header(msg)
     parts: list[memoryview | bytes] = []
     if tensors:
         header["tensors"], parts = encode_tensors(tensors)
-    return encode_frame(header, parts)
+    return FrameParts([frame_head(header), *parts])
 
 
 @dataclass(frozen=True)

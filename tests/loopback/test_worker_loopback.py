@@ -28,6 +28,7 @@ from client_app.config import PinStore, WorkerSettings
 from client_app.options import WorkerOptions
 from client_app.status import WorkerStatus
 from client_app.worker import RunResult, WorkerCore
+from common.frames import FrameParts
 from common.messages import (
     Bye,
     Cancel,
@@ -212,8 +213,9 @@ async def test_the_next_tile_computes_while_a_result_is_still_being_sent(
     release = asyncio.Event()
     real_send = worker_module.send_frames
 
-    async def held_results(ws: Any, *frames: bytes) -> None:
-        if any(isinstance(parse_message(f).message, Result) for f in frames):
+    async def held_results(ws: Any, *frames: bytes | FrameParts) -> None:
+        joined = [f.join() if isinstance(f, FrameParts) else f for f in frames]
+        if any(isinstance(parse_message(f).message, Result) for f in joined):
             await release.wait()
         await real_send(ws, *frames)
 

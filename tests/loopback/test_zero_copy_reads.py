@@ -25,11 +25,11 @@ from websockets.exceptions import ConnectionClosed
 from websockets.server import ServerProtocol
 
 from common import frame_reads
-from coordinator.serve.zero_copy import ZERO_COPY_FROM, ZeroCopyConnection
+from coordinator.serve.zero_copy import ZeroCopyConnection
 
 pytestmark = [pytest.mark.loopback, pytest.mark.timeout(120)]
 
-BIG = ZERO_COPY_FROM
+BIG = frame_reads.READ_DIRECT_FROM
 MAX_SIZE = 1 << 21  # the servers' max_size in the raw-stream cases
 WAIT_S = 20.0
 

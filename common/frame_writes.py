@@ -1,0 +1,137 @@
+"""Writing a WebSocket connection's large frames from the buffers they are made of, for
+websockets' asyncio connections on either end (``FrameWrites``).
+
+websockets serializes every frame into new bytes: the payload masked into one copy (a
+client's), then written behind its header into another. ``FrameWrites`` writes a data
+frame of ``WRITE_DIRECT_FROM`` bytes or more as its header and then its payload: a
+server's as it lies (its frames are never masked, RFC 6455 §5.1), a client's masked part
+by part into one copy, which masking needs anyway. A message held as its parts
+(``common.frames.FrameParts``: a task's head and the operand blocks it shares with
+other tasks, a result's head and its tile) goes out as one frame, its parts written one
+after another; as fragments of one message, each part would be a frame of its own, and
+the receiver would join them into one more copy. Smaller frames, and frames an
+extension would transform, take websockets' own path.
+
+The transport may hold on to a payload (TLS encrypts it later), so what is sent must not
+change once handed over: operand blocks are never written after they are cut, a result
+is not touched once encoded, and headers and batches are new bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import struct
+from typing import Any
+
+from websockets.client import ClientProtocol
+from websockets.frames import Frame
+from websockets.protocol import Protocol, Side
+from websockets.server import ServerProtocol
+
+from common.frames import FrameParts
+
+try:
+    from websockets.speedups import apply_mask
+except ImportError:  # websockets built without its C extension
+    from websockets.utils import apply_mask
+
+# Below this a frame's copy costs less than the second write (a system call) it saves.
+WRITE_DIRECT_FROM = 1 << 16
+
+
+def frame_head(frame: Frame, length: int, mask: bytes = b"") -> bytes:
+    """A frame's header for a payload of ``length`` bytes, masked with ``mask`` when one
+    is given (RFC 6455 §5.2)."""
+    first = (
+        (0x80 if frame.fin else 0)
+        | (0x40 if frame.rsv1 else 0)
+        | (0x20 if frame.rsv2 else 0)
+        | (0x10 if frame.rsv3 else 0)
+        | frame.opcode
+    )
+    masked = 0x80 if mask else 0
+    if length < 126:
+        return struct.pack("!BB", first, masked | length) + mask
+    if length < 1 << 16:
+        return struct.pack("!BBH", first, masked | 126, length) + mask
+    return struct.pack("!BBQ", first, masked | 127, length) + mask
+
+
+class _WritesLarge(Protocol):
+    """websockets' protocol, writing a large frame as its header and then its payload."""
+
+    def send_frame(self, frame: Frame) -> None:
+        data: Any = frame.data
+        if isinstance(data, FrameParts):
+            # A small one costs less copied than written part by part; an extension
+            # transforms the payload as a whole.
+            if self.extensions or len(data) < WRITE_DIRECT_FROM:
+                super().send_frame(Frame(frame.opcode, data.join(), frame.fin))
+                return
+            parts: tuple[Any, ...] = data.parts
+        # Most frames are small (heartbeats, acks, small tasks): len() decides for them
+        # without a memoryview made.
+        elif (
+            self.extensions
+            or len(data) < WRITE_DIRECT_FROM
+            or not (view := memoryview(data)).c_contiguous
+        ):
+            super().send_frame(frame)
+            return
+        else:
+            parts = (view,)
+        frame.check()  # as serializing it would
+        if self.debug:
+            self.logger.debug("> %s, %d bytes written as they lie", frame.opcode.name, len(data))
+        views = [memoryview(part) for part in parts]
+        views = [v.cast("B") if v.c_contiguous else memoryview(v.tobytes()) for v in views]
+        mask = secrets.token_bytes(4) if self.side is Side.CLIENT else b""
+        self.writes.append(frame_head(frame, sum(v.nbytes for v in views), mask))
+        at = 0
+        for view in views:
+            if mask:
+                # Each part is masked from where it starts in the payload.
+                turn = at % 4
+                self.writes.append(apply_mask(view, mask[turn:] + mask[:turn]))
+            else:
+                self.writes.append(view)  # type: ignore[arg-type]  # the transport takes any buffer
+            at += view.nbytes
+
+
+class _ServerWrites(_WritesLarge, ServerProtocol):
+    pass
+
+
+class _ClientWrites(_WritesLarge, ClientProtocol):
+    pass
+
+
+_WRITES = {ServerProtocol: _ServerWrites, ClientProtocol: _ClientWrites}
+
+
+class FrameWrites:
+    """Mixed into websockets' asyncio ``ServerConnection`` or ``ClientConnection``:
+    websockets builds each connection's protocol itself, so the protocol's class is
+    swapped here for one that writes large frames as above (it adds no state of its
+    own), and ``send`` takes a ``FrameParts`` as one message."""
+
+    protocol: Protocol
+    send_in_progress: asyncio.Future[None] | None
+
+    def __init__(self, protocol: Protocol, *args: Any, **kwargs: Any) -> None:
+        writes = _WRITES.get(type(protocol))  # type: ignore[call-overload]
+        if writes is not None:
+            protocol.__class__ = writes
+        super().__init__(protocol, *args, **kwargs)  # type: ignore[call-arg]
+
+    async def send(self, message: Any, text: bool | None = None) -> None:
+        """websockets' ``send``; a ``FrameParts`` goes out as one binary frame."""
+        if not isinstance(message, FrameParts):
+            await super().send(message, text=text)  # type: ignore[misc]
+            return
+        # As websockets' own send: a fragmented message in progress goes out first.
+        while self.send_in_progress is not None:
+            await asyncio.shield(self.send_in_progress)
+        async with self.send_context():  # type: ignore[attr-defined]
+            self.protocol.send_binary(message)  # type: ignore[arg-type]

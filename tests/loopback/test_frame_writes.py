@@ -1,0 +1,223 @@
+"""Both ends' WebSocket connections write large frames from the sender's buffers
+(common.frame_writes): the coordinator's ``ZeroCopyConnection`` to a stock websockets
+client and the worker's ``DirectReadConnection`` to a stock websockets server, on
+127.0.0.1, plain and TLS. Every message must arrive byte for byte, at the frame sizes
+where the header's length field changes form and around the size where frames start to
+go out uncopied, whole and in fragments of every kind of buffer the ends send; a message
+held as its parts (``FrameParts``) arrives as one frame, masked when a client sends it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from support.certs import tls_contexts
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.connection import Connection
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.frames import Frame, Opcode
+
+from client_app.connection import DirectReadConnection
+from common.frame_writes import WRITE_DIRECT_FROM, frame_head
+from common.frames import FrameParts
+from coordinator.serve.zero_copy import ZeroCopyConnection
+
+pytestmark = [pytest.mark.loopback, pytest.mark.timeout(60)]
+
+SIZES = (0, 1, 125, 126, 127, 65535, WRITE_DIRECT_FROM - 1, WRITE_DIRECT_FROM)
+SIZES += (WRITE_DIRECT_FROM + 1, (1 << 20) + 3, 3 << 20)
+
+Message = bytes | str | list[object] | FrameParts
+
+
+def _payload(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _messages() -> list[Message]:
+    """Whole messages of each size, a text message, and messages made of the buffers the
+    ends hand websockets (bytes, bytearrays, memoryviews of numpy and torch memory, a
+    float32 view among them, and slices of those), as fragments and as ``FrameParts``
+    of every size around the threshold, parts of every length mod 4 (a client masks
+    each part from where it starts)."""
+    messages: list[Message] = [_payload(n, n) for n in SIZES]
+    messages.append("a text frame " * 10_000)
+    floats = torch.arange(300_000, dtype=torch.float32)
+    block = torch.from_numpy(np.frombuffer(_payload(1 << 18, 7), dtype=np.uint8).copy())
+    parts = [
+        b"head",
+        memoryview(floats.numpy()),  # format "f": its length counts floats, not bytes
+        bytearray(_payload(WRITE_DIRECT_FROM, 3)),
+        memoryview(block.numpy())[5 : 5 + WRITE_DIRECT_FROM + 17],
+        _payload(70_001, 4),
+        b"tai",
+        _payload(WRITE_DIRECT_FROM + 2, 5),
+    ]
+    messages.append(parts)
+    messages.append(FrameParts(parts))
+    for n in (1, 125, WRITE_DIRECT_FROM - 5, WRITE_DIRECT_FROM, (1 << 20) + 3):
+        messages.append(FrameParts([b"head", b"", _payload(n, n + 1)]))
+    return messages
+
+
+# The messages sent as FrameParts, at the end of the list.
+AS_PARTS = 6
+
+
+def _as_bytes(message: Message) -> bytes | str:
+    if isinstance(message, list | FrameParts):
+        return b"".join(memoryview(part).cast("B").tobytes() for part in message)  # type: ignore[arg-type]
+    return message
+
+
+def _digest(message: bytes | str) -> str:
+    return hashlib.sha256(message if isinstance(message, bytes) else message.encode()).hexdigest()
+
+
+class _Taken:
+    """What the receiving end got: its messages, and each data frame it parsed (opcode,
+    fin, masked)."""
+
+    def __init__(self) -> None:
+        self.messages: list[bytes | str] = []
+        self.frames: list[tuple[Opcode, bool]] = []
+
+    def count_frames(self, ws: Connection) -> None:
+        parsed = ws.protocol.recv_frame
+
+        def recv_frame(frame: Frame) -> None:
+            if frame.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                self.frames.append((frame.opcode, frame.fin))
+            parsed(frame)
+
+        ws.protocol.recv_frame = recv_frame  # type: ignore[method-assign]
+
+    async def take(self, ws: Connection) -> None:
+        async for message in ws:
+            self.messages.append(message)
+
+
+@contextlib.asynccontextmanager
+async def _pair(
+    handler: Any,
+    server: type[ServerConnection],
+    client: type[ClientConnection],
+    tls: tuple[ssl.SSLContext, ssl.SSLContext] | None,
+) -> AsyncIterator[ClientConnection]:
+    server_tls, client_tls = tls or (None, None)
+    async with serve(
+        handler,
+        "127.0.0.1",
+        0,
+        ssl=server_tls,
+        compression=None,
+        max_size=None,
+        create_connection=server,
+    ) as listening:
+        port = listening.sockets[0].getsockname()[1]
+        scheme = "wss" if client_tls else "ws"
+        async with connect(
+            f"{scheme}://127.0.0.1:{port}",
+            ssl=client_tls,
+            compression=None,
+            max_size=None,
+            create_connection=client,
+        ) as ws:
+            yield ws
+
+
+async def _server_sends(messages: Sequence[Message], tls: Any) -> tuple[_Taken, Any]:
+    """ZeroCopyConnection sends to a stock client; the client's close code and reason."""
+    taken = _Taken()
+
+    async def handler(ws: ServerConnection) -> None:
+        await ws.recv()  # the client counts frames from here
+        for message in messages:
+            await ws.send(message)  # type: ignore[arg-type]
+        await ws.close(1000, "done")
+
+    async with _pair(handler, ZeroCopyConnection, ClientConnection, tls) as ws:
+        taken.count_frames(ws)
+        await ws.send("go")
+        await taken.take(ws)
+    return taken, (ws.close_code, ws.close_reason)
+
+
+async def _client_sends(messages: Sequence[Message], tls: Any) -> tuple[_Taken, Any]:
+    """DirectReadConnection sends to a stock server; the server's close code and reason."""
+    taken, closed = _Taken(), asyncio.get_running_loop().create_future()
+
+    async def handler(ws: ServerConnection) -> None:
+        taken.count_frames(ws)
+        await ws.send("go")
+        await taken.take(ws)
+        closed.set_result((ws.close_code, ws.close_reason))
+
+    async with _pair(handler, ServerConnection, DirectReadConnection, tls) as ws:
+        await ws.recv()
+        for message in messages:
+            await ws.send(message)  # type: ignore[arg-type]
+        await ws.close(1000, "done")
+        return taken, await closed
+
+
+@pytest.mark.parametrize("tls", [False, True])
+@pytest.mark.parametrize("sender", ["server", "client"])
+async def test_every_message_arrives_byte_for_byte(sender: str, tls: bool, tmp_path: Path) -> None:
+    contexts = tls_contexts(tmp_path) if tls else None
+    messages = _messages()
+    exchange = _server_sends if sender == "server" else _client_sends
+    taken, closed = await asyncio.wait_for(exchange(messages, contexts), 30)
+    expected = [_as_bytes(m) for m in messages]
+    assert [len(m) for m in taken.messages] == [len(m) for m in expected]
+    assert [_digest(m) for m in taken.messages] == [_digest(m) for m in expected]
+    assert closed == (1000, "done")
+    # Whole messages and FrameParts are a frame each; fragments a frame per part and a
+    # closing empty one.
+    fragments = sum(len(m) + 1 for m in messages if isinstance(m, list))
+    whole = len(messages) - sum(isinstance(m, list) for m in messages)
+    assert len(taken.frames) == whole + fragments
+    assert all(isinstance(m, FrameParts) for m in messages[-AS_PARTS:])
+    assert taken.frames[-AS_PARTS:] == [(Opcode.BINARY, True)] * AS_PARTS
+
+
+def test_both_ends_connections_write_through_frame_writes() -> None:
+    async def protocols() -> list[str]:
+        names: list[str] = []
+
+        async def handler(ws: ServerConnection) -> None:
+            names.append(type(ws.protocol).__name__)
+            await ws.close()
+
+        async with _pair(handler, ZeroCopyConnection, DirectReadConnection, None) as ws:
+            names.append(type(ws.protocol).__name__)
+            await ws.wait_closed()
+        return names
+
+    assert sorted(asyncio.run(protocols())) == ["_ClientWrites", "_ServerWrites"]
+
+
+@pytest.mark.parametrize("length", [0, 125, 126, 65535, 65536, 1 << 32])
+def test_frame_head_is_rfc_6455(length: int) -> None:
+    """Against websockets' own serializer: the same header for the same frame, masked or
+    not."""
+    for opcode, fin in ((Opcode.BINARY, True), (Opcode.BINARY, False), (Opcode.CONT, True)):
+        small = min(length, 1 << 17)  # websockets needs the payload itself
+        frame = Frame(opcode, b"\0" * small, fin)
+        theirs = frame.serialize(mask=False, extensions=[])
+        ours = frame_head(frame, small)
+        assert theirs[: len(ours)] == ours and len(theirs) == len(ours) + small
+        masked = frame.serialize(mask=True, extensions=[])
+        mask = masked[len(ours) : len(ours) + 4]
+        assert masked[: len(ours) + 4] == frame_head(frame, small, mask)
+    if length > 1 << 17:
+        head = frame_head(Frame(Opcode.BINARY, b""), length)
+        assert head[1] == 127 and int.from_bytes(head[2:], "big") == length
