@@ -5,9 +5,10 @@ this process to a receiver subprocess:
 
 - bare:   pre-built bytes of the same size; the receiver drops them.
 - cleave: real signed task bundles (``task_frame``), sent as the coordinator sends
-          them (the frame's parts as fragments of one message, with its connection
-          settings); the receiver does what a worker does before computing:
-          ``parse_message`` + ``verify_task`` (BLAKE3 + Ed25519 + operand decode).
+          them (``outgoing``, on its ``ZeroCopyConnection``: a large one as one frame
+          written part by part) to a worker's ``DirectReadConnection``; the receiver
+          does what a worker does before computing: ``parse_message`` +
+          ``verify_task`` (BLAKE3 + Ed25519 + operand decode).
 
 Also reports bytes on the wire vs tensor bytes (framing overhead).
 Run: ``python bench/bench_wire.py`` (``--quick`` for fewer repetitions).
@@ -26,12 +27,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from websockets.asyncio.client import connect  # noqa: E402
+from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 
+from client_app.connection import DirectReadConnection  # noqa: E402
 from common.messages import parse_message, task_frame, verify_task  # noqa: E402
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
 from common.tensors import encode_block  # noqa: E402
+from coordinator.serve.server import outgoing  # noqa: E402
+from coordinator.serve.zero_copy import ZeroCopyConnection  # noqa: E402
 
 SIDES = (128, 256, 512, 1024)
 
@@ -39,7 +43,12 @@ SIDES = (128, 256, 512, 1024)
 def _receiver(port: int, mode: str, count: int, key_hex: str, out: mp.Queue) -> None:
     async def main() -> None:
         key = public_key_from_hex(key_hex)
-        async with connect(f"ws://127.0.0.1:{port}/ws", compression=None, max_size=None) as ws:
+        async with connect(
+            f"ws://127.0.0.1:{port}/ws",
+            compression=None,
+            max_size=None,
+            create_connection=DirectReadConnection if mode == "cleave" else ClientConnection,
+        ) as ws:
             got = 0
             nbytes = 0
             start = 0.0
@@ -65,11 +74,18 @@ async def _send_all(frames: list[Any], mode: str, key_hex: str) -> tuple[int, fl
 
     async def handler(ws: ServerConnection) -> None:
         for frame in frames:
-            await ws.send(frame)
+            await ws.send(outgoing(frame))
         await ws.wait_closed()
         done.set()
 
-    async with serve(handler, "127.0.0.1", 0, compression=None, max_size=None) as server:
+    async with serve(
+        handler,
+        "127.0.0.1",
+        0,
+        compression=None,
+        max_size=None,
+        create_connection=ZeroCopyConnection if mode == "cleave" else ServerConnection,
+    ) as server:
         port = server.sockets[0].getsockname()[1]
         proc = ctx.Process(target=_receiver, args=(port, mode, len(frames), key_hex, out))
         proc.start()
