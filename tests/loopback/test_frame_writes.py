@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 from support.certs import tls_contexts
-from websockets.asyncio.client import ClientConnection, connect
+from support.zero_copy_pair import zero_copy_pair
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.connection import Connection
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 
 from client_app.connection import DirectReadConnection
@@ -105,33 +106,14 @@ class _Taken:
             self.messages.append(message)
 
 
-@contextlib.asynccontextmanager
-async def _pair(
+def _pair(
     handler: Any,
     server: type[ServerConnection],
     client: type[ClientConnection],
     tls: tuple[ssl.SSLContext, ssl.SSLContext] | None,
-) -> AsyncIterator[ClientConnection]:
+) -> contextlib.AbstractAsyncContextManager[ClientConnection]:
     server_tls, client_tls = tls or (None, None)
-    async with serve(
-        handler,
-        "127.0.0.1",
-        0,
-        ssl=server_tls,
-        compression=None,
-        max_size=None,
-        create_connection=server,
-    ) as listening:
-        port = listening.sockets[0].getsockname()[1]
-        scheme = "wss" if client_tls else "ws"
-        async with connect(
-            f"{scheme}://127.0.0.1:{port}",
-            ssl=client_tls,
-            compression=None,
-            max_size=None,
-            create_connection=client,
-        ) as ws:
-            yield ws
+    return zero_copy_pair(handler, server_tls, client_tls, server, client)
 
 
 async def _server_sends(messages: Sequence[Message], tls: Any) -> tuple[_Taken, Any]:
