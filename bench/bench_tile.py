@@ -3,7 +3,8 @@
 Worker path per tile, exactly as ``cleave-worker`` runs it: ``WorkerSession.receive``
 (frame decode, BLAKE3 + Ed25519 signature check, operand decode), ``TileComputer.compute``
 (the matmul under the thread cap), ``WorkerSession.tile_done`` and ``result_frame``
-(result encode).
+(result encode), and the result's payload masked as the worker's connection writes it
+(``common.frame_writes.payload_writes``).
 
 - sequential: one thread does everything, one tile after another.
 - pipelined: as the real worker does, the next tile is received and verified, and the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import queue
+import secrets
 import statistics
 import sys
 import threading
@@ -36,6 +38,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from client_app.compute import TileComputer  # noqa: E402
 from client_app.session import WorkerSession  # noqa: E402
 from common.auth import make_welcome, new_nonce  # noqa: E402
+from common.frame_writes import payload_writes  # noqa: E402
+from common.frames import FrameParts  # noqa: E402
 from common.messages import (  # noqa: E402
     Challenge,
     DeviceProfile,
@@ -54,6 +58,12 @@ SHAPES = [  # (m, k, n, dtype)
     (1024, 1024, 1024, torch.bfloat16),
     (2048, 2048, 2048, torch.bfloat16),
 ]
+
+
+def _written(frame: FrameParts) -> None:
+    """What the worker's connection does with a result's frame before the socket: it
+    masks the payload, part by part, into the buffers it writes."""
+    payload_writes(frame.parts, secrets.token_bytes(4))
 
 
 def _session(key: Ed25519PrivateKey) -> WorkerSession:
@@ -122,7 +132,9 @@ def bench_shape(
             job = session.next_tile()
             assert job is not None, "tile was refused"
             out = computer.compute(job.op, job.a, job.b)
-            session.tile_finished(job, out, 0.0)
+            result = session.tile_done(job, 0.0)
+            assert result is not None
+            _written(session.result_frame(result, out))
 
     def pipelined(c: int) -> None:
         session = _session(key)
@@ -147,7 +159,8 @@ def bench_shape(
                     received += 1
                     continue
                 with session_lock:
-                    session.result_frame(result, out)
+                    frame = session.result_frame(result, out)
+                _written(frame)
                 encoded += 1
 
         feeder = threading.Thread(target=io_thread)

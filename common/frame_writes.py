@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from websockets.client import ClientProtocol
@@ -84,19 +85,26 @@ class _WritesLarge(Protocol):
         frame.check()  # as serializing it would
         if self.debug:
             self.logger.debug("> %s, %d bytes written as they lie", frame.opcode.name, len(data))
-        views = [memoryview(part) for part in parts]
-        views = [v.cast("B") if v.c_contiguous else memoryview(v.tobytes()) for v in views]
         mask = secrets.token_bytes(4) if self.side is Side.CLIENT else b""
-        self.writes.append(frame_head(frame, sum(v.nbytes for v in views), mask))
-        at = 0
-        for view in views:
-            if mask:
-                # Each part is masked from where it starts in the payload.
-                turn = at % 4
-                self.writes.append(apply_mask(view, mask[turn:] + mask[:turn]))
-            else:
-                self.writes.append(view)  # type: ignore[arg-type]  # the transport takes any buffer
-            at += view.nbytes
+        writes = payload_writes(parts, mask)
+        self.writes.append(frame_head(frame, sum(len(w) for w in writes), mask))
+        self.writes.extend(writes)  # type: ignore[arg-type]  # the transport takes any buffer
+
+
+def payload_writes(parts: Sequence[Any], mask: bytes = b"") -> list[bytes | memoryview]:
+    """A payload made of ``parts``, as the buffers to write behind its header: each part
+    as it lies (as bytes), or masked with ``mask`` from where it starts in the payload."""
+    views = [memoryview(part) for part in parts]
+    views = [v.cast("B") if v.c_contiguous else memoryview(v.tobytes()) for v in views]
+    if not mask:
+        return list(views)
+    writes: list[bytes | memoryview] = []
+    at = 0
+    for view in views:
+        turn = at % 4
+        writes.append(apply_mask(view, mask[turn:] + mask[:turn]))
+        at += view.nbytes
+    return writes
 
 
 class _ServerWrites(_WritesLarge, ServerProtocol):
