@@ -93,7 +93,8 @@ class _WritesLarge(Protocol):
 
 def payload_writes(parts: Sequence[Any], mask: bytes = b"") -> list[bytes | memoryview]:
     """A payload made of ``parts``, as the buffers to write behind its header: each part
-    as it lies (as bytes), or masked with ``mask`` from where it starts in the payload."""
+    as it lies, or each masked with ``mask`` (turned to where the part starts in the
+    payload) into new bytes."""
     views = [memoryview(part) for part in parts]
     views = [v.cast("B") if v.c_contiguous else memoryview(v.tobytes()) for v in views]
     if not mask:
