@@ -33,7 +33,7 @@ from common.errors import (
     FrameError,
     ProtocolError,
 )
-from common.frames import Frame, FrameParts, decode_frame, frame_head
+from common.frames import Frame, FrameParts, decode_frame, encode_frame, frame_head
 from common.handshake_messages import MAX_URL_CHARS, Challenge, DeviceProfile, Hello, Welcome
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.message_fields import wire_header
@@ -129,7 +129,7 @@ MESSAGE_TYPES: dict[str, Any] = {
 
 def encode_message(msg: Message, tensors: list[tuple[str, torch.Tensor]] | None = None) -> bytes:
     """Frame a message; tensors (if any) go into the payload and the header's "tensors"."""
-    return message_parts(msg, tensors).join()
+    return encode_frame(*_header_and_payload(msg, tensors))
 
 
 def message_parts(
@@ -137,11 +137,18 @@ def message_parts(
 ) -> FrameParts:
     """``encode_message``'s frame as its parts: the tensors' bytes are not copied into
     it (they must not change until it is sent)."""
+    header, payload = _header_and_payload(msg, tensors)
+    return FrameParts([frame_head(header), *payload])
+
+
+def _header_and_payload(
+    msg: Message, tensors: list[tuple[str, torch.Tensor]] | None
+) -> tuple[dict[str, Any], list[memoryview | bytes]]:
     header = wire_header(msg)
     parts: list[memoryview | bytes] = []
     if tensors:
         header["tensors"], parts = encode_tensors(tensors)
-    return FrameParts([frame_head(header), *parts])
+    return header, parts
 
 
 @dataclass(frozen=True)
