@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from support import ws_streams
 from support.certs import tls_contexts
-from support.ws_streams import digest, payload
+from support.ws_streams import digest, joined_digest, sized_messages
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -52,7 +52,6 @@ def _frame(
 
 _SIDE = ws_streams.streams(masked=False, big=BIG, max_size=MAX_SIZE)
 STREAMS, GOOD_MESSAGES, _P, CLOSE = _SIDE.streams, _SIDE.good_messages, _SIDE.payloads, _SIDE.close
-GOOD_TAKEN = ws_streams.GOOD_TAKEN
 
 
 def _switching_protocols(request: bytes) -> bytes:
@@ -227,13 +226,7 @@ async def test_a_stream_ends_as_it_does_on_websockets_own_connection(name: str, 
     cuts = ws_streams.cuts(frames, how)
     theirs, _ = await _play(ClientConnection, frames, cuts, end_at)
     ours, taken = await _play(DirectReadConnection, frames, cuts, end_at)
-    assert ours == theirs
-    if name == "good":
-        assert taken == GOOD_TAKEN  # it kept its place in the stream throughout
-        assert ours.digests == [digest(m) for m in GOOD_MESSAGES]
-        assert ours.closed == "clean" and ours.close_sent == (1000, "bye")
-    else:
-        assert ours.closed == "ConnectionClosedError"
+    ws_streams.assert_ends_alike(name, ours, theirs, taken, GOOD_MESSAGES)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -267,18 +260,6 @@ async def test_frames_in_the_read_of_the_101_arrive_and_the_reader_takes_over_af
 
 
 # ---- a stock server, through the worker's open_connection --------------------------------
-
-
-def _server_messages() -> list[bytes | list[bytes]]:
-    """Whole messages on both sides of the sizes where the length field changes form and
-    where payloads start to be read directly, and fragmented messages whose fragments
-    are large, small and mixed."""
-    sizes = (0, 1, 125, 126, 65535, BIG - 1, BIG, BIG + 1, (1 << 20) + 3, 3 << 20)
-    messages: list[bytes | list[bytes]] = [payload(n, n) for n in sizes]
-    messages.append([payload(BIG + 5, 1), payload(7, 2), payload(3 * BIG, 3)])
-    messages.append([payload(10, 4), payload(BIG, 5)])
-    messages.append([payload(2 * BIG, 6), payload(BIG, 7)])
-    return messages
 
 
 async def _receive_all(
@@ -322,10 +303,8 @@ async def _receive_all(
 async def test_every_message_a_server_sends_arrives_byte_for_byte(
     tls: bool, tmp_path: Path
 ) -> None:
-    server_tls = client_tls = None
-    if tls:
-        server_tls, client_tls = tls_contexts(tmp_path)
-    messages = _server_messages()
+    server_tls, client_tls = tls_contexts(tmp_path) if tls else (None, None)
+    messages = sized_messages(BIG)
     got, framing = await asyncio.wait_for(_receive_all(messages, server_tls, client_tls), 60)
-    assert got == [digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]
+    assert got == [joined_digest(m) for m in messages]
     assert framing is True  # the frames were read by DirectReadConnection, not websockets

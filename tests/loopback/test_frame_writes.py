@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from support.certs import tls_contexts
+from support.ws_streams import digest, payload
 from support.zero_copy_pair import zero_copy_pair
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.connection import Connection
@@ -39,33 +39,29 @@ SIZES += (WRITE_DIRECT_FROM + 1, (1 << 20) + 3, 3 << 20)
 Message = bytes | str | list[object] | FrameParts
 
 
-def _payload(size: int, seed: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
 def _messages() -> list[Message]:
     """Whole messages of each size, a text message, and messages made of the buffers the
     ends hand websockets (bytes, bytearrays, memoryviews of numpy and torch memory, a
     float32 view among them, and slices of those), as fragments and as ``FrameParts``
     of every size around the threshold, parts of every length mod 4 (a client masks
     each part from where it starts)."""
-    messages: list[Message] = [_payload(n, n) for n in SIZES]
+    messages: list[Message] = [payload(n, n) for n in SIZES]
     messages.append("a text frame " * 10_000)
     floats = torch.arange(300_000, dtype=torch.float32)
-    block = torch.from_numpy(np.frombuffer(_payload(1 << 18, 7), dtype=np.uint8).copy())
+    block = torch.from_numpy(np.frombuffer(payload(1 << 18, 7), dtype=np.uint8).copy())
     parts = [
         b"head",
         memoryview(floats.numpy()),  # format "f": its length counts floats, not bytes
-        bytearray(_payload(WRITE_DIRECT_FROM, 3)),
+        bytearray(payload(WRITE_DIRECT_FROM, 3)),
         memoryview(block.numpy())[5 : 5 + WRITE_DIRECT_FROM + 17],
-        _payload(70_001, 4),
+        payload(70_001, 4),
         b"tai",
-        _payload(WRITE_DIRECT_FROM + 2, 5),
+        payload(WRITE_DIRECT_FROM + 2, 5),
     ]
     messages.append(parts)
     messages.append(FrameParts(parts))
     for n in (1, 125, WRITE_DIRECT_FROM - 5, WRITE_DIRECT_FROM, (1 << 20) + 3):
-        messages.append(FrameParts([b"head", b"", _payload(n, n + 1)]))
+        messages.append(FrameParts([b"head", b"", payload(n, n + 1)]))
     return messages
 
 
@@ -77,10 +73,6 @@ def _as_bytes(message: Message) -> bytes | str:
     if isinstance(message, list | FrameParts):
         return b"".join(memoryview(part).cast("B").tobytes() for part in message)  # type: ignore[arg-type]
     return message
-
-
-def _digest(message: bytes | str) -> str:
-    return hashlib.sha256(message if isinstance(message, bytes) else message.encode()).hexdigest()
 
 
 class _Taken:
@@ -160,7 +152,7 @@ async def test_every_message_arrives_byte_for_byte(sender: str, tls: bool, tmp_p
     taken, closed = await asyncio.wait_for(exchange(messages, contexts), 30)
     expected = [_as_bytes(m) for m in messages]
     assert [len(m) for m in taken.messages] == [len(m) for m in expected]
-    assert [_digest(m) for m in taken.messages] == [_digest(m) for m in expected]
+    assert [digest(m) for m in taken.messages] == [digest(m) for m in expected]
     assert closed == (1000, "done")
     # Whole messages and FrameParts are a frame each; fragments a frame per part and a
     # closing empty one.

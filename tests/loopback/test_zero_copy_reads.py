@@ -18,7 +18,7 @@ import psutil
 import pytest
 from support import ws_streams
 from support.certs import tls_contexts
-from support.ws_streams import digest, payload
+from support.ws_streams import digest, joined_digest, sized_messages
 from support.zero_copy_pair import zero_copy_pair
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -35,18 +35,6 @@ WAIT_S = 20.0
 
 
 # ---- a stock client ----------------------------------------------------------------------
-
-
-def _client_messages() -> list[bytes | list[bytes]]:
-    """Whole messages on both sides of the sizes where the length field changes form and
-    where payloads start to be read directly, and fragmented messages whose fragments
-    are large, small and mixed."""
-    sizes = (0, 1, 125, 126, 65535, BIG - 1, BIG, BIG + 1, (1 << 20) + 3, 3 << 20)
-    messages: list[bytes | list[bytes]] = [payload(n, n) for n in sizes]
-    messages.append([payload(BIG + 5, 1), payload(7, 2), payload(3 * BIG, 3)])
-    messages.append([payload(10, 4), payload(BIG, 5)])
-    messages.append([payload(2 * BIG, 6), payload(BIG, 7)])
-    return messages
 
 
 async def _send_all(
@@ -75,13 +63,10 @@ async def _send_all(
 async def test_every_message_a_client_sends_arrives_byte_for_byte(
     tls: bool, tmp_path: Path
 ) -> None:
-    server_tls = client_tls = None
-    if tls:
-        server_tls, client_tls = tls_contexts(tmp_path)
-    messages = _client_messages()
+    server_tls, client_tls = tls_contexts(tmp_path) if tls else (None, None)
+    messages = sized_messages(BIG)
     got, framing = await asyncio.wait_for(_send_all(messages, server_tls, client_tls), 60)
-    expected = [digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]
-    assert got == expected
+    assert got == [joined_digest(m) for m in messages]
     assert framing is True  # the frames were read by ZeroCopyConnection, not websockets
 
 
@@ -91,9 +76,9 @@ async def test_websockets_reads_every_frame_where_its_protocol_is_laid_out_other
     """An older websockets, without the limits the connection reads: it leaves the
     frames to websockets, and every message still arrives."""
     monkeypatch.setattr(frame_reads, "_PROTOCOL_STATE", ("max_size_of_another_version",))
-    messages = _client_messages()
+    messages = sized_messages(BIG)
     got, framing = await asyncio.wait_for(_send_all(messages, None, None), 60)
-    assert got == [digest(m if isinstance(m, bytes) else b"".join(m)) for m in messages]
+    assert got == [joined_digest(m) for m in messages]
     assert framing is False
 
 
@@ -107,7 +92,6 @@ HANDSHAKE = (
 
 _SIDE = ws_streams.streams(masked=True, big=BIG, max_size=MAX_SIZE)
 STREAMS, GOOD_MESSAGES, _P, CLOSE = _SIDE.streams, _SIDE.good_messages, _SIDE.payloads, _SIDE.close
-GOOD_TAKEN = ws_streams.GOOD_TAKEN
 
 
 @dataclass
@@ -200,13 +184,7 @@ async def test_a_stream_ends_as_it_does_on_websockets_own_connection(name: str, 
     cuts = ws_streams.cuts(frames, how)
     theirs, _ = await _play(ServerConnection, frames, cuts, end_at)
     ours, taken = await _play(ZeroCopyConnection, frames, cuts, end_at)
-    assert ours == theirs
-    if name == "good":
-        assert taken == GOOD_TAKEN  # it kept its place in the stream throughout
-        assert ours.digests == [digest(m) for m in GOOD_MESSAGES]
-        assert ours.closed == "clean" and ours.close_sent == (1000, "bye")
-    else:
-        assert ours.closed == "ConnectionClosedError"
+    ws_streams.assert_ends_alike(name, ours, theirs, taken, GOOD_MESSAGES)
 
 
 async def test_a_read_nested_in_handling_a_read_gets_its_own_buffer() -> None:

@@ -9,6 +9,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from websockets.frames import Close, Opcode
@@ -20,6 +21,23 @@ def payload(size: int, seed: int) -> bytes:
 
 def digest(message: bytes | str) -> str:
     return hashlib.sha256(message if isinstance(message, bytes) else message.encode()).hexdigest()
+
+
+def sized_messages(big: int) -> list[bytes | list[bytes]]:
+    """Whole messages on both sides of the sizes where the length field changes form and
+    where payloads start to be read directly (``big``), and fragmented messages whose
+    fragments are large, small and mixed."""
+    sizes = (0, 1, 125, 126, 65535, big - 1, big, big + 1, (1 << 20) + 3, 3 << 20)
+    messages: list[bytes | list[bytes]] = [payload(n, n) for n in sizes]
+    messages.append([payload(big + 5, 1), payload(7, 2), payload(3 * big, 3)])
+    messages.append([payload(10, 4), payload(big, 5)])
+    messages.append([payload(2 * big, 6), payload(big, 7)])
+    return messages
+
+
+def joined_digest(message: bytes | list[bytes]) -> str:
+    """The digest of what a message sent as it is, or as these fragments, arrives as."""
+    return digest(message if isinstance(message, bytes) else b"".join(message))
 
 
 def frame(
@@ -138,3 +156,18 @@ def streams(*, masked: bool, big: int, max_size: int) -> Streams:
         "ends after a header": ([good[0], good[1]], len(good[0]) + head),
     }
     return Streams(table, messages, p, close)
+
+
+def assert_ends_alike(
+    name: str, ours: Any, theirs: Any, taken: int, good_messages: Sequence[bytes]
+) -> None:
+    """A stream's outcome on Cleave's connection (``ours``: digests, how the receiving
+    end's recv ended, the close it sent) is websockets' own; on the good stream the
+    reader took ``GOOD_TAKEN`` frames, every message arrived and the close was clean."""
+    assert ours == theirs
+    if name == "good":
+        assert taken == GOOD_TAKEN  # it kept its place in the stream throughout
+        assert ours.digests == [digest(m) for m in good_messages]
+        assert ours.closed == "clean" and ours.close_sent == (1000, "bye")
+    else:
+        assert ours.closed == "ConnectionClosedError"
