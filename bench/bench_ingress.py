@@ -8,7 +8,7 @@ Cleave's (``common.frame_reads``), on both ends:
 - coordinator -> worker tasks: a server subprocess (the coordinator's connection) sends
   tasks as the coordinator does: a header and two operand blocks, the blocks together an
   fp32 side x side tile's size, joined when small and otherwise written one after
-  another as one frame (``coordinator.serve.server.outgoing``); this process receives
+  another as one frame (``common.frame_writes``); this process receives
   them, first with websockets' ``ClientConnection``, then with the worker's
   ``DirectReadConnection``.
 
@@ -37,7 +37,6 @@ from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 
 from client_app.connection import DirectReadConnection  # noqa: E402
 from common.frames import FrameParts  # noqa: E402
-from coordinator.serve.server import outgoing  # noqa: E402
 from coordinator.serve.zero_copy import ZeroCopyConnection  # noqa: E402
 
 SIDES = (64, 256, 512, 1024)
@@ -89,7 +88,7 @@ def _server(ports: Any, size: int, count: int) -> None:
     async def main() -> None:
         # As the coordinator sends a task: its header, then its two operand blocks.
         head, blocks = bytes(TASK_HEAD_BYTES), (_message(size // 2), _message(size - size // 2))
-        task = outgoing(FrameParts([head, *blocks]))
+        task = FrameParts([head, *blocks])
         finished = asyncio.Event()
 
         async def handler(ws: ServerConnection) -> None:

@@ -5,7 +5,7 @@ this process to a receiver subprocess:
 
 - bare:   pre-built bytes of the same size; the receiver drops them.
 - cleave: real signed task bundles (``task_frame``), sent as the coordinator sends
-          them (``outgoing``, on its ``ZeroCopyConnection``: a large one as one frame
+          them (on its ``ZeroCopyConnection``: a large one as one frame
           written part by part) to a worker's ``DirectReadConnection``; the receiver
           does what a worker does before computing: ``parse_message`` +
           ``verify_task`` (BLAKE3 + Ed25519 + operand decode).
@@ -34,7 +34,6 @@ from client_app.connection import DirectReadConnection  # noqa: E402
 from common.messages import parse_message, task_frame, verify_task  # noqa: E402
 from common.signing import generate_private_key, public_key_from_hex, public_key_hex  # noqa: E402
 from common.tensors import encode_block  # noqa: E402
-from coordinator.serve.server import outgoing  # noqa: E402
 from coordinator.serve.zero_copy import ZeroCopyConnection  # noqa: E402
 
 SIDES = (128, 256, 512, 1024)
@@ -74,7 +73,7 @@ async def _send_all(frames: list[Any], mode: str, key_hex: str) -> tuple[int, fl
 
     async def handler(ws: ServerConnection) -> None:
         for frame in frames:
-            await ws.send(outgoing(frame))
+            await ws.send(frame)
         await ws.wait_closed()
         done.set()
 

@@ -9,8 +9,10 @@ by part into one copy, which masking needs anyway. A message held as its parts
 (``common.frames.FrameParts``: a task's head and the operand blocks it shares with
 other tasks, a result's head and its tile) goes out as one frame, its parts written one
 after another; as fragments of one message, each part would be a frame of its own, and
-the receiver would join them into one more copy. Smaller frames, and frames an
-extension would transform, take websockets' own path.
+the receiver would join them into one more copy. One under ``JOIN_PARTS_BELOW`` bytes is
+joined first: each part would be a write of its own (a system call and a pass through
+the transport), which costs more than copying that many bytes. Smaller frames, and
+frames an extension would transform, take websockets' own path.
 
 The transport may hold on to a payload (TLS encrypts it later), so what is sent must not
 change once handed over: operand blocks are never written after they are cut, a result
@@ -39,6 +41,8 @@ except ImportError:  # websockets built without its C extension
 
 # Below this a frame's copy costs less than the second write (a system call) it saves.
 WRITE_DIRECT_FROM = 1 << 16
+# Below this a message's parts cost less joined than written one by one.
+JOIN_PARTS_BELOW = 128 << 10
 
 
 def frame_head(frame: Frame, length: int, mask: bytes = b"") -> bytes:
@@ -64,12 +68,11 @@ class _WritesLarge(Protocol):
 
     def send_frame(self, frame: Frame) -> None:
         data: Any = frame.data
+        if isinstance(data, FrameParts) and (self.extensions or len(data) < JOIN_PARTS_BELOW):
+            # An extension transforms the payload as a whole.
+            data = data.join()
+            frame = Frame(frame.opcode, data, frame.fin)
         if isinstance(data, FrameParts):
-            # A small one costs less copied than written part by part; an extension
-            # transforms the payload as a whole.
-            if self.extensions or len(data) < WRITE_DIRECT_FROM:
-                super().send_frame(Frame(frame.opcode, data.join(), frame.fin))
-                return
             parts: tuple[Any, ...] = data.parts
         # Most frames are small (heartbeats, acks, small tasks): len() decides for them
         # without a memoryview made.

@@ -29,7 +29,6 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from common.batches import packed
-from common.frames import FrameParts
 from common.job_about import JobAbout
 from common.messages import Hello, JobState, sign_job_state
 from common.signing import fingerprint
@@ -61,18 +60,6 @@ log = logging.getLogger("cleave.coordinator")
 # Longer than websockets' own close timeout, which governs a peer that is merely slow.
 CLOSE_GRACE_S = 30.0
 LEDGER_RETRY_S = 1.0  # after a failed ledger commit, before its writes are tried again
-# A task frame below this size is joined before it is sent: each of its parts would be a
-# write of its own (a system call and a pass through the transport), which costs more
-# than copying this many bytes; larger ones go out as their parts, the blocks uncopied.
-JOIN_BELOW_BYTES = 128 << 10
-
-
-def outgoing(data: bytes | FrameParts) -> bytes | FrameParts:
-    """What to hand websockets for one frame: a small task joined (one WebSocket frame,
-    see ``JOIN_BELOW_BYTES``), a large one as its parts (one frame, written part by part)."""
-    if isinstance(data, FrameParts) and len(data) < JOIN_BELOW_BYTES:
-        return data.join()
-    return data
 
 
 @dataclass(frozen=True)
@@ -313,7 +300,7 @@ class CoordinatorServer:
                 # A closing connection's tiles have moved on: only its last words go.
                 frames = [s.data for s in sends if conn.closing is None or not s.tile_id]
                 for data in packed(frames, most):
-                    await conn.ws.send(outgoing(data))
+                    await conn.ws.send(data)
                 if close is not None:
                     await conn.ws.close(close.code, close_reason(close.reason))
                     return

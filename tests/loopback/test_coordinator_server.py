@@ -38,7 +38,7 @@ from client_app.worker import RunResult, WorkerCore
 from common import PROTOCOL_VERSION
 from common.auth import answer_challenge, new_nonce
 from common.batches import batch_frame
-from common.frames import FrameParts, decode_frame, encode_frame
+from common.frames import decode_frame, encode_frame
 from common.limits import held_tiles_limit
 from common.messages import (
     Ack,
@@ -66,7 +66,7 @@ from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool.core import CoreConfig
 from coordinator.pool.ledger import Contribution, Ledger
 from coordinator.serve import server as server_module
-from coordinator.serve.server import JOIN_BELOW_BYTES, CoordinatorServer, ServerConfig, outgoing
+from coordinator.serve.server import CoordinatorServer, ServerConfig
 from coordinator.tiles.tiled_gemm import TiledGemm
 
 pytestmark = pytest.mark.timeout(60)
@@ -530,17 +530,6 @@ async def test_too_many_simultaneous_handshakes_are_told_to_come_back(tmp_path: 
         await until(lambda: coord.server._handshaking == 0, "the slots to free up")
         late = await Raw.join(coord, "late")
         await late.close()
-
-
-def test_small_task_frames_go_out_joined_and_large_ones_as_their_parts() -> None:
-    # A part costs a write of its own: a small task is cheaper copied into one buffer; a
-    # large one keeps its shared blocks uncopied.
-    head, block = b"head", bytes(range(256)) * 64
-    small = FrameParts([head, block, block])
-    assert outgoing(small) == small.join()
-    large = FrameParts([head, *([memoryview(block)] * (JOIN_BELOW_BYTES // len(block) + 1))])
-    assert outgoing(large) is large
-    assert outgoing(b"control") == b"control"
 
 
 async def test_the_ledger_commits_one_batch_at_a_time_each_taking_what_waited(

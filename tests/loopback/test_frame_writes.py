@@ -24,10 +24,15 @@ from support.zero_copy_pair import zero_copy_pair
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.connection import Connection
 from websockets.asyncio.server import ServerConnection
+from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
+from websockets.protocol import Side, State
+from websockets.server import ServerProtocol
+from websockets.uri import parse_uri
 
 from client_app.connection import DirectReadConnection
-from common.frame_writes import WRITE_DIRECT_FROM, frame_head
+from common import frame_writes
+from common.frame_writes import JOIN_PARTS_BELOW, WRITE_DIRECT_FROM, frame_head
 from common.frames import FrameParts
 from coordinator.serve.zero_copy import ZeroCopyConnection
 
@@ -177,6 +182,30 @@ def test_both_ends_connections_write_through_frame_writes() -> None:
         return names
 
     assert sorted(asyncio.run(protocols())) == ["_ClientWrites", "_ServerWrites"]
+
+
+@pytest.mark.parametrize("side", [Side.SERVER, Side.CLIENT])
+def test_small_parts_go_out_joined_and_large_ones_as_they_lie(side: Side) -> None:
+    # A part costs a write of its own: a small message is cheaper copied into one
+    # buffer; a large one keeps its shared blocks uncopied (a server's) or masked
+    # straight from them (a client's).
+    head, block = b"head", payload(64 << 10, 1)
+    small = FrameParts([head, block[: JOIN_PARTS_BELOW // 2 - 10], head])
+    large = FrameParts([head, block, memoryview(block)[:-3]] * (JOIN_PARTS_BELOW // len(block)))
+    protocol = ServerProtocol() if side is Side.SERVER else ClientProtocol(parse_uri("ws://h/"))
+    protocol.__class__ = frame_writes._WRITES[type(protocol)]
+    protocol.state = State.OPEN
+    protocol.send_binary(small)  # type: ignore[arg-type]
+    writes = protocol.data_to_send()
+    assert len(writes) == 1 and len(writes[0]) > len(small)
+    protocol.send_binary(large)  # type: ignore[arg-type]
+    writes = protocol.data_to_send()
+    assert len(writes) == 1 + len(large.parts)
+    for write, part in zip(writes[1:], large.parts, strict=True):
+        if side is Side.SERVER:
+            assert memoryview(write).obj is memoryview(part).obj  # not copied
+        else:
+            assert isinstance(write, bytes) and len(write) == len(memoryview(part))
 
 
 @pytest.mark.parametrize("length", [0, 125, 126, 65535, 65536, 1 << 32])
