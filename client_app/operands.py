@@ -76,7 +76,7 @@ class OperandBlocks(BlockCache[torch.Tensor]):
             if isinstance(desc, dict) and isinstance(desc.get(BLOCK_FIELD), str)
         ]
         new = {block: arrived[block] for block in blocks if block in arrived and block not in self}
-        message = memoryview(received.frame.payload).obj
+        message = received.frame.payload.obj
         as_views = _mostly(new.values(), message)
         if not as_views:
             new = {block: tensor.clone() for block, tensor in new.items()}

@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -56,6 +57,8 @@ from common.messages import (
 from common.signing import fingerprint, public_key_from_hex, public_key_hex
 
 log = logging.getLogger(__name__)
+
+_Sent = TypeVar("_Sent", bytes, FrameParts)  # a frame as the pump is handed it
 
 _CONNECTED = (Phase.CONNECTED, Phase.HELLO_SENT, Phase.READY)
 
@@ -394,9 +397,7 @@ class WorkerSession:
 
     def result_frame(self, result: Result, c: torch.Tensor) -> FrameParts:
         """The Result's frame as its parts: ``c`` is sent from where it lies."""
-        frame = message_parts(result, [("c", c)])
-        self.stats.bytes_out += len(frame)
-        return frame
+        return self._out(message_parts(result, [("c", c)]))
 
     def tile_failed(self, job: TileJob, exc: BaseException) -> bytes | None:
         """The Error to send when computing ``job`` raised (out of memory, say)."""
@@ -463,7 +464,7 @@ class WorkerSession:
         send = (self._out(encode_message(Bye(reason=bye))),) if bye else ()
         return Actions(send=send, refusal=why)
 
-    def _out(self, frame: bytes) -> bytes:
+    def _out(self, frame: _Sent) -> _Sent:
         self.stats.bytes_out += len(frame)
         return frame
 
