@@ -94,6 +94,7 @@ class Checker:
                 self._vectors,
                 cache=self._cache,
                 blocks=[tile.check_blocks if all(tile.blocks) else None for _, tile, _ in decoded],
+                partners=[tile.check_partners for _, tile, _ in decoded],
             )
         # The GEMM is released by the pump once the core has credited the tile: no
         # training step goes on before the credit of the tiles it used is made.

@@ -239,7 +239,17 @@ def _summaries_joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-_Summary = TypeVar("_Summary", LeftSummary, RightSummary)
+@dataclass(frozen=True)
+class KeptReference:
+    """The reference ``a (b ρ)`` of one tile, made ahead with its row's (``verify``),
+    and the summary of ``b`` whose ρ it used: it is the tile's only while that summary
+    is the one the cache hands out."""
+
+    right: RightSummary
+    values: torch.Tensor  # [batch, m, chunks * V] float64
+
+
+_Summary = TypeVar("_Summary", LeftSummary, RightSummary, KeptReference)
 
 
 class CheckCache:
@@ -250,7 +260,9 @@ class CheckCache:
 
     def __init__(self, budget_bytes: int = 128 << 20) -> None:
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[Hashable, LeftSummary | RightSummary] = OrderedDict()
+        self._entries: OrderedDict[Hashable, LeftSummary | RightSummary | KeptReference] = (
+            OrderedDict()
+        )
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -269,18 +281,37 @@ class CheckCache:
             found = self._put(full_key, summarize_right(b3, plan, generator))
         return found
 
+    def reference(
+        self, a_key: Hashable, b_key: Hashable, right: RightSummary
+    ) -> torch.Tensor | None:
+        """The kept reference of the tile of these blocks, made with ``right``'s ρ; None
+        where there is none, or it was made with a ρ since let go."""
+        found = self._get(("ref", a_key, b_key, right.projected.shape[-1]))
+        if isinstance(found, KeptReference) and found.right is right:
+            return found.values
+        return None
+
+    def keep_reference(
+        self, a_key: Hashable, b_key: Hashable, right: RightSummary, values: torch.Tensor
+    ) -> None:
+        # Replaces one made with a ρ since let go.
+        key = ("ref", a_key, b_key, right.projected.shape[-1])
+        self._put(key, KeptReference(right, values), replace=True)
+
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _get(self, key: Hashable) -> LeftSummary | RightSummary | None:
+    def _get(self, key: Hashable) -> LeftSummary | RightSummary | KeptReference | None:
         with self._lock:
             found = self._entries.get(key)
             if found is not None:
                 self._entries.move_to_end(key)
             return found
 
-    def _put(self, key: Hashable, summary: _Summary) -> _Summary:
+    def _put(self, key: Hashable, summary: _Summary, *, replace: bool = False) -> _Summary:
         with self._lock:
+            if replace and key in self._entries:
+                self._bytes -= _nbytes(self._entries.pop(key))
             if key not in self._entries:
                 self._entries[key] = summary
                 self._bytes += _nbytes(summary)
@@ -289,6 +320,6 @@ class CheckCache:
         return summary
 
 
-def _nbytes(summary: LeftSummary | RightSummary) -> int:
+def _nbytes(summary: LeftSummary | RightSummary | KeptReference) -> int:
     tensors = [getattr(summary, name) for name in summary.__dataclass_fields__]
     return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))

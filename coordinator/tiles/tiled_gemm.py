@@ -101,14 +101,21 @@ class SignedTile:
         """Block ids for the check's cache, which keeps summaries of the operands, not of
         their bytes: a transposed block's are its transpose's, an unfolded block's its
         patches'."""
-        a_id, b_id = (
-            block.id + ("|transposed" if block.transposed else "")
-            for block in (self.a_block, self.b_block)
-        )
+        a_id, b_id = _check_id(self.a_block), _check_id(self.b_block)
         if self.unfold is None:
             return a_id, b_id
         tag = "|unfold" + json.dumps(self.unfold.to_header(), sort_keys=True)
         return (a_id + tag, b_id) if self.unfold.operand == "a" else (a_id, b_id + tag)
+
+    def check_partners(self) -> list[tuple[str, torch.Tensor]]:
+        """The B blocks (check id, operand) of the tiles in this tile's row of the grid
+        that are not placed yet: the check makes their references with this one's, in
+        one read of the A block (``coordinator.tiles.verify.check_product``)."""
+        return self.gemm.row_partners(self.region)
+
+
+def _check_id(block: Block) -> str:
+    return block.id + ("|transposed" if block.transposed else "")
 
 
 class TiledGemm:
@@ -158,6 +165,9 @@ class TiledGemm:
         self._gk = gk
         self._lock = threading.Lock()
         self._delivered: set[tuple[int, int, int, int]] = set()
+        # The B blocks of each row of the grid (batch, row, K block) by column, while
+        # their tiles are out: what ``row_partners`` offers the check.
+        self._rows: dict[tuple[int, int, int], dict[int, Block]] = {}
 
     def _operands(self, r: TileRegion) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views of the tile's operands (``encode_block`` copies them once); an
@@ -203,6 +213,9 @@ class TiledGemm:
             tile_id = f"{self.gemm_id}/{'.'.join(map(str, region.index))}"
             bi, mi, ni, ki = region.index
             a, b = block(("a", bi, mi, ki), region), block(("b", bi, ki, ni), region)
+            if self.unfold is None:  # an unfolded B is not the matrix the check reads
+                with self._lock:
+                    self._rows.setdefault((bi, mi, ki), {})[ni] = b
             # A small task is signed when it is sent alone, or not at all in a batch.
             small = a.nbytes + b.nbytes < BATCH_BELOW_BYTES
             with COSTS.timed("sign"):
@@ -247,6 +260,11 @@ class TiledGemm:
                 return False
             self._delivered.add(region.index)
             bi, mi, ni, ki = region.index
+            row = self._rows.get((bi, mi, ki))
+            if row is not None:
+                row.pop(ni, None)
+                if not row:
+                    del self._rows[(bi, mi, ki)]
             if self._gk == 1:
                 self._write(region, c)
             else:
@@ -265,6 +283,14 @@ class TiledGemm:
         if finished and release:
             self.release()
         return finished
+
+    def row_partners(self, region: TileRegion) -> list[tuple[str, torch.Tensor]]:
+        """``SignedTile.check_partners`` of the tile at ``region``."""
+        bi, mi, ni, ki = region.index
+        with self._lock:
+            row = self._rows.get((bi, mi, ki), {})
+            others = [block for column, block in row.items() if column != ni and block.id]
+        return [(_check_id(block), block.tensor) for block in others]
 
     def release(self) -> None:
         """Hand the whole GEMM to its waiter."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,17 +88,22 @@ def check_product(
     *,
     cache: CheckCache | None = None,
     blocks: tuple[Hashable, Hashable] | None = None,
+    partners: Callable[[], Sequence[Partner]] | None = None,
 ) -> CheckResult:
     """Is ``c`` an honest ``a @ b`` (2-D) or ``torch.bmm(a, b)`` (3-D)?
 
     With a ``cache`` and the operands' content ids (``blocks``), what depends only on
-    ``a`` or only on ``b`` is taken from (or left in) the cache.
+    ``a`` or only on ``b`` is taken from (or left in) the cache. ``partners`` says, when
+    asked (only where this tile's reference is not kept yet), the other ``b`` blocks
+    (content id, operand) whose tiles with this ``a`` are still to be checked, as the
+    rest of a row of a GEMM's grid: their references ``a (b ρ)`` are made in the same
+    read of ``a`` as this one's and kept in the cache for their tiles.
     """
     verdict = _without_arithmetic(a, b, c)
     if verdict is not None:
         return verdict
     work = accumulation_dtype(a.dtype)
-    verdict = _check(a, b, c, work, generator, cache, blocks)
+    verdict = _check(a, b, c, work, generator, cache, blocks, partners)
     if verdict is not None:
         return verdict
     # Something was not finite. Only a step that has already blown up (inf/NaN
@@ -134,19 +139,24 @@ def _check(
     generator: torch.Generator,
     cache: CheckCache | None,
     blocks: tuple[Hashable, Hashable] | None,
+    partners: Callable[[], Sequence[Partner]] | None = None,
 ) -> CheckResult | None:
     """The check in arithmetic of ``work``; None where a value on its way is not finite."""
     # No copies for fp32 and fp64 tiles.
-    a3, b3, c3 = (t if t.dtype == work else t.to(work) for t in (a, b, c))
-    if a.dim() == 2:
-        a3, b3, c3 = a3.unsqueeze(0), b3.unsqueeze(0), c3.unsqueeze(0)
+    a3, b3, c3 = (_batched(t, work) for t in (a, b, c))
     batch, m, n = c3.shape
     plan = CheckPlan.for_shape(batch, m, a.shape[-1], n)
+    reference: torch.Tensor | None = None
     if cache is not None and blocks is not None:
         left, right = cache.left(blocks[0], a3), cache.right(blocks[1], b3, plan, generator)
+        reference = cache.reference(blocks[0], blocks[1], right)
+        if reference is None and partners is not None:
+            reference = _row_references(
+                a3, b3.shape, blocks, right, partners(), plan, generator, cache
+            )
     else:
         left, right = summarize_left(a3), summarize_right(b3, plan, generator)
-    variance, excess = _statistics(a3, c3, left, right, plan, a.dtype)
+    variance, excess = _statistics(a3, c3, left, right, plan, a.dtype, reference)
     if not math.isfinite(float(variance.max())):
         return None  # a norm left the range of the work dtype
     return _verdict(float(excess.max()), plan)  # NaN or inf where c, a or b is not finite
@@ -159,13 +169,60 @@ def _statistics(
     right: RightSummary,
     plan: CheckPlan,
     dtype: torch.dtype,
+    reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each statistic's honest variance and its squared excess over it (in units of the
-    variance), ``[batch, m, chunks, 1]`` and ``[batch, m, chunks, V]``."""
+    variance), ``[batch, m, chunks, 1]`` and ``[batch, m, chunks, V]``. ``reference``:
+    ``a (b ρ)`` where it was made ahead (``_row_references``)."""
     claimed, c_sq = _claimed(c3, right.vectors, plan)
-    reference = _reference(a3, right.projected, plan).reshape(claimed.shape)
+    if reference is None:
+        reference = _reference(a3, right.projected, plan)
     variance = _honest_variance(a3, c_sq, left, right, plan, dtype)
-    return variance, claimed.sub_(reference).square_().div_(variance)
+    return variance, claimed.sub_(reference.reshape(claimed.shape)).square_().div_(variance)
+
+
+# A type for check_product's partners: a b block's content id and the operand.
+Partner = tuple[Hashable, torch.Tensor]
+# Partners whose references one read of a makes at most: each adds a column per chunk
+# and vector to the product, so a long row is taken in parts.
+MAX_PARTNERS = 15
+
+
+def _row_references(
+    a3: torch.Tensor,
+    b_shape: torch.Size,
+    blocks: tuple[Hashable, Hashable],
+    right: RightSummary,
+    partners: Sequence[Partner],
+    plan: CheckPlan,
+    generator: torch.Generator,
+    cache: CheckCache,
+) -> torch.Tensor:
+    """This tile's reference ``a (b ρ)``, made in one read of ``a`` with those of its
+    partners of the same shape that have none kept yet; theirs go into ``cache``.
+
+    Each reference is the one its tile alone would make with its ``b``'s ρ, in the same
+    chains (the columns of one product are independent sums, as in ``_cross_reference``),
+    and a kept one serves its tile only while the cache still hands out that ρ."""
+    others: list[tuple[Hashable, RightSummary]] = []
+    for key, b in partners:
+        if len(others) == MAX_PARTNERS:
+            break
+        b3 = _batched(b, a3.dtype)
+        if key == blocks[1] or b3.shape != b_shape:
+            continue
+        theirs = cache.right(key, b3, plan, generator)
+        if cache.reference(blocks[0], key, theirs) is None:
+            others.append((key, theirs))
+    if not others:
+        return _reference(a3, right.projected, plan)
+    summaries = [right, *(theirs for _, theirs in others)]
+    projected = torch.cat([summary.projected for summary in summaries])
+    joint = _cross_reference([a3], projected, plan, len(summaries))[0]
+    rows = joint.unflatten(-1, (len(summaries), -1))  # [batch, m, B, chunks * V]
+    for j, (key, theirs) in enumerate(others, start=1):
+        cache.keep_reference(blocks[0], key, theirs, rows[..., j, :].contiguous())
+    return rows[..., 0, :]
 
 
 def _claimed(
@@ -196,6 +253,7 @@ def check_products(
     *,
     cache: CheckCache | None = None,
     blocks: Sequence[tuple[Hashable, Hashable] | None] | None = None,
+    partners: Sequence[Callable[[], Sequence[Partner]] | None] | None = None,
 ) -> list[CheckResult]:
     """``check_product`` of many ``(a, b, c)`` tiles, with the same verdicts in a few
     torch calls for all of them instead of a few dozen for each.
@@ -207,8 +265,8 @@ def check_products(
     check of it alone would give with the same check vectors; the tiles of a stack share
     those vectors, which is as sound as fresh ones for each: workers never see them. A
     tile alone in its shape, one that is malformed or empty, and one whose statistics
-    are not finite are checked on their own (``cache`` and ``blocks`` as for
-    ``check_product``).
+    are not finite are checked on their own (``cache``, ``blocks`` and ``partners`` as
+    for ``check_product``).
     """
     verdicts: list[CheckResult | None] = [None] * len(tiles)
     stacks: dict[tuple[torch.Size, torch.Size, torch.dtype], list[int]] = {}
@@ -224,7 +282,11 @@ def check_products(
     return [
         verdict
         or check_product(
-            *tiles[i], generator, cache=cache, blocks=blocks[i] if blocks is not None else None
+            *tiles[i],
+            generator,
+            cache=cache,
+            blocks=blocks[i] if blocks is not None else None,
+            partners=partners[i] if partners is not None else None,
         )
         for i, verdict in enumerate(verdicts)
     ]

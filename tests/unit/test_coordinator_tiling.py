@@ -279,3 +279,28 @@ def test_operand_blocks_are_keyed_by_content() -> None:
     assert content_id(x[:32]) != content_id(x[:32].reshape(16, 64))
     assert content_id(x[:32]) != content_id(x[:32].double())
     assert content_id(g[:, 24:]) == content_id(g[:, 24:].contiguous())  # strided views hash alike
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_tiles_check_partners_are_the_rest_of_its_row_still_out(case: tuple) -> None:
+    gemm, jobs, _, _ = tiled(case, seed=9)
+    by_index = {job.region.index: job for job in jobs}
+
+    def row_of(job: SignedTile) -> list[SignedTile]:
+        bi, mi, ni, ki = job.region.index
+        return [o for (b, m, n, k), o in by_index.items() if (b, m, k) == (bi, mi, ki) and n != ni]
+
+    for job in jobs:
+        partners = job.check_partners()
+        others = row_of(job)
+        assert [key for key, _ in partners] == [o.check_blocks[1] for o in others]
+        for (_, operand), other in zip(partners, others, strict=True):
+            assert operand is other.b  # the block as sent and checked, not a copy
+    # A placed tile is no one's partner any more; nor, once all are in, is anything left.
+    placed = jobs[0]
+    gemm.deliver(placed.region, product(placed))
+    for job in row_of(placed):
+        assert placed.check_blocks[1] not in [key for key, _ in job.check_partners()]
+    for job in jobs[1:]:
+        gemm.deliver(job.region, product(job))
+    assert all(job.check_partners() == [] for job in jobs)

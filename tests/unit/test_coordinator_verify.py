@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Hashable
 
 import pytest
 import torch
 
-from coordinator.tiles.check_parts import CheckCache, CheckPlan, new_generator
+from coordinator.tiles.check_parts import (
+    CheckCache,
+    CheckPlan,
+    RightSummary,
+    new_generator,
+    summarize_right,
+)
 from coordinator.tiles.honest_error import threshold
 from coordinator.tiles.verify import CheckReason, check_product, check_products
 
@@ -440,3 +447,96 @@ def test_a_worker_that_ignores_the_transposed_mark_is_caught(which: str) -> None
     assert not check_product(*sent, as_bytes_lie, gen(3)).ok
     verdicts = check_products([(*sent, as_bytes_lie), (*sent, honest(*sent))], gen(3))
     assert [v.ok for v in verdicts] == [False, True]
+
+
+ROW_SHAPES = (  # (batch or None, m, k, n) of each of a row's four tiles
+    (None, 48, 512, 64),  # one chain per statistic
+    (None, 32, 1024, 512),  # rows cut into chunks, the reference summed in K blocks
+    (3, 16, 256, 32),  # bmm
+)
+
+
+def count_references(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times the check reads an ``a`` for references ``a (b ρ)``."""
+    import coordinator.tiles.verify as verify
+
+    calls = [0]
+    real = verify._reference
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verify, "_reference", counted)
+    return calls
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("layout", ["rows", "bT"])
+@pytest.mark.parametrize("cheat_at", [0, 2])
+def test_a_row_of_tiles_takes_its_references_from_one_read_of_a(
+    shape: tuple[int | None, int, int, int],
+    layout: str,
+    cheat_at: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch, m, k, n = shape
+    a, b = operands(batch, m, k, 4 * n, torch.float32, 1.0, 31)
+    cols = list(b.split(n, dim=-1))
+    if layout == "bT":  # a weight as the forward sends it: lying transposed
+        cols = [col.mT.contiguous().mT for col in cols]
+    reads = count_references(monkeypatch)
+    cache = CheckCache()
+    for j, col in enumerate(cols):
+        c = honest(a, col)
+        if j == cheat_at:
+            c = c.clone()
+            c[..., 1, 3] += 1e-2 * float(c.abs().max())
+        verdict = check_product(
+            a,
+            col,
+            c,
+            gen(j),
+            cache=cache,
+            blocks=("a", j),
+            partners=lambda j=j: [(later, cols[later]) for later in range(j + 1, len(cols))],
+        )
+        assert verdict.ok is (j != cheat_at), (j, verdict)
+        if j == cheat_at:
+            assert verdict.reason is CheckReason.MISMATCH
+    assert reads[0] == 1  # the first tile's read made all four
+
+
+def test_a_kept_reference_serves_only_the_summary_of_b_it_was_made_with() -> None:
+    rows, cols = grid_tiles(1, 4, 32)
+    a = rows[0]
+
+    class Forgetful(CheckCache):
+        """Hands out a new summary of b, with a new ρ, each time: as after the cache let
+        go of one, or another checker put its own first."""
+
+        def right(
+            self, key: Hashable, b3: torch.Tensor, plan: CheckPlan, generator: torch.Generator
+        ) -> RightSummary:
+            return summarize_right(b3, plan, generator)
+
+    cache = Forgetful()
+    for j, col in enumerate(cols):
+        later = [(i, cols[i]) for i in range(j + 1, 4)]
+        c = honest(a, col)
+        verdict = check_product(
+            a, col, c, gen(j), cache=cache, blocks=("a", j), partners=lambda later=later: later
+        )
+        assert verdict.ok, (j, verdict)
+    assert len(cache) == 1 + 3  # a's summary, and the references nobody could use
+
+    plan = CheckPlan.for_shape(1, 64, 512, 64)
+    b3 = cols[0].unsqueeze(0)
+    made_with, other = (summarize_right(b3, plan, gen(seed)) for seed in (1, 2))
+    values = torch.zeros(1, 64, 4, dtype=torch.float64)
+    cache.keep_reference("a", 0, made_with, values)
+    assert cache.reference("a", 0, made_with) is values
+    assert cache.reference("a", 0, other) is None
+    cache.keep_reference("a", 0, other, values + 1)  # a new one replaces it
+    assert cache.reference("a", 0, made_with) is None
+    assert cache.reference("a", 0, other) is not None
