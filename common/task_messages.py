@@ -19,7 +19,14 @@ from common.errors import (
     SignatureError,
     TensorCodecError,
 )
-from common.frames import Buffer, FrameParts, canonical_json, head_length, head_of
+from common.frames import (
+    PAYLOAD_ALIGN,
+    Buffer,
+    FrameParts,
+    canonical_json,
+    head_length,
+    head_of,
+)
 from common.limits import DEFAULT_LIMITS, WireLimits
 from common.message_fields import number, text
 from common.ops import TILE_OPS, TileOp
@@ -203,6 +210,9 @@ class LazyTask:
         return self.signed().join()
 
 
+_ZEROS = memoryview(bytes(PAYLOAD_ALIGN))
+
+
 def task_frame(
     tile_id: str,
     op: str,
@@ -227,7 +237,7 @@ def task_frame(
         raise ValueError(f"op {op!r} is not one of {TILE_OPS}")
     descriptors: list[dict[str, Any]] = []
     parts: list[memoryview] = []
-    offset = end = 0
+    offset = 0
     for name, block in (("a", a), ("b", b)):
         t = block.stored
         desc: dict[str, Any] = {"name": name, "dtype": dtype_name(t.dtype)}
@@ -237,15 +247,15 @@ def task_frame(
         if name in refs:
             desc[REF_FIELD] = True
         else:
-            # Laid out as the codec lays out tensors: each at the next aligned offset,
-            # the padding before it being the previous block's own zero padding.
+            # Laid out as the codec lays out tensors: each at the next aligned offset.
+            gap = -offset % PAYLOAD_ALIGN
+            if gap:
+                parts.append(_ZEROS[:gap])
+            offset += gap
             desc["offset"], desc["nbytes"] = offset, block.nbytes
-            parts.append(block.padded)
-            end = offset + block.nbytes
-            offset += len(block.padded)
+            parts.append(block.data)
+            offset += block.nbytes
         descriptors.append(desc)
-    if parts:  # the payload ends where its last operand does: no padding after it
-        parts[-1] = parts[-1][: len(parts[-1]) - (offset - end)]
     header: dict[str, Any] = {
         "type": Task.TYPE,
         "v": PROTOCOL_VERSION,

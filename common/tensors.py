@@ -197,14 +197,15 @@ def stored_layout(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 @dataclass(frozen=True)
 class Block:
     """An operand laid out for the wire once, for every task that carries it: its bytes
-    contiguous in memory of their own, zero padded to ``PAYLOAD_ALIGN``, and its id.
+    contiguous in row order, and its id. A task puts each block at the next
+    ``PAYLOAD_ALIGN`` boundary of its payload, zero padding between them.
 
     A transposed block holds the operand's transpose (its last two dims swapped) in row
     order: ``tensor`` is the operand, a transposed view of those bytes, and ``id`` is the
     bytes' content id, as the worker computes it before it swaps them back."""
 
     tensor: torch.Tensor  # the operand exactly as the worker computes with it
-    padded: memoryview  # the bytes and the zero padding after them
+    data: memoryview  # the bytes of ``stored``
     id: str  # content_id of ``stored``, or the id a caller asserts for it
     transposed: bool = False
 
@@ -220,21 +221,28 @@ class Block:
         return self.tensor.numel() * self.tensor.element_size()
 
 
-def encode_block(t: torch.Tensor, block_id: str | None = None) -> Block:
-    """Copy ``t`` (any strides, any device) once into a ``Block``; hash it unless its id
-    is given. A transposed view is copied as its transpose (``stored_layout``). The
-    memory comes from torch's allocator, which does not zero it first (a bytearray
-    would: every byte would be written twice)."""
+def encode_block(t: torch.Tensor, block_id: str | None = None, *, share: bool = False) -> Block:
+    """``t`` (any strides, any device) as a ``Block``, hashed unless its id is given: a
+    copy of its bytes in row order, made once (a transposed view is copied as its
+    transpose: ``stored_layout``), in memory from torch's allocator, which does not
+    zero it first (a bytearray would: every byte would be written twice).
+
+    ``share``: where ``t``'s bytes already lie in row order in CPU memory, the block is a
+    view of them, not a copy, and the caller keeps them unchanged while the block is in
+    use (a GEMM's operands while its tiles are out)."""
     dtype_name(t.dtype)  # refuse before touching the data
     source, transposed = stored_layout(t.detach())
     nbytes = t.numel() * t.element_size()
-    memory = torch.empty(nbytes + (-nbytes) % PAYLOAD_ALIGN, dtype=torch.uint8)
-    memory[nbytes:] = 0
-    if nbytes:
-        stored = memory[:nbytes].view(t.dtype).view(source.shape)
-        stored.copy_(source)
-    else:
+    if not nbytes:
         stored = torch.empty(source.shape, dtype=t.dtype)
-    padded = memoryview(memory.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+        data = memoryview(b"")
+    else:
+        if share and source.device.type == "cpu" and source.is_contiguous():
+            stored = source
+        else:
+            stored = torch.empty(source.shape, dtype=t.dtype)
+            stored.copy_(source)
+        # An ndarray of the bytes is a buffer; uint8, as numpy has no bfloat16.
+        data = memoryview(stored.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     tensor = stored.mT if transposed else stored
-    return Block(tensor, padded, block_id or content_id(stored), transposed)
+    return Block(tensor, data, block_id or content_id(stored), transposed)

@@ -64,6 +64,9 @@ class Checked:
     result: CheckResult | None  # the check's; None: the result did not decode, so it fails
     finished: bool = False  # placing the tile completed its GEMM
     error: ProtocolError | None = None  # why it did not decode
+    # Its tile was placed already, from another copy's result: this one was not checked
+    # (its operands may have changed since: the step goes on once its GEMMs are done).
+    late: bool = False
 
 
 @dataclass

@@ -22,6 +22,9 @@ def judge(core: CoreApi, worker: Worker, check: Check, outcome: Checked, effects
     worker was credited (so what its tiles teach of its speed moved)."""
     now = core.now
     worker.verifying.discard(check.tile_id)
+    if outcome.late:  # neither credited nor held against it: nobody checked it
+        core.counters.duplicates += 1
+        return False
     result = outcome.result
     if outcome.error is not None:
         # Counted as a wrong result (it is one), and the sender is told why.

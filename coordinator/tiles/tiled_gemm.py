@@ -203,7 +203,7 @@ class TiledGemm:
         def block(at: tuple[str, int, int, int], region: TileRegion) -> Block:
             if at not in blocks:  # its view is made only here: slicing costs microseconds
                 with COSTS.timed("cut"):
-                    blocks[at] = encode_block(self._operand(at[0], region))
+                    blocks[at] = encode_block(self._operand(at[0], region), share=True)
                 COSTS.add_bytes("cut", blocks[at].nbytes)
             return blocks[at]
 
@@ -283,6 +283,11 @@ class TiledGemm:
         if finished and release:
             self.release()
         return finished
+
+    def placed(self, region: TileRegion) -> bool:
+        """Whether a result for ``region`` is in already."""
+        with self._lock:
+            return region.index in self._delivered
 
     def row_partners(self, region: TileRegion) -> list[tuple[str, torch.Tensor]]:
         """``SignedTile.check_partners`` of the tile at ``region``."""

@@ -354,20 +354,28 @@ def test_every_codec_error_is_a_protocol_error_with_a_code() -> None:
     [
         (lambda w: w, False),  # contiguous
         (lambda w: w[1:4, 2:5], False),  # rows of a wider matrix
+        (lambda w: w[2:5], False),  # whole rows: in row order already
         (lambda w: w.mT, True),  # a weight as the B operand
         (lambda w: w.mT[1:5, :3], True),  # a block of it
         (lambda w: w.mT[:, :1], False),  # one column: any order is row order
         (lambda w: w.reshape(2, 3, 4).mT, True),  # batched
     ],
 )
+@pytest.mark.parametrize("share", [False, True])
 def test_encode_block_lays_a_transposed_view_out_as_its_transpose(
-    make: Any, transposed: bool
+    make: Any, transposed: bool, share: bool
 ) -> None:
-    t = make(torch.randn(6, 4))
-    block = encode_block(t)
+    w = torch.randn(6, 4)
+    t = make(w)
+    block = encode_block(t, share=share)
     assert block.transposed is transposed
     assert torch.equal(block.tensor, t)  # the operand itself, whatever the layout
     assert block.stored.is_contiguous()
     assert block.id == content_id(block.stored)
     stored_bytes = block.stored.reshape(-1).view(torch.uint8).numpy().tobytes()
-    assert bytes(block.padded[: block.nbytes]) == stored_bytes
+    assert bytes(block.data) == stored_bytes
+    # Shared: a view of the operand's own bytes where they lie in row order already.
+    in_order = (t.mT if transposed else t).is_contiguous()
+    assert (block.stored.data_ptr() == t.data_ptr()) is (share and in_order)
+    w.add_(1.0)  # a copy does not see what happens to its operand afterwards
+    assert torch.equal(block.tensor, t) is (share and in_order)

@@ -253,3 +253,29 @@ def test_a_callback_that_raises_does_not_keep_the_others_of_its_batch_waiting(
     asyncio.run(main())
     assert got == [(job.tile_id, True) for job in jobs]
     assert "a bug in the first verdict's handling" in caplog.text
+
+
+@pytest.mark.parametrize("side", [64, 160])  # on the loop, and on the thread
+def test_a_result_for_a_tile_placed_already_is_not_checked(
+    side: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another copy's result is in: the step may have gone on and changed this tile's
+    operands (a weight after the optimizer's step), so a check now could fail an honest
+    result. It is neither checked nor held against its worker."""
+    job = one_tile(side)
+    a, b = job.matrices()
+    honest, wrong = a @ b, torch.zeros(side, side)
+    assert job.gemm.deliver(job.region, honest)  # the first copy's result
+    a.add_(1.0)  # the operands move on
+    calls = count_check_products(monkeypatch)
+
+    async def main() -> list[Any]:
+        checks = CheckThread()
+        try:
+            return [await checks.run(check_of(job, c)) for c in (honest, wrong)]
+        finally:
+            checks.shutdown()
+
+    for outcome in asyncio.run(main()):
+        assert outcome.late and outcome.result is None and not outcome.finished
+    assert sum(calls) == 0

@@ -589,6 +589,32 @@ def test_a_straggler_past_its_deadline_is_copied_cancelled_and_its_late_result_i
     assert h.core.scheduler.stats.reissued == 1
 
 
+def test_a_copys_result_checked_after_the_tile_is_in_is_neither_credited_nor_failed(
+    tmp_path: Path,
+) -> None:
+    """Both copies' results arrived before either was checked. By the time the second is
+    checked, its tile is in and the step may have changed the operands (the blocks are
+    views of the GEMM's inputs): it is not checked at all."""
+    h = Harness(tmp_path, scheduler=SchedulerConfig(speculate_after=2.0))
+    w1, _ = h.admit("sitter")
+    jobs = h.gemm()
+    h.core.submit(jobs[:1], h.now)
+    w2, _ = h.admit("idle")
+    h.now += 8.0
+    h.beat(w1, w2)
+    assert tasks(h.core.tick(h.now), w2) == [jobs[0].tile_id]
+    first, second = h.result(w2, jobs[0]), h.result(w1, jobs[0], wrong=True)
+    assert len(first.checks) == len(second.checks) == 1
+    h.check(first)
+    jobs[0].a.add_(1.0)  # the step goes on
+    said = h.check(second)
+    assert messages(said, w1) == []
+    sitter = h.ledger.get(h.core.workers[w1].key)
+    assert sitter.rejected == 0 and sitter.tiles == 0 and sitter.reputation == 1.0
+    assert h.core.counters.rejected == 0 and h.core.counters.duplicates == 1
+    assert h.delivered == [jobs[0].tile_id]
+
+
 def test_the_first_of_several_tiles_sent_together_measures_the_links(h: Harness) -> None:
     jobs = h.gemm()
     h.core.submit(jobs, h.now)

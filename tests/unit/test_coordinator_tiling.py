@@ -304,3 +304,22 @@ def test_a_tiles_check_partners_are_the_rest_of_its_row_still_out(case: tuple) -
     for job in jobs[1:]:
         gemm.deliver(job.region, product(job))
     assert all(job.check_partners() == [] for job in jobs)
+
+
+def test_blocks_already_in_row_order_go_out_from_the_operands_own_memory() -> None:
+    """A row block of A and a column block of a transposed weight lie in order in their
+    matrices: they are sent and checked where they lie. A column block of a B in row
+    order does not, and is copied once."""
+    plan = plan_gemm(GemmShape("mm", 1, 33, 65, 17, 4), PlanConfig(**SMALL, target_tiles=6))
+    assert plan is not None and plan.grid == (1, 2, 3, 1)
+    a, b = operands("mm", 1, 33, 65, 17, torch.float32, 5)
+    weight = b.mT.contiguous()  # [n, k], as nn.Linear keeps it: the B operand is weight.mT
+    for operand_b, b_shared in ((b, False), (weight.mT, True)):
+        gemm = TiledGemm("g", plan, a, operand_b, Done())
+        jobs = list(gemm.iter_tiles(KEY))
+        for job in jobs:
+            assert job.a.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+            same = job.b.untyped_storage().data_ptr() == operand_b.untyped_storage().data_ptr()
+            assert same is b_shared
+            r = job.region
+            assert_matches(job.a @ job.b, (a @ operand_b)[r.m0 : r.m1, r.n0 : r.n1])
