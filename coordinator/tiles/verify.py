@@ -465,7 +465,8 @@ def _terms(a3: torch.Tensor, left: LeftSummary, right: RightSummary) -> torch.Te
     the largest row of ``b``, or the exact sum where ``b`` is uneven (per tile)."""
     if right.uneven_row_sq is None:
         return left.row_sq.unsqueeze(-1) * right.largest_row_sq.unsqueeze(1)
-    exact = a3.to(torch.float64).square() @ right.uneven_row_sq
+    # A copy even of a float64 operand: squared in place.
+    exact = a3.to(torch.float64, copy=True).square_() @ right.uneven_row_sq
     if right.uneven_tiles is None:
         return exact
     bound = left.row_sq.unsqueeze(-1) * right.largest_row_sq.unsqueeze(1)

@@ -540,3 +540,18 @@ def test_a_kept_reference_serves_only_the_summary_of_b_it_was_made_with() -> Non
     cache.keep_reference("a", 0, other, values + 1)  # a new one replaces it
     assert cache.reference("a", 0, made_with) is None
     assert cache.reference("a", 0, other) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_check_leaves_its_operands_and_result_as_they_were(dtype: torch.dtype) -> None:
+    # b's rows far apart in size: the check sums the squared terms exactly, from a
+    # squared copy of a (in float64, the dtype a float64 tile already has).
+    a, b = operands(None, 40, 256, 48, torch.float32, 1.0, 33)
+    b = (b * torch.logspace(-3, 3, 256).unsqueeze(1)).to(dtype)
+    a = a.to(dtype)
+    c = honest(a, b)
+    kept = [t.clone() for t in (a, b, c)]
+    assert check_product(a, b, c, gen(1)).ok
+    assert check_product(a, b, c, gen(2), cache=CheckCache(), blocks=("a", "b")).ok
+    for now, before in zip((a, b, c), kept, strict=True):
+        assert torch.equal(now, before)
