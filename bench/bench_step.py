@@ -500,7 +500,7 @@ BREAKDOWN_ROWS = [
     ("cores x wall", "the machine's CPU time over the step and its checkpoint"),
     ("worker GEMMs", "the GEMM seconds workers reported for verified tiles"),
     ("worker rest", "the rest of the workers' CPU: receive, decode, encode, send"),
-    ("cut", "coordinator: copy each operand block out of its matrix and hash it"),
+    ("cut", "coordinator: lay each operand block out (a copy, unless in order already), hash it"),
     ("sign", "coordinator: frame and sign each task"),
     ("training rest", "coordinator: non-GEMM ops, optimizer, tracing, GEMM setup"),
     ("checkpoint", "coordinator: the checkpoint's snapshot, and its write on its own thread"),
