@@ -170,7 +170,7 @@ class TiledGemm:
         self._rows: dict[tuple[int, int, int], dict[int, Block]] = {}
 
     def _operands(self, r: TileRegion) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strided views of the tile's operands (``encode_block`` copies them once); an
+        """Strided views of the tile's operands (``encode_block`` lays each out once); an
         unfolded operand's view is the block of images and channels its patches span."""
         return self._operand("a", r), self._operand("b", r)
 

@@ -547,9 +547,8 @@ def test_a_worker_that_misses_its_heartbeats_is_dropped_at_the_tick_after_the_ti
     assert tasks(effects, w2) == [jobs[0].tile_id]
 
 
-def test_a_tile_sat_on_is_copied_to_an_idle_worker_and_the_first_result_cancels_the_other(
-    tmp_path: Path,
-) -> None:
+def copied_to_an_idle_worker(tmp_path: Path) -> tuple[Harness, str, str, list[SignedTile]]:
+    """A tile that worker "sitter" holds too long, copied to worker "idle"."""
     h = Harness(tmp_path, scheduler=SchedulerConfig(speculate_after=2.0))
     w1, _ = h.admit("sitter")
     jobs = h.gemm()
@@ -561,6 +560,13 @@ def test_a_tile_sat_on_is_copied_to_an_idle_worker_and_the_first_result_cancels_
     effects = h.core.tick(h.now)
     assert tasks(effects, w2) == [jobs[0].tile_id]
     assert h.core.counters.speculated == 1
+    return h, w1, w2, jobs
+
+
+def test_a_tile_sat_on_is_copied_to_an_idle_worker_and_the_first_result_cancels_the_other(
+    tmp_path: Path,
+) -> None:
+    h, w1, w2, jobs = copied_to_an_idle_worker(tmp_path)
     done = h.complete(w2, jobs[0])
     assert [m for m in messages(done, w1) if isinstance(m, Cancel)] == [Cancel(jobs[0].tile_id)]
     late = h.result(w1, jobs[0])
@@ -595,14 +601,7 @@ def test_a_copys_result_checked_after_the_tile_is_in_is_neither_credited_nor_fai
     """Both copies' results arrived before either was checked. By the time the second is
     checked, its tile is in and the step may have changed the operands (the blocks are
     views of the GEMM's inputs): it is not checked at all."""
-    h = Harness(tmp_path, scheduler=SchedulerConfig(speculate_after=2.0))
-    w1, _ = h.admit("sitter")
-    jobs = h.gemm()
-    h.core.submit(jobs[:1], h.now)
-    w2, _ = h.admit("idle")
-    h.now += 8.0
-    h.beat(w1, w2)
-    assert tasks(h.core.tick(h.now), w2) == [jobs[0].tile_id]
+    h, w1, w2, jobs = copied_to_an_idle_worker(tmp_path)
     first, second = h.result(w2, jobs[0]), h.result(w1, jobs[0], wrong=True)
     assert len(first.checks) == len(second.checks) == 1
     h.check(first)
