@@ -271,12 +271,7 @@ class TiledGemm:
                 parts = self._partials.setdefault((bi, mi, ni), {})
                 parts[ki] = c
                 if len(parts) == self._gk:
-                    # Half-precision partials add up in fp32 and round once, as a
-                    # kernel accumulating the whole K range would.
-                    total = parts[0].to(torch.promote_types(parts[0].dtype, torch.float32))
-                    for k in range(1, self._gk):
-                        total += parts[k]
-                    self._write(region, total)
+                    self._write_sum(region, [parts[k] for k in range(self._gk)])
                     del self._partials[(bi, mi, ni)]
             self._remaining -= 1
             finished = self._remaining == 0
@@ -302,7 +297,24 @@ class TiledGemm:
         self._on_done(self.out)
 
     def _write(self, r: TileRegion, c: torch.Tensor) -> None:
+        self._region(r).copy_(c)
+
+    def _write_sum(self, r: TileRegion, parts: list[torch.Tensor]) -> None:
+        """The K-split partial products of a region, added in K order. fp32 and fp64
+        partials are added where the sum goes (never into a partial: it is a view of the
+        bytes its result came in); half-precision ones add up in fp32 and round once, as
+        a kernel accumulating the whole K range would."""
+        wide = torch.promote_types(parts[0].dtype, torch.float32)
+        total = (
+            self._region(r) if wide == self.out.dtype else torch.empty_like(parts[0], dtype=wide)
+        )
+        total.copy_(parts[0])
+        for part in parts[1:]:
+            total += part
+        if total.dtype != self.out.dtype:
+            self._write(r, total)
+
+    def _region(self, r: TileRegion) -> torch.Tensor:
         if self.op == TileOp.BMM:
-            self.out[r.b0 : r.b1, r.m0 : r.m1, r.n0 : r.n1].copy_(c)
-        else:
-            self.out[r.m0 : r.m1, r.n0 : r.n1].copy_(c)
+            return self.out[r.b0 : r.b1, r.m0 : r.m1, r.n0 : r.n1]
+        return self.out[r.m0 : r.m1, r.n0 : r.n1]

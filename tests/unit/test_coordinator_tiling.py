@@ -203,6 +203,30 @@ def test_k_split_sum_does_not_depend_on_arrival_order(case: tuple) -> None:
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_split_partials_add_up_in_k_order_and_stay_as_they_came(dtype: torch.dtype) -> None:
+    # A partial is a view of the bytes its result came in: the sum goes elsewhere.
+    gemm, jobs, done, _ = tiled((*CASES[2][:5], dtype, CASES[2][6], None), seed=4)
+    assert gemm.plan.k_split
+    partials = {job.region.index: product(job) for job in jobs}
+    kept = {index: p.clone() for index, p in partials.items()}
+    for job in reversed(jobs):
+        gemm.deliver(job.region, partials[job.region.index])
+    for index, partial in partials.items():
+        assert torch.equal(partial, kept[index])
+    (out,) = done.calls
+    for job in jobs:
+        bi, mi, ni, ki = job.region.index
+        if ki:
+            continue
+        # fp32 sums of the partials in K order, rounded once to the tile's dtype.
+        total = kept[job.region.index].float()
+        for k in range(1, gemm.plan.grid[3]):
+            total += kept[(bi, mi, ni, k)]
+        r = job.region
+        assert torch.equal(out[r.m0 : r.m1, r.n0 : r.n1], total.to(dtype))
+
+
 @pytest.mark.parametrize("case", [CASES[3], CASES[6]], ids=[IDS[3], IDS[6]])
 def test_concurrent_deliveries_from_many_threads_complete_once(case: tuple) -> None:
     gemm, jobs, done, want = tiled(case, seed=4)
