@@ -45,7 +45,7 @@ WRITE_DIRECT_FROM = 1 << 16
 JOIN_PARTS_BELOW = 128 << 10
 
 
-def frame_head(frame: Frame, length: int, mask: bytes = b"") -> bytes:
+def websocket_header(frame: Frame, length: int, mask: bytes = b"") -> bytes:
     """A frame's header for a payload of ``length`` bytes, masked with ``mask`` when one
     is given (RFC 6455 §5.2)."""
     first = (
@@ -90,7 +90,7 @@ class _WritesLarge(Protocol):
             self.logger.debug("> %s, %d bytes written as they lie", frame.opcode.name, len(data))
         mask = secrets.token_bytes(4) if self.side is Side.CLIENT else b""
         writes = payload_writes(parts, mask)
-        self.writes.append(frame_head(frame, sum(len(w) for w in writes), mask))
+        self.writes.append(websocket_header(frame, sum(len(w) for w in writes), mask))
         self.writes.extend(writes)  # type: ignore[arg-type]  # the transport takes any buffer
 
 

@@ -286,7 +286,7 @@ class CheckCache:
     ) -> torch.Tensor | None:
         """The kept reference of the tile of these blocks, made with ``right``'s ρ; None
         where there is none, or it was made with a ρ since let go."""
-        found = self._get(("ref", a_key, b_key, right.projected.shape[-1]))
+        found = self._get(("ref", a_key, b_key))
         if isinstance(found, KeptReference) and found.right is right:
             return found.values
         return None
@@ -295,8 +295,7 @@ class CheckCache:
         self, a_key: Hashable, b_key: Hashable, right: RightSummary, values: torch.Tensor
     ) -> None:
         # Replaces one made with a ρ since let go.
-        key = ("ref", a_key, b_key, right.projected.shape[-1])
-        self._put(key, KeptReference(right, values), replace=True)
+        self._put(("ref", a_key, b_key), KeptReference(right, values), replace=True)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -289,7 +289,7 @@ class TiledGemm:
         bi, mi, ni, ki = region.index
         with self._lock:
             row = self._rows.get((bi, mi, ki), {})
-            others = [block for column, block in row.items() if column != ni and block.id]
+            others = [block for column, block in row.items() if column != ni]
         return [(_check_id(block), block.tensor) for block in others]
 
     def release(self) -> None:

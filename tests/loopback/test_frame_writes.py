@@ -32,7 +32,7 @@ from websockets.uri import parse_uri
 
 from client_app.connection import DirectReadConnection
 from common import frame_writes
-from common.frame_writes import JOIN_PARTS_BELOW, WRITE_DIRECT_FROM, frame_head
+from common.frame_writes import JOIN_PARTS_BELOW, WRITE_DIRECT_FROM, websocket_header
 from common.frames import FrameParts
 from coordinator.serve.zero_copy import ZeroCopyConnection
 
@@ -216,11 +216,11 @@ def test_frame_head_is_rfc_6455(length: int) -> None:
         small = min(length, 1 << 17)  # websockets needs the payload itself
         frame = Frame(opcode, b"\0" * small, fin)
         theirs = frame.serialize(mask=False, extensions=[])
-        ours = frame_head(frame, small)
+        ours = websocket_header(frame, small)
         assert theirs[: len(ours)] == ours and len(theirs) == len(ours) + small
         masked = frame.serialize(mask=True, extensions=[])
         mask = masked[len(ours) : len(ours) + 4]
-        assert masked[: len(ours) + 4] == frame_head(frame, small, mask)
+        assert masked[: len(ours) + 4] == websocket_header(frame, small, mask)
     if length > 1 << 17:
-        head = frame_head(Frame(Opcode.BINARY, b""), length)
+        head = websocket_header(Frame(Opcode.BINARY, b""), length)
         assert head[1] == 127 and int.from_bytes(head[2:], "big") == length
