@@ -164,7 +164,7 @@ def honest_part(runs: tuple[ShapeRun, ...], dtype: torch.dtype, seed: int) -> Ho
             for _ in range(run.honest_repeats):
                 a, b = operands(distribution, run.shape, dtype, data)
                 for kernel in kernels:
-                    verdict = check_product(a, b, kernel.multiply(a, b), checks)
+                    verdict = check_product(a, b, kernel.multiply(a, b), checks, exact_margin=True)
                     where = f"{label}, {kernel.name}, {distribution}"
                     for table, key in (
                         (report.by_shape, label),
@@ -207,7 +207,7 @@ def _margin(a, b, bad, c, checks) -> float | None:  # type: ignore[no-untyped-de
     """The check's margin on a cheat (above 1: caught), None if it changed nothing."""
     if torch.equal(bad, c):
         return None  # the cheat changed nothing here: not a trial
-    return check_product(a, b, bad, checks).margin
+    return check_product(a, b, bad, checks, exact_margin=True).margin
 
 
 def _caught(a, b, bad, c, checks) -> bool | None:  # type: ignore[no-untyped-def]

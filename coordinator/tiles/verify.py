@@ -19,8 +19,9 @@ small next to the worker's: ``c ρ`` and ``b ρ`` sum one chunk, ``a (b ρ)`` is
 blocks of K whose partial sums are added in float64. Smaller tiles have margin to spare
 and take the plain products.
 
-Every matrix is read at memory speed with no float64 copy: ``c`` twice (``c ρ`` and its
-row norms), ``a`` and ``b`` twice each. What depends only on an operand block (row
+Every matrix is read at memory speed with no float64 copy: ``a`` and ``b`` twice each,
+``c`` once for ``c ρ`` and once more for its row norms only where the tile does not pass
+without them (``_excess``). What depends only on an operand block (row
 norms, ``b ρ`` and the ρ it used) can be kept in a ``CheckCache`` and shared by every
 tile that block takes part in.
 """
@@ -89,6 +90,7 @@ def check_product(
     cache: CheckCache | None = None,
     blocks: tuple[Hashable, Hashable] | None = None,
     partners: Callable[[], Sequence[Partner]] | None = None,
+    exact_margin: bool = False,
 ) -> CheckResult:
     """Is ``c`` an honest ``a @ b`` (2-D) or ``torch.bmm(a, b)`` (3-D)?
 
@@ -98,12 +100,17 @@ def check_product(
     (content id, operand) whose tiles with this ``a`` are still to be checked, as the
     rest of a row of a GEMM's grid: their references ``a (b ρ)`` are made in the same
     read of ``a`` as this one's and kept in the cache for their tiles.
+
+    A passing tile's ``margin`` is an upper bound where the check could stop before
+    reading ``c``'s norms (``_excess``); ``exact_margin`` always reads them, for the
+    calibration, which reports how close honest rounding comes to the threshold.
     """
     verdict = _without_arithmetic(a, b, c)
     if verdict is not None:
         return verdict
     work = accumulation_dtype(a.dtype)
-    verdict = _check(a, b, c, work, generator, cache, blocks, partners)
+    bound_first = work == a.dtype and not exact_margin
+    verdict = _check(a, b, c, work, generator, cache, blocks, partners, bound_first)
     if verdict is not None:
         return verdict
     # Something was not finite. Only a step that has already blown up (inf/NaN
@@ -113,7 +120,7 @@ def check_product(
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return CheckResult(True, 0.0)
     if work != torch.float64:
-        verdict = _check(a, b, c, torch.float64, generator, None, None)
+        verdict = _check(a, b, c, torch.float64, generator, None, None, None, False)
     return verdict or CheckResult(False, math.inf, reason=CheckReason.NON_FINITE)
 
 
@@ -139,7 +146,8 @@ def _check(
     generator: torch.Generator,
     cache: CheckCache | None,
     blocks: tuple[Hashable, Hashable] | None,
-    partners: Callable[[], Sequence[Partner]] | None = None,
+    partners: Callable[[], Sequence[Partner]] | None,
+    bound_first: bool,
 ) -> CheckResult | None:
     """The check in arithmetic of ``work``; None where a value on its way is not finite."""
     # No copies for fp32 and fp64 tiles.
@@ -156,10 +164,8 @@ def _check(
             )
     else:
         left, right = summarize_left(a3), summarize_right(b3, plan, generator)
-    variance, excess = _statistics(a3, c3, left, right, plan, a.dtype, reference)
-    if not math.isfinite(float(variance.max())):
-        return None  # a norm left the range of the work dtype
-    return _verdict(float(excess.max()), plan)  # NaN or inf where c, a or b is not finite
+    (worst,) = _statistics(a3, c3, left, right, plan, a.dtype, 1, bound_first, reference)
+    return None if worst is None else _verdict(worst, plan)
 
 
 def _statistics(
@@ -169,16 +175,55 @@ def _statistics(
     right: RightSummary,
     plan: CheckPlan,
     dtype: torch.dtype,
+    tiles: int,
+    bound_first: bool,
     reference: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each statistic's honest variance and its squared excess over it (in units of the
-    variance), ``[batch, m, chunks, 1]`` and ``[batch, m, chunks, V]``. ``reference``:
-    ``a (b ρ)`` where it was made ahead (``_row_references``)."""
-    claimed, c_sq = _claimed(c3, right.vectors, plan)
+) -> list[float | None]:
+    """Each of the ``tiles`` tiles stacked in ``c3``: its largest squared statistic in
+    units of its honest variance (``_excess``). ``reference``: ``a (b ρ)`` where it was
+    made ahead (``_row_references``)."""
+    claimed = _claimed(c3, right.vectors, plan)
     if reference is None:
         reference = _reference(a3, right.projected, plan)
-    variance = _honest_variance(a3, c_sq, left, right, plan, dtype)
-    return variance, claimed.sub_(reference.reshape(claimed.shape)).square_().div_(variance)
+    return _excess(
+        claimed.sub_(reference.reshape(claimed.shape)).square_(),
+        _honest_variance(a3, left, right, plan, dtype),
+        lambda: _c_norms(c3, plan),
+        tiles,
+        plan,
+        bound_first,
+    )
+
+
+def _excess(
+    deviation: torch.Tensor,
+    variance: tuple[torch.Tensor, float],
+    c_norms: Callable[[], torch.Tensor],
+    tiles: int,
+    plan: CheckPlan,
+    bound_first: bool,
+) -> list[float | None]:
+    """Each tile's largest squared deviation ``(c ρ - a (b ρ))²`` over its honest
+    variance; None for a tile whose variance is not finite (a norm left the range of the
+    work dtype), NaN or inf where ``c``, ``a`` or ``b`` is not.
+
+    The variance grows with the squared norms of ``c``'s row chunks. ``bound_first``
+    tries it without them first: a tile that passes so passes with them too, and a pass
+    over ``c`` is saved. Half-precision tiles round their result, an error as large as
+    ``c`` itself, so they would not pass without them (``check_product`` reads them
+    at once). Where any tile does not pass so, every verdict is taken with them, as
+    without the bound."""
+    without_c, c_coefficient = variance
+    if bound_first:
+        worst = (deviation / without_c).reshape(tiles, -1).amax(dim=1)
+        finite = without_c.reshape(tiles, -1).amax(dim=1).isfinite()
+        limit = threshold(plan.statistics)
+        if bool((finite & (worst <= limit * limit)).all()):
+            return worst.tolist()
+    whole = without_c.add_(c_norms().unsqueeze(-1), alpha=c_coefficient)
+    worst_list = deviation.div_(whole).reshape(tiles, -1).amax(dim=1).tolist()
+    finite_list = whole.reshape(tiles, -1).amax(dim=1).isfinite().tolist()
+    return [w if ok else None for w, ok in zip(worst_list, finite_list, strict=True)]
 
 
 # A type for check_product's partners: a b block's content id and the operand.
@@ -225,15 +270,17 @@ def _row_references(
     return rows[..., 0, :]
 
 
-def _claimed(
-    c3: torch.Tensor, vectors: torch.Tensor, plan: CheckPlan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``c ρ`` in float64, ``[batch, m, chunks, V]``, and the squared norms of c's row
-    chunks, ``[batch, m, chunks]`` float64."""
+def _claimed(c3: torch.Tensor, vectors: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
+    """``c ρ`` in float64, ``[batch, m, chunks, V]``."""
+    batch, m, _ = c3.shape
+    return as_float64(rows_times(c3, plan.width, vectors)).view(batch, m, plan.chunks, -1)
+
+
+def _c_norms(c3: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
+    """The squared norms of c's row chunks, ``[batch, m, chunks]`` float64."""
     batch, m, _ = c3.shape
     c4 = c3.reshape(batch, m, plan.chunks, plan.width)
-    claimed = as_float64(rows_times(c3, plan.width, vectors)).view(*c4.shape[:-1], -1)
-    return claimed, torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()
+    return torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()
 
 
 def _verdict(worst: float, plan: CheckPlan) -> CheckResult | None:
@@ -373,16 +420,19 @@ def _check_stack(
     # [A, tile_batch, m, B, cv] -> [count, tile_batch, m, cv]
     reference = reference.reshape(len(a_blocks), tile_batch, m, len(b_blocks), cv)[a_at, :, :, b_at]
     if c0.numel() < STACK_C_BELOW:
-        claimed, c_sq = _claimed(_joined([t[2] for t in tiles], work), right.vectors, plan)
+        results = [_joined([t[2] for t in tiles], work)]
     else:
-        parts = [_claimed(_batched(t[2], work), right.vectors, plan) for t in tiles]
-        claimed = torch.cat([p[0] for p in parts])
-        c_sq = torch.cat([p[1] for p in parts])
-    variance = _honest_variance(a_work[0], c_sq, tile_left, tile_right, plan, a0.dtype)
-    excess = claimed.sub_(reference.reshape(claimed.shape)).square_().div_(variance)
-    finite = variance.view(count, -1).amax(dim=1).isfinite().tolist()
-    worst = excess.view(count, -1).amax(dim=1).tolist()
-    return [_verdict(w, plan) if ok else None for w, ok in zip(worst, finite, strict=True)]
+        results = [_batched(t[2], work) for t in tiles]
+    claimed = torch.cat([_claimed(c3, right.vectors, plan) for c3 in results])
+    worst = _excess(
+        claimed.sub_(reference.reshape(claimed.shape)).square_(),
+        _honest_variance(a_work[0], tile_left, tile_right, plan, a0.dtype),
+        lambda: torch.cat([_c_norms(c3, plan) for c3 in results]),
+        count,
+        plan,
+        work == a0.dtype,
+    )
+    return [None if w is None else _verdict(w, plan) for w in worst]
 
 
 def _for_summaries(blocks: list[torch.Tensor], work: torch.dtype) -> list[torch.Tensor]:
@@ -437,10 +487,8 @@ def _check_stack_copied(
     plan = CheckPlan.for_shape(tile_batch, c0.shape[-2], a0.shape[-1], c0.shape[-1])
     left = summarize_left(a3)
     right = summarize_right(b3, plan, generator, tiles=count)
-    variance, excess = _statistics(a3, c3, left, right, plan, a0.dtype)
-    finite = variance.view(count, -1).amax(dim=1).isfinite().tolist()
-    worst = excess.view(count, -1).amax(dim=1).tolist()
-    return [_verdict(w, plan) if ok else None for w, ok in zip(worst, finite, strict=True)]
+    worst = _statistics(a3, c3, left, right, plan, a0.dtype, count, work == a0.dtype)
+    return [None if w is None else _verdict(w, plan) for w in worst]
 
 
 def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
@@ -477,14 +525,15 @@ def _terms(a3: torch.Tensor, left: LeftSummary, right: RightSummary) -> torch.Te
 
 def _honest_variance(
     a3: torch.Tensor,
-    c_sq: torch.Tensor,
     left: LeftSummary,
     right: RightSummary,
     plan: CheckPlan,
     dtype: torch.dtype,
-) -> torch.Tensor:
-    """Variance of each statistic for an honest ``c``, ``[batch, m, chunks, 1]``: the
-    worker's rounding plus the check's own, both linear in two sums per row chunk.
+) -> tuple[torch.Tensor, float]:
+    """Variance of each statistic for an honest ``c``: the worker's rounding plus the
+    check's own, both linear in two sums per row chunk. Returned as the part without
+    ``c``, ``[batch, m, chunks, 1]``, and the coefficient of the squared norm of ``c``'s
+    row chunk that adds the rest.
 
     ``Σ_j Σ_l (a_il b_lj)²`` over a chunk is bounded by ``||a_i||² max_l ||b_l,chunk||²``,
     or summed exactly (a pass over a squared copy of ``a``) where ``b``'s rows are so
@@ -513,5 +562,4 @@ def _honest_variance(
     floor = (
         width * rounding.absolute_per_entry(k) + (k + 1) * subnormal_spacing(a3.dtype) ** 2 / 12.0
     )
-    variance = c_sq.mul_(rho_sq * on_c).add_(terms, alpha=rho_sq * on_terms).add_(rho_sq * floor)
-    return variance.unsqueeze(-1)
+    return terms.mul_(rho_sq * on_terms).add_(rho_sq * floor).unsqueeze(-1), rho_sq * on_c

@@ -23,6 +23,7 @@ from bench.tile_cases import (
     scale_cheat,
 )
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt
+from coordinator.tiles import verify
 from coordinator.tiles.check_parts import CheckPlan, summarize_right
 from coordinator.tiles.verify import check_product, check_products
 
@@ -47,7 +48,7 @@ def test_every_honest_kernel_passes_on_every_distribution(dtype: torch.dtype) ->
             for kernel in honest_kernels():
                 if not kernel.applies(shape, dtype):
                     continue
-                verdict = check_product(a, b, kernel.multiply(a, b), checks)
+                verdict = check_product(a, b, kernel.multiply(a, b), checks, exact_margin=True)
                 worst = max(worst, verdict.margin)
                 if not verdict.ok:
                     rejected.append((shape, distribution, kernel.name, verdict.margin))
@@ -130,7 +131,7 @@ def test_real_training_tiles_pass_honestly_and_fail_every_cheat() -> None:
         c = product(a, b)
         for kernel in kernels:
             if kernel.applies((None, a.shape[0], a.shape[1], b.shape[1]), a.dtype):
-                verdict = check_product(a, b, kernel.multiply(a, b), checks)
+                verdict = check_product(a, b, kernel.multiply(a, b), checks, exact_margin=True)
                 if not verdict.ok or verdict.margin > 0.75:
                     wrong.append((name, kernel.name, verdict.margin))
         for cheat_name, cheat in CHEATS.items():
@@ -185,3 +186,40 @@ def test_tiles_checked_together_get_the_verdicts_each_gets_alone(dtype: torch.dt
     plan = CheckPlan.for_shape(1, shape[1], shape[2], shape[3])
     right = summarize_right(torch.stack(stack).float(), plan, data, tiles=len(stack))
     assert right.uneven_tiles is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_check_that_passes_without_the_norms_of_c_gives_the_verdict_of_the_whole_check(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The honest variance grows with the norms of c's row chunks, so a tile that passes
+    # with the variance left without them passes with them too: the check tries that
+    # first and reads c once fewer. Every verdict must be the whole check's, for honest
+    # tiles and cheats of every distribution; a passing tile's margin is then a bound.
+    reads = []
+    whole_norms = verify._c_norms
+    monkeypatch.setattr(
+        verify, "_c_norms", lambda c3, plan: reads.append(c3) or whole_norms(c3, plan)
+    )
+    data, cheat_rng = torch.Generator().manual_seed(14), torch.Generator().manual_seed(15)
+    saved = 0
+    for shape in SHAPES:
+        for distribution in DISTRIBUTIONS:
+            a, b = operands(distribution, shape, dtype, data)
+            c = product(a, b)
+            results = [c] + [cheat(a, b, c, 0.5 * c, cheat_rng) for cheat in CHEATS.values()]
+            for result in results:
+                reads.clear()
+                first = check_product(a, b, result, torch.Generator().manual_seed(16))
+                saved += not reads
+                whole = check_product(
+                    a, b, result, torch.Generator().manual_seed(16), exact_margin=True
+                )
+                assert (first.ok, first.reason) == (whole.ok, whole.reason), (shape, distribution)
+                if whole.ok:
+                    assert whole.margin <= first.margin <= 1.0
+                else:
+                    assert first.margin == whole.margin
+    # Gaussian, uniform and most others pass without the norms of c; non-negative
+    # products (a large common mean in every row) need them.
+    assert saved > len(SHAPES) * len(DISTRIBUTIONS) // 2
