@@ -346,7 +346,7 @@ STACK_MAX_MACS = 512**3
 # Results and operand blocks at least this large are summarised one by one, read where
 # they lie: stacking them would copy each once more, and a call's fixed cost is small
 # next to a pass over them. Below it the copy costs less than the calls it saves.
-STACK_C_BELOW = 1 << 18
+STACK_C_BELOW = 1 << 15
 
 
 def _distinct(
