@@ -5,7 +5,9 @@ distribution (``tile_cases.DISTRIBUTIONS``), at tile shapes from 1x16x1 to
 4096x16384x4096, mm and bmm, fp32 and the half-precision tile dtypes. For each shape it
 prints how many tiles were checked, how many were rejected (must be 0) and the largest
 *margin* met: a statistic's size over its threshold, so 0.1 means honest rounding came to
-a tenth of what the check allows. The same per kernel and per distribution.
+a tenth of what the check allows (read with ``exact_margin``: the coordinator stops at a
+bound where a tile passes without the norms of ``c``, the same verdict). The same per
+kernel and per distribution.
 
 Part 2, the detection floor: fp32 tiles of Gaussian operands, at every shape, each cheat
 of ``tile_cases.CHEATS`` in every trial (caught / trials; a cheat that leaves the tile
@@ -204,10 +206,11 @@ class FloorRow:
 
 
 def _margin(a, b, bad, c, checks) -> float | None:  # type: ignore[no-untyped-def]
-    """The check's margin on a cheat (above 1: caught), None if it changed nothing."""
+    """The check's margin on a cheat (above 1: caught), None if it changed nothing. The
+    coordinator's own path: a caught cheat's margin is exact there too."""
     if torch.equal(bad, c):
         return None  # the cheat changed nothing here: not a trial
-    return check_product(a, b, bad, checks, exact_margin=True).margin
+    return check_product(a, b, bad, checks).margin
 
 
 def _caught(a, b, bad, c, checks) -> bool | None:  # type: ignore[no-untyped-def]
