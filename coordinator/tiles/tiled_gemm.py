@@ -305,11 +305,15 @@ class TiledGemm:
         bytes its result came in); half-precision ones add up in fp32 and round once, as
         a kernel accumulating the whole K range would."""
         wide = torch.promote_types(parts[0].dtype, torch.float32)
-        total = (
-            self._region(r) if wide == self.out.dtype else torch.empty_like(parts[0], dtype=wide)
-        )
-        total.copy_(parts[0])
-        for part in parts[1:]:
+        if wide == parts[0].dtype:
+            # The first two summed straight into the region: one pass fewer than a copy
+            # of the first followed by an add.
+            total = torch.add(parts[0], parts[1], out=self._region(r))
+            rest = parts[2:]
+        else:
+            total = parts[0].to(wide)  # the sum of two bf16 partials would round in bf16
+            rest = parts[1:]
+        for part in rest:
             total += part
         if total.dtype != self.out.dtype:
             self._write(r, total)
