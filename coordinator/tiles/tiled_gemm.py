@@ -305,18 +305,17 @@ class TiledGemm:
         bytes its result came in); half-precision ones add up in fp32 and round once, as
         a kernel accumulating the whole K range would."""
         wide = torch.promote_types(parts[0].dtype, torch.float32)
-        if wide == parts[0].dtype:
-            # The first two summed straight into the region: one pass fewer than a copy
-            # of the first followed by an add.
-            total = torch.add(parts[0], parts[1], out=self._region(r))
-            rest = parts[2:]
-        else:
-            total = parts[0].to(wide)  # the sum of two bf16 partials would round in bf16
-            rest = parts[1:]
-        for part in rest:
-            total += part
-        if total.dtype != self.out.dtype:
+        if wide != parts[0].dtype:
+            total = parts[0].to(wide)  # a sum of two bf16 partials would round in bf16
+            for part in parts[1:]:
+                total += part
             self._write(r, total)
+            return
+        # The first two summed straight into the region: one pass fewer than a copy of
+        # the first followed by an add.
+        total = torch.add(parts[0], parts[1], out=self._region(r))
+        for part in parts[2:]:
+            total += part
 
     def _region(self, r: TileRegion) -> torch.Tensor:
         if self.op == TileOp.BMM:

@@ -210,9 +210,9 @@ def _excess(
     The variance grows with the squared norms of ``c``'s row chunks. ``bound_first``
     tries it without them first: a tile that passes so passes with them too, and a pass
     over ``c`` is saved. Half-precision tiles round their result, an error as large as
-    ``c`` itself, so they would not pass without them (``check_product`` reads them
-    at once). Where any tile does not pass so, every verdict is taken with them, as
-    without the bound."""
+    ``c`` itself, so they would not pass without them: callers pass ``bound_first``
+    only where the tiles' dtype is the work dtype. Where any tile does not pass so,
+    every verdict is taken with them, as without the bound."""
     without_c, c_coefficient = variance
     if bound_first:
         worst = (deviation / without_c).reshape(tiles, -1).amax(dim=1)
