@@ -79,22 +79,41 @@ def as_float64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64, memory_format=torch.contiguous_format)
 
 
-def rows_times(x: torch.Tensor, width: int, v: torch.Tensor) -> torch.Tensor:
-    """``x`` cut into rows of ``width`` (its last dim a whole number of them), each times
-    ``v [width, V]``: ``[rows, V]`` for every row of every chunk, one product.
+# Row slices of this many elements at most are multiplied one at a time: the skinny
+# product reads a slice that stays in the core's cache faster than a whole large block.
+SLICE_ELEMENTS = 1 << 17
+
+
+def rows_times_each(xs: Sequence[torch.Tensor], width: int, v: torch.Tensor) -> torch.Tensor:
+    """Each of ``xs`` (one shape) cut into rows of ``width`` (its last dim a whole number
+    of them), each row times ``v [width, V]``: ``[len(xs), rows, V]`` for every row of
+    every chunk, each product written straight into one buffer for all, so they are
+    joined without a copy.
 
     An ``x`` that lies transposed (a weight block, as sent) is read in place: cutting
     its rows would copy it across memory, and ``vᵀ`` times its bytes' rows is the
     skinny product again."""
-    if not stored_layout(x)[1]:
-        # vᵀ, the product's packed left operand, laid out in order: as a strided view
-        # some BLAS builds (MKL on AVX-512) took a path several times slower for it
-        # with a few columns, and read x at a fraction of memory speed.
-        return times_skinny(x.reshape(-1, width), v.mT.contiguous().mT)
-    *lead, rows, cols = x.shape
-    chunks = cols // width
-    projected = v.mT @ x.mT.reshape(*lead, chunks, width, rows)  # [..., chunks, V, rows]
-    return projected.movedim(-1, -3).reshape(-1, v.shape[-1])
+    # vᵀ, the product's packed left operand, laid out in order: as a strided view some
+    # BLAS builds (MKL on AVX-512) took a path several times slower for it with a few
+    # columns, and read x at a fraction of memory speed.
+    v_t = v.mT.contiguous()
+    out = torch.empty(len(xs), v.shape[-1], xs[0].numel() // width, dtype=v.dtype)
+    step = max(1, SLICE_ELEMENTS // width)
+    for i, x in enumerate(xs):
+        into = out[i]
+        if not stored_layout(x)[1]:
+            cut = x.reshape(-1, width)
+            if cut.shape[0] <= step:
+                torch.mm(v_t, cut.mT, out=into)  # times_skinny's (vᵀ xᵀ)
+                continue
+            for start in range(0, cut.shape[0], step):
+                end = start + step
+                torch.mm(v_t, cut[start:end].mT, out=into[:, start:end])
+            continue
+        *lead, rows, cols = x.shape
+        projected = v_t @ x.mT.reshape(*lead, cols // width, width, rows)  # [..., chunks, V, rows]
+        into.mT.copy_(projected.movedim(-1, -3).reshape(-1, v.shape[-1]))
+    return out.mT
 
 
 def chunk_norms(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
@@ -217,8 +236,8 @@ def summarize_right(
         blocks, tiles = list(b3), len(b3)
     rho = check_vectors(plan.width, plan.vectors, blocks[0].dtype, generator)
     # Chains of a chunk: [batch, k, chunks * V].
-    projected = _summaries_joined(
-        [rows_times(block, plan.width, rho).reshape(*block.shape[:2], -1) for block in blocks]
+    projected = rows_times_each(blocks, plan.width, rho).reshape(
+        -1, blocks[0].shape[1], plan.chunks * plan.vectors
     )
     norms = _summaries_joined(  # [batch, k, chunks]
         [chunk_norms(block, plan.chunks, plan.width) for block in blocks]

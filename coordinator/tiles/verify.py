@@ -42,7 +42,7 @@ from coordinator.tiles.check_parts import (
     LeftSummary,
     RightSummary,
     as_float64,
-    rows_times,
+    rows_times_each,
     summarize_left,
     summarize_right,
     times_skinny,
@@ -182,7 +182,7 @@ def _statistics(
     """Each of the ``tiles`` tiles stacked in ``c3``: its largest squared statistic in
     units of its honest variance (``_excess``). ``reference``: ``a (b ρ)`` where it was
     made ahead (``_row_references``)."""
-    claimed = _claimed(c3, right.vectors, plan)
+    claimed = _claimed([c3], right.vectors, plan)
     if reference is None:
         reference = _reference(a3, right.projected, plan)
     return _excess(
@@ -270,10 +270,15 @@ def _row_references(
     return rows[..., 0, :]
 
 
-def _claimed(c3: torch.Tensor, vectors: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
-    """``c ρ`` in float64, ``[batch, m, chunks, V]``."""
-    batch, m, _ = c3.shape
-    return as_float64(rows_times(c3, plan.width, vectors)).view(batch, m, plan.chunks, -1)
+def _claimed(
+    results: Sequence[torch.Tensor], vectors: torch.Tensor, plan: CheckPlan
+) -> torch.Tensor:
+    """``c ρ`` of each of ``results`` (one shape, ``[batch, m, n]``) in float64, joined
+    along the batch: ``[tiles * batch, m, chunks, V]``."""
+    m = results[0].shape[1]
+    return as_float64(rows_times_each(results, plan.width, vectors)).view(
+        -1, m, plan.chunks, plan.vectors
+    )
 
 
 def _c_norms(c3: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
@@ -423,7 +428,7 @@ def _check_stack(
         results = [_joined([t[2] for t in tiles], work)]
     else:
         results = [_batched(t[2], work) for t in tiles]
-    claimed = torch.cat([_claimed(c3, right.vectors, plan) for c3 in results])
+    claimed = _claimed(results, right.vectors, plan)
     worst = _excess(
         claimed.sub_(reference.reshape(claimed.shape)).square_(),
         _honest_variance(a_work[0], tile_left, tile_right, plan, a0.dtype),

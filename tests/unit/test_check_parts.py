@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.tiles import check_parts
-from coordinator.tiles.check_parts import chunk_norms, rows_times
+from coordinator.tiles.check_parts import chunk_norms, rows_times_each
 
 SHAPES = ((1, 64, 64, 1), (1, 300, 96, 3), (2, 128, 512, 4), (1, 1024, 768, 2), (3, 17, 40, 5))
 
@@ -32,12 +32,15 @@ def test_chunk_norms_and_rows_times_match_torch(transposed: bool, dtype: torch.d
         expected = torch.linalg.vector_norm(x.reshape(batch, rows, chunks, width), dim=-1)
         torch.testing.assert_close(chunk_norms(x, chunks, width), expected)
         v = torch.randn(width, 4, dtype=dtype, generator=torch.Generator().manual_seed(cols))
-        projected = rows_times(x, width, v).view(batch, rows, chunks, 4)
-        chunked = x.reshape(batch, rows, chunks, width).double()
-        expected = torch.einsum("brcw,wv->brcv", chunked, v.double()).to(dtype)
-        # Sums of up to 512 terms of about 1 in another order: fp32 rounding apart.
-        tolerance = 1e-4 if dtype == torch.float32 else 1e-10
-        torch.testing.assert_close(projected, expected, rtol=tolerance, atol=tolerance)
+        # Blocks of one shape in one call, each into its own part of the answer; the
+        # largest shapes are multiplied in several row slices.
+        projected = rows_times_each([x, x.flip(-2)], width, v).view(2, batch, rows, chunks, 4)
+        for block, each in zip([x, x.flip(-2)], projected, strict=True):
+            chunked = block.reshape(batch, rows, chunks, width).double()
+            expected = torch.einsum("brcw,wv->brcv", chunked, v.double()).to(dtype)
+            # Sums of up to 512 terms of about 1 in another order: fp32 rounding apart.
+            tolerance = 1e-4 if dtype == torch.float32 else 1e-10
+            torch.testing.assert_close(each, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_transposed_blocks_past_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
