@@ -84,11 +84,17 @@ def as_float64(t: torch.Tensor) -> torch.Tensor:
 SLICE_ELEMENTS = 1 << 17
 
 
-def rows_times_each(xs: Sequence[torch.Tensor], width: int, v: torch.Tensor) -> torch.Tensor:
+def rows_times_each(
+    xs: Sequence[torch.Tensor],
+    width: int,
+    v: torch.Tensor,
+    norms_into: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Each of ``xs`` (one shape) cut into rows of ``width`` (its last dim a whole number
     of them), each row times ``v [width, V]``: ``[len(xs), rows, V]`` for every row of
     every chunk, each product written straight into one buffer for all, so they are
-    joined without a copy.
+    joined without a copy. ``norms_into`` (``[len(xs), rows]``), where given, takes each
+    row's 2-norm (``chunk_norms``), read while its slice is still in cache.
 
     An ``x`` that lies transposed (a weight block, as sent) is read in place: cutting
     its rows would copy it across memory, and ``vᵀ`` times its bytes' rows is the
@@ -101,18 +107,25 @@ def rows_times_each(xs: Sequence[torch.Tensor], width: int, v: torch.Tensor) -> 
     step = max(1, SLICE_ELEMENTS // width)
     for i, x in enumerate(xs):
         into = out[i]
-        if not stored_layout(x)[1]:
-            cut = x.reshape(-1, width)
-            if cut.shape[0] <= step:
-                torch.mm(v_t, cut.mT, out=into)  # times_skinny's (vᵀ xᵀ)
-                continue
-            for start in range(0, cut.shape[0], step):
-                end = start + step
-                torch.mm(v_t, cut[start:end].mT, out=into[:, start:end])
+        if stored_layout(x)[1]:
+            *lead, rows, cols = x.shape
+            chunks = cols // width
+            projected = v_t @ x.mT.reshape(*lead, chunks, width, rows)  # [..., chunks, V, rows]
+            into.mT.copy_(projected.movedim(-1, -3).reshape(-1, v.shape[-1]))
+            if norms_into is not None:
+                norms_into[i].copy_(chunk_norms(x, chunks, width).reshape(-1))
             continue
-        *lead, rows, cols = x.shape
-        projected = v_t @ x.mT.reshape(*lead, cols // width, width, rows)  # [..., chunks, V, rows]
-        into.mT.copy_(projected.movedim(-1, -3).reshape(-1, v.shape[-1]))
+        cut = x.reshape(-1, width)
+        if cut.shape[0] <= step:  # one slice: no views of it
+            torch.mm(v_t, cut.mT, out=into)
+            if norms_into is not None:
+                torch.linalg.vector_norm(cut, dim=-1, out=norms_into[i])
+            continue
+        for start in range(0, cut.shape[0], step):
+            end = start + step
+            torch.mm(v_t, cut[start:end].mT, out=into[:, start:end])  # times_skinny's (vᵀ xᵀ)
+            if norms_into is not None:
+                torch.linalg.vector_norm(cut[start:end], dim=-1, out=norms_into[i, start:end])
     return out.mT
 
 
@@ -236,13 +249,12 @@ def summarize_right(
         blocks, tiles = list(b3), len(b3)
     rho = check_vectors(plan.width, plan.vectors, blocks[0].dtype, generator)
     # Chains of a chunk: [batch, k, chunks * V].
-    projected = rows_times_each(blocks, plan.width, rho).reshape(
-        -1, blocks[0].shape[1], plan.chunks * plan.vectors
+    batch, k, _ = blocks[0].shape
+    norms = torch.empty(len(blocks), batch * k * plan.chunks, dtype=rho.dtype)
+    projected = rows_times_each(blocks, plan.width, rho, norms).reshape(
+        -1, k, plan.chunks * plan.vectors
     )
-    norms = _summaries_joined(  # [batch, k, chunks]
-        [chunk_norms(block, plan.chunks, plan.width) for block in blocks]
-    )
-    k = norms.shape[1]
+    norms = norms.view(-1, k, plan.chunks)  # [batch, k, chunks]
     largest = norms.amax(dim=1)
     # The mean square over l is the norm of the norms over sqrt(k).
     spread = largest > math.sqrt(UNEVEN / k) * torch.linalg.vector_norm(norms, dim=1)

@@ -156,14 +156,17 @@ def _check(
     plan = CheckPlan.for_shape(batch, m, a.shape[-1], n)
     reference: torch.Tensor | None = None
     if cache is not None and blocks is not None:
-        left, right = cache.left(blocks[0], a3), cache.right(blocks[1], b3, plan, generator)
+        # b first: a is read again by its reference right after its norms, while cached.
+        right = cache.right(blocks[1], b3, plan, generator)
+        left = cache.left(blocks[0], a3)
         reference = cache.reference(blocks[0], blocks[1], right)
         if reference is None and partners is not None:
             reference = _row_references(
                 a3, b3.shape, blocks, right, partners(), plan, generator, cache
             )
     else:
-        left, right = summarize_left(a3), summarize_right(b3, plan, generator)
+        right = summarize_right(b3, plan, generator)
+        left = summarize_left(a3)
     (worst,) = _statistics(a3, c3, left, right, plan, a.dtype, 1, bound_first, reference)
     return None if worst is None else _verdict(worst, plan)
 
@@ -182,9 +185,9 @@ def _statistics(
     """Each of the ``tiles`` tiles stacked in ``c3``: its largest squared statistic in
     units of its honest variance (``_excess``). ``reference``: ``a (b ρ)`` where it was
     made ahead (``_row_references``)."""
-    claimed = _claimed([c3], right.vectors, plan)
-    if reference is None:
+    if reference is None:  # before c's pass: a is still cached from its norms
         reference = _reference(a3, right.projected, plan)
+    claimed = _claimed([c3], right.vectors, plan)
     return _excess(
         claimed.sub_(reference.reshape(claimed.shape)).square_(),
         _honest_variance(a3, left, right, plan, dtype),

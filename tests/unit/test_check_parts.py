@@ -1,9 +1,12 @@
 """The result check's building blocks against plain torch (coordinator.tiles.check_parts):
 row-chunk norms and products by the check vectors, for blocks in row order and blocks
-that lie transposed (as weight blocks are sent), with the squares of transposed blocks
+that lie transposed (as weight blocks are sent), several blocks into one answer with
+their row norms taken on the way, with the squares of transposed blocks
 in a buffer the thread reuses across shapes and dtypes, and past that buffer's size."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -34,13 +37,17 @@ def test_chunk_norms_and_rows_times_match_torch(transposed: bool, dtype: torch.d
         v = torch.randn(width, 4, dtype=dtype, generator=torch.Generator().manual_seed(cols))
         # Blocks of one shape in one call, each into its own part of the answer; the
         # largest shapes are multiplied in several row slices.
-        projected = rows_times_each([x, x.flip(-2)], width, v).view(2, batch, rows, chunks, 4)
-        for block, each in zip([x, x.flip(-2)], projected, strict=True):
+        norms = torch.full((2, batch * rows * chunks), math.nan, dtype=dtype)
+        blocks = [x, x.flip(-2)]
+        projected = rows_times_each(blocks, width, v, norms).view(2, batch, rows, chunks, 4)
+        for block, each, each_norms in zip(blocks, projected, norms, strict=True):
             chunked = block.reshape(batch, rows, chunks, width).double()
             expected = torch.einsum("brcw,wv->brcv", chunked, v.double()).to(dtype)
             # Sums of up to 512 terms of about 1 in another order: fp32 rounding apart.
             tolerance = 1e-4 if dtype == torch.float32 else 1e-10
             torch.testing.assert_close(each, expected, rtol=tolerance, atol=tolerance)
+            norms_expected = torch.linalg.vector_norm(chunked, dim=-1).to(dtype)
+            torch.testing.assert_close(each_norms.view(batch, rows, chunks), norms_expected)
 
 
 def test_transposed_blocks_past_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
