@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
 
+import numpy as np
 import torch
 
-from common.scratch import Scratch
 from common.tensors import stored_layout
 
 SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
@@ -130,35 +130,17 @@ def rows_times_each(
 
 
 def chunk_norms(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
-    """The 2-norms of ``x``'s rows cut into ``chunks`` of ``width``: ``[..., rows,
-    chunks]``. An ``x`` that lies transposed is reduced in the order its bytes lie, as
-    a sum of squares: ``vector_norm`` reads a dim that is not contiguous one element at
-    a time, many times slower."""
+    """The 2-norms of ``x``'s rows (float32 or float64, the check's work dtypes) cut into
+    ``chunks`` of ``width``: ``[..., rows, chunks]``.
+
+    An ``x`` that lies transposed is reduced in the order its bytes lie: ``vector_norm``
+    reads a dim that is not contiguous one element at a time, many times slower, and
+    torch's sums over a leading dim go through a squared copy, whose writes cost more
+    than the reads. numpy's ``einsum`` sums the squares as it reads them."""
     if not stored_layout(x)[1]:
         return torch.linalg.vector_norm(x.reshape(*x.shape[:-1], chunks, width), dim=-1)
-    stored = x.mT.reshape(*x.shape[:-2], chunks, width, x.shape[-2])  # [..., chunks, width, rows]
-    ones = torch.ones(1, width, dtype=x.dtype)
-    return (ones @ _squared(stored)).squeeze(-2).mT.sqrt()
-
-
-SCRATCH_MAX = 1 << 22  # elements of each dtype a thread keeps for squared blocks
-
-
-class _ThreadScratch(threading.local):
-    def __init__(self) -> None:
-        self.scratch = Scratch()
-
-
-_scratch = _ThreadScratch()
-
-
-def _squared(x: torch.Tensor) -> torch.Tensor:
-    """``x²``, into a buffer this thread keeps where it fits (valid until its next
-    call). A fresh copy of a block's size is fresh pages, faulted in and zeroed again
-    for each block: the coordinator hands its free heap back to the system."""
-    if x.numel() > SCRATCH_MAX:
-        return x.square()
-    return torch.square(x, out=_scratch.scratch.take(x.dtype, x.shape, x.dtype))
+    stored = x.detach().mT.reshape(*x.shape[:-2], chunks, width, x.shape[-2]).numpy()
+    return torch.from_numpy(np.einsum("...cwr,...cwr->...rc", stored, stored)).sqrt_()
 
 
 @dataclass(frozen=True)
