@@ -20,6 +20,12 @@ second of one thread in a grid, to set against the coordinator's result ingress.
 goals: at most 8% of the GEMM at 1024³ fp32 (grid) and 30% at 256³ with small tiles
 checked in batches.
 
+A second table checks tiles of a GPT's shapes whose operands and results are out of
+the cache, as in a run: by the time a result comes back, the blocks were cut long
+before and much else has passed through the cache. Each tile of a working set larger
+than the last-level cache (``--cold-mb``) is checked once per round, against the same
+tile checked again and again (in cache), one tile alone each.
+
 Run: ``python bench/bench_verify.py [--threads N]``. Profile: ``python -m cProfile -s
 tottime bench/bench_verify.py``; or torch.profiler around ``check_product``.
 """
@@ -51,6 +57,12 @@ SHAPES = [  # (batch or None, m, k, n, dtype, layout)
     (None, 1024, 1024, 1024, torch.float32, "aT"),  # an output gradient, in dW
 ]
 GRID = 4
+COLD_SHAPES = [  # (m, k, n, layout): tiles of a 12 x 768 GPT's GEMMs as a run cuts them
+    (512, 768, 768, "rows"),
+    (512, 768, 768, "bT"),  # a projection's forward
+    (768, 1024, 768, "aT"),  # its weight gradient
+    (1024, 1024, 768, "rows"),
+]
 
 
 def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -114,10 +126,35 @@ def grid_seconds(
     return _best_seconds(check_all, repeat) / count, _best_seconds(check_batch, repeat) / count
 
 
+def cold_seconds(
+    m: int, k: int, n: int, layout: str, working_set: int, gen: torch.Generator
+) -> tuple[float, float]:
+    """Seconds per tile to check a tile alone: its operands and result in cache (the
+    same tile again and again), and out of it (each of a working set of tiles of
+    ``working_set`` bytes in turn)."""
+    count = max(2, working_set // (4 * (m * k + k * n + m * n)))
+    tiles = []
+    for _ in range(count):
+        a = laid_out(torch.randn(m, k), "a", layout)
+        b = laid_out(torch.randn(k, n), "b", layout)
+        tiles.append((a, b, torch.matmul(a, b)))
+    a, b, c = tiles[0]
+    hot = _best_seconds(lambda: check_product(a, b, c, gen), 10)
+
+    def each_once() -> None:
+        for a, b, c in tiles:
+            assert check_product(a, b, c, gen).ok
+
+    return hot, _best_seconds(each_once, 2) / count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--cold-mb", type=int, default=768, help="working set of the out-of-cache checks"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = new_generator()
@@ -149,6 +186,25 @@ def main() -> None:
         f"(best of {args.repeat}; {args.threads} torch thread(s); the check includes its "
         f"threshold; grid: {GRID}x{GRID} tiles sharing operand summaries; batch: the same "
         f"tiles in one check_products call)"
+    )
+    print()
+    print(
+        f"{'tile m x k x n':>22} {'layout':>6} {'gemm ms':>8} {'cached ms':>9} {'ratio':>6} "
+        f"{'cold ms':>8} {'ratio':>6} {'cold/cached':>11}"
+    )
+    for m, k, n, layout in COLD_SHAPES:
+        a = laid_out(torch.randn(m, k), "a", layout)
+        b = laid_out(torch.randn(k, n), "b", layout)
+        gemm_s = _best_seconds(lambda: torch.matmul(a, b), args.repeat)  # noqa: B023
+        hot_s, cold_s = cold_seconds(m, k, n, layout, args.cold_mb << 20, gen)
+        print(
+            f"{f'{m} x {k} x {n}':>22} {layout:>6} {gemm_s * 1e3:>8.2f} {hot_s * 1e3:>9.2f} "
+            f"{hot_s / gemm_s:>6.3f} {cold_s * 1e3:>8.2f} {cold_s / gemm_s:>6.3f} "
+            f"{cold_s / hot_s:>11.2f}"
+        )
+    print(
+        f"(one tile alone each; cached: the same tile checked again and again; cold: each "
+        f"tile of {args.cold_mb} MB of tiles in turn, best of 2 rounds)"
     )
 
 
