@@ -127,11 +127,11 @@ def grid_seconds(
 
 
 def cold_seconds(
-    m: int, k: int, n: int, layout: str, working_set: int, gen: torch.Generator
-) -> tuple[float, float]:
-    """Seconds per tile to check a tile alone: its operands and result in cache (the
-    same tile again and again), and out of it (each of a working set of tiles of
-    ``working_set`` bytes in turn)."""
+    m: int, k: int, n: int, layout: str, working_set: int, gen: torch.Generator, repeat: int
+) -> tuple[float, float, float]:
+    """Seconds of a tile's GEMM, and seconds per tile to check a tile alone: its operands
+    and result in cache (the same tile again and again), and out of it (each of a
+    working set of tiles of ``working_set`` bytes in turn)."""
     count = max(2, working_set // (4 * (m * k + k * n + m * n)))
     tiles = []
     for _ in range(count):
@@ -139,13 +139,14 @@ def cold_seconds(
         b = laid_out(torch.randn(k, n), "b", layout)
         tiles.append((a, b, torch.matmul(a, b)))
     a, b, c = tiles[0]
+    gemm = _best_seconds(lambda: torch.matmul(a, b), repeat)
     hot = _best_seconds(lambda: check_product(a, b, c, gen), 10)
 
     def each_once() -> None:
         for a, b, c in tiles:
             assert check_product(a, b, c, gen).ok
 
-    return hot, _best_seconds(each_once, 2) / count
+    return gemm, hot, _best_seconds(each_once, 2) / count
 
 
 def main() -> None:
@@ -193,10 +194,7 @@ def main() -> None:
         f"{'cold ms':>8} {'ratio':>6} {'cold/cached':>11}"
     )
     for m, k, n, layout in COLD_SHAPES:
-        a = laid_out(torch.randn(m, k), "a", layout)
-        b = laid_out(torch.randn(k, n), "b", layout)
-        gemm_s = _best_seconds(lambda: torch.matmul(a, b), args.repeat)  # noqa: B023
-        hot_s, cold_s = cold_seconds(m, k, n, layout, args.cold_mb << 20, gen)
+        gemm_s, hot_s, cold_s = cold_seconds(m, k, n, layout, args.cold_mb << 20, gen, args.repeat)
         print(
             f"{f'{m} x {k} x {n}':>22} {layout:>6} {gemm_s * 1e3:>8.2f} {hot_s * 1e3:>9.2f} "
             f"{hot_s / gemm_s:>6.3f} {cold_s * 1e3:>8.2f} {cold_s / gemm_s:>6.3f} "

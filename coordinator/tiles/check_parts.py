@@ -116,16 +116,14 @@ def rows_times_each(
                 norms_into[i].copy_(chunk_norms(x, chunks, width).reshape(-1))
             continue
         cut = x.reshape(-1, width)
-        if cut.shape[0] <= step:  # one slice: no views of it
-            torch.mm(v_t, cut.mT, out=into)
+        rows = cut.shape[0]
+        spans = (
+            [slice(None)] if rows <= step else [slice(s, s + step) for s in range(0, rows, step)]
+        )
+        for span in spans:
+            torch.mm(v_t, cut[span].mT, out=into[:, span])  # times_skinny's (vᵀ xᵀ)
             if norms_into is not None:
-                torch.linalg.vector_norm(cut, dim=-1, out=norms_into[i])
-            continue
-        for start in range(0, cut.shape[0], step):
-            end = start + step
-            torch.mm(v_t, cut[start:end].mT, out=into[:, start:end])  # times_skinny's (vᵀ xᵀ)
-            if norms_into is not None:
-                torch.linalg.vector_norm(cut[start:end], dim=-1, out=norms_into[i, start:end])
+                torch.linalg.vector_norm(cut[span], dim=-1, out=norms_into[i, span])
     return out.mT
 
 
