@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.messages import JobState
 from common.signing import fingerprint, load_or_create_private_key
-from coordinator.plan.keep_home import KeepHome
+from coordinator.plan.keep_home import CPU_S_PER_BYTE, KeepHome
 from coordinator.plan.live import LivePlanning, Planner
 from coordinator.plan.planner import plan_config_for
 from coordinator.pool.front_door import FrontDoor
@@ -241,6 +241,7 @@ class CoordinatorRun:
             LivePlanning(
                 cost_model=options.planner is Planner.COST,
                 coordinator_flops_per_s=options.coordinator_gflops * 1e9,
+                cpu_s_per_byte=CPU_S_PER_BYTE,
             ),
             KeepHome(below=options.min_offload_intensity),
         )

@@ -168,10 +168,21 @@ class LinkModel:
     # The coordinator's own work per tile sent (cut, sign, frame, check the result), one
     # tile at a time: what makes many small tiles slower than a few big ones.
     tile_overhead_s: float = 0.0
+    # ...and per byte a tile moves, operands sent and result back (cut, hash, send,
+    # receive, check): what makes a grid that sends a block to two workers slower than
+    # one that sends it once, where the coordinator's CPU binds.
+    byte_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.egress_bps <= 0 or self.tile_overhead_s < 0:
-            raise ValueError("window must be >= 1, egress_bps > 0, tile_overhead_s >= 0")
+        if (
+            self.window < 1
+            or self.egress_bps <= 0
+            or self.tile_overhead_s < 0
+            or self.byte_cpu_s < 0
+        ):
+            raise ValueError(
+                "window must be >= 1, egress_bps > 0, tile_overhead_s and byte_cpu_s >= 0"
+            )
 
 
 SEQUENTIAL = LinkModel()

@@ -87,6 +87,10 @@ class LivePlanning:
     # coordinator's share). Erring high costs a little balance; erring low floods the
     # coordinator with crumbs.
     tile_overhead_s: float = 4e-3
+    # ...and per byte a tile moves, operands out and result back (the server plans with
+    # keep_home.CPU_S_PER_BYTE): where it binds, a grid that sends a block to two
+    # workers, or cuts more tiles than the workers need, finishes later.
+    cpu_s_per_byte: float = 0.0
     egress_bps: float = math.inf  # the coordinator's uplink, if known
     # Links a worker has not shown yet are planned as 10 Gbit/s (estimates.for_planning).
     optimistic_link_bps: float = 1.25e9
@@ -208,7 +212,9 @@ class LivePlanning:
             devices,
             local_flops_per_s=self.coordinator_flops_per_s,
             base=config,
-            links=LinkModel(self.window, self.egress_bps, self.tile_overhead_s),
+            links=LinkModel(
+                self.window, self.egress_bps, self.tile_overhead_s, self.cpu_s_per_byte
+            ),
             ready_at=ready_at,
             share_local=share,
             tiles_per_device=self.tiles_per_device,

@@ -72,13 +72,16 @@ def _attempt(
     up: int,
     links: LinkModel,
     floor: float,
+    moved: int,
     lane: _Lane,
 ) -> tuple[Run, int]:
-    """The lane's timeline for the tile, and the operand bytes it would be sent."""
+    """The lane's timeline for the tile, and the operand bytes it would be sent. `moved`:
+    the bytes the coordinator handled for the tiles placed before, and this one's result."""
     if lane.device.worker_id == LOCAL:  # the coordinator: no link to cross
         return lane.run(tile.flops, 0, up, links.window, 0.0), 0
     down = sum(nbytes for block, nbytes in blocks if block not in lane.held)
-    return lane.run(tile.flops, down, up, links.window, floor + down / links.egress_bps), down
+    floor += down / links.egress_bps + (moved + down) * links.byte_cpu_s
+    return lane.run(tile.flops, down, up, links.window, floor), down
 
 
 @dataclass
@@ -194,6 +197,7 @@ def place_tiles(
     order = sorted(tiles, key=lambda t: (-t.flops, t.index)) if rule == "finish" else tiles
     t0 = min((lane.down_free for lane in lanes), default=0.0)
     sent = 0  # bytes through the coordinator's uplink so far (a shared fluid pipe)
+    moved = 0  # bytes the coordinator's CPU handled so far: operands sent, results back
     remote = 0  # tiles sent to workers so far
     # Pull: workers by their next free slot, so each tile costs log(devices), not devices.
     # The coordinator (no link) pulls nothing: it keeps a tile when it would finish it
@@ -208,9 +212,8 @@ def place_tiles(
         # A download cannot end before the coordinator's uplink carried it and the bytes
         # placed before it, and spent its per-tile work on it and on the tiles before.
         floor = t0 + sent / links.egress_bps + (remote + 1) * links.tile_overhead_s
-        attempt = functools.partial(
-            _attempt, tile, blocks, tile.up_bytes(shape.itemsize), links, floor
-        )
+        up = tile.up_bytes(shape.itemsize)
+        attempt = functools.partial(_attempt, tile, blocks, up, links, floor, moved + up)
         if rule == "pull":
             choice = _pull_choice(lanes, slots, here, size, attempt)
         else:
@@ -221,7 +224,9 @@ def place_tiles(
         lane = lanes[chosen]
         lane.take(run, blocks)
         sent += down
-        remote += lane.device.worker_id != LOCAL
+        if lane.device.worker_id != LOCAL:
+            remote += 1
+            moved += down + up
         if rule == "pull" and chosen not in here:
             heapq.heappush(slots, (lane.slot(links.window), chosen))
         placements.append(Placement(tile, lane.device.worker_id, run[0], run[3], down))

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from common.signing import fingerprint, load_or_create_private_key
+from coordinator.plan.keep_home import CPU_S_PER_BYTE
 from coordinator.plan.live import LivePlanning
 from coordinator.plan.planner import plan_config_for
 from coordinator.pool.ledger import Ledger
@@ -91,7 +92,9 @@ class Pool:
             self._loop,
             key,
             plan_config_for(self._min_offload_mflop),
-            LivePlanning(cost_model=True, coordinator_flops_per_s=0.0),
+            LivePlanning(
+                cost_model=True, coordinator_flops_per_s=0.0, cpu_s_per_byte=CPU_S_PER_BYTE
+            ),
         )
         if self._local_count:
             self._local = LocalWorkers(self._local_count, self.url, self.state_dir)

@@ -233,6 +233,26 @@ def test_coordinator_uplink_is_shared() -> None:
         LinkModel(window=0)
 
 
+def test_the_coordinators_cpu_per_byte_is_spent_in_a_row() -> None:
+    # As above with the coordinator spending 0.25 s per byte a tile moves (operands sent,
+    # result back; the first tile's 8 + 4, then 4 + 4, 4 + 4, 0 + 4): a download cannot
+    # end before it has handled those of the tiles placed so far and this one.
+    #   t00: handled 12 -> 3 s; down ends max(1, 3) = 3, compute [3,5], up [5,6]
+    #   t01: 20 -> 5; sent at 3, ends max(3.5, 5) = 5, compute [5,7], up [7,8]
+    #   t10: 28 -> 7; sent at 6 (t00 back), ends max(6.5, 7) = 7, compute [7,9], up [9,10]
+    #   t11: 32 -> 8; sent at 8, no bytes, ends 8, compute [9,11], up [11,12]
+    placed = place_tiles(SHAPE, four_tiles(), [FAST], links=LinkModel(2, byte_cpu_s=0.25))
+    assert placed is not None
+    assert [(p.start, p.finish) for p in placed] == [
+        (0.0, 6.0),
+        (3.0, 8.0),
+        (6.0, 10.0),
+        (8.0, 12.0),
+    ]
+    with pytest.raises(ValueError):
+        LinkModel(byte_cpu_s=-1.0)
+
+
 @pytest.mark.parametrize("rule", ["finish", "pull"])
 def test_the_coordinator_takes_a_share(rule: str) -> None:
     # The coordinator (4 FLOP/s, no link) as a device next to FAST, tiles in a row. By

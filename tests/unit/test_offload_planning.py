@@ -17,9 +17,10 @@ import torch
 
 from common.signing import generate_private_key
 from coordinator.plan.estimates import DeviceEstimate, LinkModel, for_planning
+from coordinator.plan.keep_home import CPU_S_PER_BYTE
 from coordinator.plan.live import Commitments, LiveChoice, LivePlanning
 from coordinator.plan.placement import PoolPlan, candidate_configs, fastest, plan_for_pool
-from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.plan.planner import GemmShape, PlanConfig, plan_config_for, plan_gemm
 from coordinator.pool.workers import PoolView
 from coordinator.serve.offload import TileOffload
 from coordinator.serve_options import coordinator_gflops
@@ -206,3 +207,23 @@ def test_auto_pulls_where_links_bind_and_following_gains_little() -> None:
     # Always following, the same pool gets every tile named.
     named = LivePlanning(rule="finish").plan(BIG, slow_links, CONFIG)
     assert named.plan is not None and len(named.owners) == len(named.plan.tiles)
+
+
+def test_the_coordinators_cpu_per_byte_makes_plans_that_move_fewer_bytes() -> None:
+    # A GPT MLP's second projection (1024 tokens, 3072 -> 768, fp32) on two equal workers
+    # on fast measured links, as on loopback, where what binds is the coordinator's CPU
+    # for every byte it moves. Planned as if bytes cost nothing, each worker gets half of
+    # the tokens and the whole 9 MB weight; at the server's CPU per byte, the plan moves
+    # fewer bytes, however it cuts and places.
+    shape = GemmShape("mm", 1, 1024, 768, 3072, 4)
+    config = plan_config_for(1.0)(2, 1 << 30)
+    workers = tuple(DeviceEstimate(w, 170e9, 3e9, 3e9, link_samples=5) for w in ("w1", "w2"))
+
+    def moved(planning: LivePlanning) -> int:
+        plan = planning.pool_plan(shape, workers, config)
+        assert plan is not None and plan.plan is not None and not plan.local_tiles
+        return plan.down_bytes + sum(p.tile.up_bytes(4) for p in plan.placements)
+
+    free = moved(LivePlanning())
+    assert free == 4 * (1024 * 3072 + 2 * 3072 * 768 + 1024 * 768)
+    assert moved(LivePlanning(cpu_s_per_byte=CPU_S_PER_BYTE)) < 0.95 * free
