@@ -46,13 +46,39 @@ def assign_tiles(
             assignments.extend(_take_planned(state, worker, now))
         ring = deque(worker for worker in ring if worker.has_room())
     if state.queue and ring:
-        assignments.extend(_assign_common(state, ring, now, prefers, finish_at, run_time))
+        dealt = _Dealt(state, prefers, assignments) if prefers is not None else None
+        assignments.extend(_assign_common(state, ring, now, dealt, finish_at, run_time))
     if state.planned and ring:
         costs = _StealCosts(state, now, finish_at, run_time, busy_time)
         assignments.extend(_steal(state, ring, now, costs))
     # Workers still in the ring keep their turn order for the next call.
     state.ready = dict.fromkeys(map(_WORKER_ID, ring))
     return assignments
+
+
+class _Dealt:
+    """The caller's ``prefers``, and the blocks of the tiles this call dealt to each
+    worker: the caller's mirror of a worker's blocks changes only once its tiles are
+    sent, after the call, and without this a call that deals a grid's tiles to idle
+    workers would deal a row's tiles to different workers and send its block to each."""
+
+    def __init__(self, state: SchedulerState, prefers: Prefers, dealt: list[Assignment]) -> None:
+        self._state = state
+        self._prefers = prefers
+        self._blocks: dict[str, set[str]] = {}
+        for assignment in dealt:
+            self.deal(assignment)
+
+    def deal(self, assignment: Assignment) -> None:
+        blocks = self._state.tiles[assignment.tile_id].ticket.blocks
+        if blocks:
+            self._blocks.setdefault(assignment.worker_id, set()).update(blocks)
+
+    def prefers(self, worker_id: str, ticket: TileTicket) -> bool:
+        dealt = self._blocks.get(worker_id)
+        if dealt is not None and any(block in dealt for block in ticket.blocks):
+            return True
+        return self._prefers(worker_id, ticket)
 
 
 def _take_planned(state: SchedulerState, worker: WorkerRecord, now: float) -> list[Assignment]:
@@ -72,13 +98,16 @@ def _assign_common(
     state: SchedulerState,
     ring: deque[WorkerRecord],
     now: float,
-    prefers: Prefers | None,
+    dealt: _Dealt | None,
     finish_at: FinishAt | None,
     run_time: RunTime | None,
 ) -> list[Assignment]:
-    """The common queue, FIFO; rotates `ring` and drops the workers it fills."""
+    """The common queue, FIFO; rotates `ring` and drops the workers it fills. With
+    preferences, a lone free worker takes a tile of the head's GEMM it prefers from
+    among the next few instead of the head."""
     slower = _slower_filter(state, now, finish_at, run_time)
     largest_cap = state.largest_cap()
+    prefers = dealt.prefers if dealt is not None else None
     assignments: list[Assignment] = []
     passed_over: list[QueueEntry] = []
     turns: dict[str, int] = {}  # tiles taken so far in the turn of the worker at the front
@@ -87,6 +116,8 @@ def _assign_common(
         tile = state.live_queue_entry(entry)
         if tile is None:
             continue
+        if prefers is not None and len(ring) == 1:
+            entry, tile = _preferred_ahead(state, ring[0], entry, tile, prefers)
         worker = None
         if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
             worker = _next_taker(ring, tile, prefers, slower, turns)
@@ -94,8 +125,37 @@ def _assign_common(
             passed_over.append(entry)
             continue
         assignments.append(state.dequeue_to(tile, worker, now))
+        if dealt is not None:
+            dealt.deal(assignments[-1])
     state.queue.extendleft(reversed(passed_over))
     return assignments
+
+
+def _preferred_ahead(
+    state: SchedulerState,
+    worker: WorkerRecord,
+    entry: QueueEntry,
+    tile: TileRecord,
+    prefers: Prefers,
+) -> tuple[QueueEntry, TileRecord]:
+    """`tile` (just taken off the queue), or the first of the next few queued tiles of
+    its GEMM that `worker` prefers and may take; then `tile` goes back to the front.
+    Only within one GEMM: a later GEMM's tile must not pass an earlier one's, which the
+    step may be waiting on; within one, the GEMM is done only when all its tiles are."""
+    if prefers(worker.worker_id, tile.ticket):
+        return entry, tile
+    gemm_id = tile.ticket.gemm_id
+    for i, ahead in enumerate(itertools.islice(state.queue, PREFERENCE_LOOKAHEAD)):
+        other = state.live_queue_entry(ahead)
+        if other is None:
+            continue
+        if other.ticket.gemm_id != gemm_id:
+            break
+        if prefers(worker.worker_id, other.ticket) and _may_take(worker, other):
+            del state.queue[i]
+            state.queue.appendleft(entry)
+            return ahead, other
+    return entry, tile
 
 
 def _slower_filter(

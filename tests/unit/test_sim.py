@@ -94,8 +94,9 @@ def test_operand_cache_on_a_pool_matches_the_closed_form() -> None:
         assert 0.05 * uncached < on["saved_bytes"] < 0.3 * uncached
         if exact:  # 1 or 2 devices get tiles strictly in turn, as the closed form deals them
             assert on["down_bytes"] == cached
-        else:  # later tiles go to whichever device frees a slot first
-            assert abs(on["down_bytes"] / cached - 1) < 0.05
+        else:  # later tiles go to whichever device frees a slot first, and one alone
+            # takes a tile of the GEMM whose block it holds: fewer bytes than in turn
+            assert 0.8 * cached < on["down_bytes"] < cached
 
 
 def test_deterministic_for_a_seed() -> None:
