@@ -36,6 +36,10 @@ class Predictions:
             return False
         return any(block in worker.blocks for block in ticket.blocks)
 
+    def keeps_blocks(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        return worker is not None and worker.blocks.budget > 0
+
     def run_time(self, worker_id: str, ticket: TileTicket) -> float:
         """Seconds from sending ``ticket`` to an idle ``worker_id`` until its result."""
         worker = self._workers.get(worker_id)

@@ -24,6 +24,7 @@ STEAL_MARGIN = 1.5
 _WORKER_ID = operator.attrgetter("worker_id")
 
 Prefers = Callable[[str, TileTicket], bool]
+Keeps = Callable[[str], bool]
 FinishAt = Callable[[str, str], float]
 RunTime = Callable[[str, TileTicket], float]
 
@@ -32,6 +33,7 @@ def assign_tiles(
     state: SchedulerState,
     now: float,
     prefers: Prefers | None,
+    keeps: Keeps | None,
     finish_at: FinishAt | None,
     run_time: RunTime | None,
     busy_time: RunTime | None,
@@ -46,7 +48,9 @@ def assign_tiles(
             assignments.extend(_take_planned(state, worker, now))
         ring = deque(worker for worker in ring if worker.has_room())
     if state.queue and ring:
-        dealt = _Dealt(state, prefers, assignments) if prefers is not None else None
+        dealt = None
+        if prefers is not None and keeps is not None:
+            dealt = _Dealt(state, prefers, keeps, assignments)
         assignments.extend(_assign_common(state, ring, now, dealt, finish_at, run_time))
     if state.planned and ring:
         costs = _StealCosts(state, now, finish_at, run_time, busy_time)
@@ -58,20 +62,31 @@ def assign_tiles(
 
 class _Dealt:
     """The caller's ``prefers``, and the blocks of the tiles this call dealt to each
-    worker: the caller's mirror of a worker's blocks changes only once its tiles are
-    sent, after the call, and without this a call that deals a grid's tiles to idle
-    workers would deal a row's tiles to different workers and send its block to each."""
+    worker that keeps blocks: the caller's mirror of a worker's blocks changes only
+    once its tiles are sent, after the call, and without this a call that deals a grid's
+    tiles to idle workers would deal a row's tiles to different workers and send its
+    block to each."""
 
-    def __init__(self, state: SchedulerState, prefers: Prefers, dealt: list[Assignment]) -> None:
+    def __init__(
+        self, state: SchedulerState, prefers: Prefers, keeps: Keeps, dealt: list[Assignment]
+    ) -> None:
         self._state = state
         self._prefers = prefers
+        self._keeps = keeps
+        self._keepers: dict[str, bool] = {}  # keeps(), asked once per worker per call
         self._blocks: dict[str, set[str]] = {}
         for assignment in dealt:
             self.deal(assignment)
 
+    def keeps(self, worker_id: str) -> bool:
+        keeps = self._keepers.get(worker_id)
+        if keeps is None:
+            keeps = self._keepers[worker_id] = self._keeps(worker_id)
+        return keeps
+
     def deal(self, assignment: Assignment) -> None:
         blocks = self._state.tiles[assignment.tile_id].ticket.blocks
-        if blocks:
+        if blocks and self.keeps(assignment.worker_id):
             self._blocks.setdefault(assignment.worker_id, set()).update(blocks)
 
     def prefers(self, worker_id: str, ticket: TileTicket) -> bool:
@@ -103,8 +118,8 @@ def _assign_common(
     run_time: RunTime | None,
 ) -> list[Assignment]:
     """The common queue, FIFO; rotates `ring` and drops the workers it fills. With
-    preferences, a lone free worker takes a tile of the head's GEMM it prefers from
-    among the next few instead of the head."""
+    preferences, a lone free worker that keeps blocks takes a tile of the head's GEMM it
+    prefers from among the next few instead of the head."""
     slower = _slower_filter(state, now, finish_at, run_time)
     largest_cap = state.largest_cap()
     prefers = dealt.prefers if dealt is not None else None
@@ -116,8 +131,8 @@ def _assign_common(
         tile = state.live_queue_entry(entry)
         if tile is None:
             continue
-        if prefers is not None and len(ring) == 1:
-            entry, tile = _preferred_ahead(state, ring[0], entry, tile, prefers)
+        if dealt is not None and len(ring) == 1 and dealt.keeps(ring[0].worker_id):
+            entry, tile = _preferred_ahead(state, ring[0], entry, tile, dealt.prefers)
         worker = None
         if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
             worker = _next_taker(ring, tile, prefers, slower, turns)

@@ -15,6 +15,11 @@ class Predictor(Protocol):
         holds one of the tile's operand blocks, say)."""
         ...
 
+    def keeps_blocks(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` keeps the operand blocks it is sent (an operand cache):
+        only then does a tile that shares a block with its others cost fewer bytes."""
+        ...
+
     def finish_at(self, worker_id: str, tile_id: str) -> float:
         """When ``worker_id`` will return ``tile_id``, which it holds (its queue and
         measured speed included)."""

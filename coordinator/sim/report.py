@@ -260,10 +260,12 @@ writes JSON (`--json FILE`).
   `{gemm}/b/{b}.{k}.{n}`), up to its memory cap, least recently used first out; the
   coordinator mirrors each device's cache, sends only the blocks a device lacks, and
   `Scheduler.assign(prefers=...)` hands a tile to one of the next 16 devices in turn
-  that holds one of its blocks. The live server keys blocks by content (BLAKE3), so a
-  block that recurs in another GEMM of the step is reused too (~10% of a step's block
-  bytes on the built-in job); the simulator has shapes, not contents, so it reuses
-  blocks within a GEMM only and errs high. `SimConfig(operand_cache=False)` (CLI
+  that holds one of its blocks or was dealt one in the same call, and a lone ready
+  device takes, from the next 16 tiles of the same GEMM, one whose block it holds.
+  The live server keys blocks by content (BLAKE3), so a block that recurs in another
+  GEMM of the step is reused too (~10% of a step's block bytes on the built-in job);
+  the simulator has shapes, not contents, so it reuses blocks within a GEMM only and
+  errs high. `SimConfig(operand_cache=False)` (CLI
   `--no-operand-cache`) turns it off: every tile then carries both operands. Misses
   (`missing_block`) do not happen here: the mirror is exact.
 - Bytes per device for N up to 4096 (table a) are counted in closed form from the

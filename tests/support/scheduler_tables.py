@@ -23,9 +23,13 @@ class Table:
     seconds: dict[str, float] = field(default_factory=dict)
     busy: dict[str, float] | None = None
     holds: Callable[[str, TileTicket], bool] | None = None
+    keeps: bool | None = None  # whether workers keep blocks; None: if ``holds`` is given
 
     def prefers(self, worker_id: str, ticket: TileTicket) -> bool:
         return self.holds is not None and self.holds(worker_id, ticket)
+
+    def keeps_blocks(self, worker_id: str) -> bool:
+        return self.holds is not None if self.keeps is None else self.keeps
 
     def finish_at(self, worker_id: str, tile_id: str) -> float:
         return self.finish[(worker_id, tile_id)]

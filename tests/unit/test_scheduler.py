@@ -885,7 +885,7 @@ def test_a_preferred_worker_takes_a_tile_ahead_of_its_turn() -> None:
 
 
 def test_a_call_prefers_a_worker_for_the_blocks_it_dealt_it_already() -> None:
-    # Two idle workers with nothing cached; a grid's tiles in an order the rotation
+    # Two idle workers with nothing cached yet; a grid's tiles in an order the rotation
     # deals crosswise: without counting what the call dealt, each row block of A goes
     # to both workers (8 block sends); counting it, each goes to one (6).
     grid = {
@@ -907,6 +907,8 @@ def test_a_call_prefers_a_worker_for_the_blocks_it_dealt_it_already() -> None:
     assert sum(map(len, crosswise.values())) == 8
     nothing_cached = Table(holds=lambda worker_id, t: False)
     assert run(nothing_cached) == {"w1": {"A0", "B0", "B3"}, "w2": {"A1", "B1", "B2"}}
+    # Workers that keep no blocks gain nothing from it: the rotation.
+    assert run(dataclasses.replace(nothing_cached, keeps=False)) == crosswise
 
 
 def test_a_lone_free_worker_takes_a_tile_of_the_same_gemm_it_holds_a_block_of() -> None:
