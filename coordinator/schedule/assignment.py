@@ -48,52 +48,13 @@ def assign_tiles(
             assignments.extend(_take_planned(state, worker, now))
         ring = deque(worker for worker in ring if worker.has_room())
     if state.queue and ring:
-        dealt = None
-        if prefers is not None and keeps is not None:
-            dealt = _Dealt(state, prefers, keeps, assignments)
-        assignments.extend(_assign_common(state, ring, now, dealt, finish_at, run_time))
+        assignments.extend(_assign_common(state, ring, now, prefers, keeps, finish_at, run_time))
     if state.planned and ring:
         costs = _StealCosts(state, now, finish_at, run_time, busy_time)
         assignments.extend(_steal(state, ring, now, costs))
     # Workers still in the ring keep their turn order for the next call.
     state.ready = dict.fromkeys(map(_WORKER_ID, ring))
     return assignments
-
-
-class _Dealt:
-    """The caller's ``prefers``, and the blocks of the tiles this call dealt to each
-    worker that keeps blocks: the caller's mirror of a worker's blocks changes only
-    once its tiles are sent, after the call, and without this a call that deals a grid's
-    tiles to idle workers would deal a row's tiles to different workers and send its
-    block to each."""
-
-    def __init__(
-        self, state: SchedulerState, prefers: Prefers, keeps: Keeps, dealt: list[Assignment]
-    ) -> None:
-        self._state = state
-        self._prefers = prefers
-        self._keeps = keeps
-        self._keepers: dict[str, bool] = {}  # keeps(), asked once per worker per call
-        self._blocks: dict[str, set[str]] = {}
-        for assignment in dealt:
-            self.deal(assignment)
-
-    def keeps(self, worker_id: str) -> bool:
-        keeps = self._keepers.get(worker_id)
-        if keeps is None:
-            keeps = self._keepers[worker_id] = self._keeps(worker_id)
-        return keeps
-
-    def deal(self, assignment: Assignment) -> None:
-        blocks = self._state.tiles[assignment.tile_id].ticket.blocks
-        if blocks and self.keeps(assignment.worker_id):
-            self._blocks.setdefault(assignment.worker_id, set()).update(blocks)
-
-    def prefers(self, worker_id: str, ticket: TileTicket) -> bool:
-        dealt = self._blocks.get(worker_id)
-        if dealt is not None and any(block in dealt for block in ticket.blocks):
-            return True
-        return self._prefers(worker_id, ticket)
 
 
 def _take_planned(state: SchedulerState, worker: WorkerRecord, now: float) -> list[Assignment]:
@@ -113,16 +74,17 @@ def _assign_common(
     state: SchedulerState,
     ring: deque[WorkerRecord],
     now: float,
-    dealt: _Dealt | None,
+    prefers: Prefers | None,
+    keeps: Keeps | None,
     finish_at: FinishAt | None,
     run_time: RunTime | None,
 ) -> list[Assignment]:
-    """The common queue, FIFO; rotates `ring` and drops the workers it fills. With
-    preferences, a lone free worker that keeps blocks takes a tile of the head's GEMM it
-    prefers from among the next few instead of the head."""
+    """The common queue, FIFO; rotates `ring` and drops the workers it fills. A lone free
+    worker that `keeps` blocks takes a tile of the head's GEMM it `prefers` from among
+    the next few instead of the head: the caller's mirror of its blocks knows what it
+    holds, and with one worker to serve there is no other to prefer."""
     slower = _slower_filter(state, now, finish_at, run_time)
     largest_cap = state.largest_cap()
-    prefers = dealt.prefers if dealt is not None else None
     assignments: list[Assignment] = []
     passed_over: list[QueueEntry] = []
     turns: dict[str, int] = {}  # tiles taken so far in the turn of the worker at the front
@@ -131,8 +93,9 @@ def _assign_common(
         tile = state.live_queue_entry(entry)
         if tile is None:
             continue
-        if dealt is not None and len(ring) == 1 and dealt.keeps(ring[0].worker_id):
-            entry, tile = _preferred_ahead(state, ring[0], entry, tile, dealt.prefers)
+        if prefers is not None and keeps is not None and len(ring) == 1:
+            if keeps(ring[0].worker_id):
+                entry, tile = _preferred_ahead(state, ring[0], entry, tile, prefers)
         worker = None
         if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
             worker = _next_taker(ring, tile, prefers, slower, turns)
@@ -140,8 +103,6 @@ def _assign_common(
             passed_over.append(entry)
             continue
         assignments.append(state.dequeue_to(tile, worker, now))
-        if dealt is not None:
-            dealt.deal(assignments[-1])
     state.queue.extendleft(reversed(passed_over))
     return assignments
 

@@ -169,10 +169,9 @@ class Scheduler:
         nobody may take stays queued in place; the tiles behind it still go out.
 
         With a ``predictor``, a worker among the next few in turn that it ``prefers`` for
-        a tile, or that ``keeps_blocks`` and was dealt one of the tile's blocks in this
-        call, takes the tile ahead of its turn; a lone free worker that keeps blocks takes
-        the first of the next few tiles of the head's GEMM it would be preferred for, and
-        the head stays at the front. Its timings (unless ``timed`` is false:
+        a tile takes the tile ahead of its turn, and a lone free worker that
+        ``keeps_blocks`` takes the first of the next few tiles of the head's GEMM it is
+        preferred for (the head stays at the front). Its timings (unless ``timed`` is false:
         they cost a prediction per worker per call) decide steals: a worker with a free
         slot takes another's planned tile only when it would return it before that
         worker, counting each from when it is free of what it holds (``finish_at``) and,

@@ -252,16 +252,19 @@ writes JSON (`--json FILE`).
 - Devices: GFLOP/s log-normal (median 200, 5 GFLOP/s to 100 TFLOP/s), memory caps 128 MiB
   to 1 GiB, downlink log-normal, uplink 2-10x slower. Each tile is download (device link
   and the coordinator's shared 10 Gbit/s egress, FIFO) -> compute -> upload, with a
-  prefetch window of 2. Results are always correct. The coordinator's own CPU (cutting,
-  sending, checking) costs nothing, except in section (f), which models it per tile and
+  prefetch window of 2 tiles (the live server lets tiles under a 128³ GEMM share window
+  slots and travel in batches; the simulator keeps a tile a slot and a message a tile,
+  which its models' tiles are far above). Results are always correct. The coordinator's
+  own CPU (cutting, sending, checking) costs nothing, except in section (f), which models
+  it per tile and
   per byte, and where coordinator ranks are simulated.
 - The operand cache is the live server's (`coordinator/pool/workers.py` `Worker.task_frame`): each
   device keeps the operand blocks it was sent (A block `{gemm}/a/{b}.{m}.{k}`, B block
   `{gemm}/b/{b}.{k}.{n}`), up to its memory cap, least recently used first out; the
   coordinator mirrors each device's cache, sends only the blocks a device lacks, and
   `Scheduler.assign(prefers=...)` hands a tile to one of the next 16 devices in turn
-  that holds one of its blocks or was dealt one in the same call, and a lone ready
-  device takes, from the next 16 tiles of the same GEMM, one whose block it holds.
+  that holds one of its blocks, and a lone ready device takes, from the next 16 tiles
+  of the same GEMM, one whose block it holds.
   The live server keys blocks by content (BLAKE3), so a block that recurs in another
   GEMM of the step is reused too (~10% of a step's block bytes on the built-in job);
   the simulator has shapes, not contents, so it reuses blocks within a GEMM only and
@@ -284,15 +287,15 @@ writes JSON (`--json FILE`).
   16 and 10-15% from 64 on, where a device gets ~2 tiles of a GEMM and they share a
   block only when the grid lines up with N. Either way Cleave crosses TP's flat ~50 GB
   between 16 and 64 devices. The closed form deals tiles in turn, as one `assign` call
-  does; the simulated engine, where later tiles go to whichever device frees a slot
-  first, sends 0-17% more downlink (N <= 64), so the cached column is that optimistic.
-  The affinity rule changes nothing here: without `prefers` table (b)'s pools at
-  N = 4, 16 and 64 send the same bytes in the same step times. The server's mirror
-  changes only after an `assign` call, so tiles dealt in one call to idle workers are
-  never matched to blocks the same call hands out, and later calls mostly find one
-  device ready (the one that just freed a slot), which then takes the next tile anyway.
+  does (the server's mirror of a cache changes only after the call, so tiles dealt in
+  one call to idle workers are never matched to blocks the same call hands out). Later
+  calls mostly find one device ready, the one that just freed a slot: it takes, from
+  the next 16 tiles of the same GEMM, one whose block it holds. The simulated engine
+  sends 9% more downlink than the closed form at N = 4 and 2-8% less at 16 and 64 (it
+  sent 9-17% more when that device took the next tile whatever it held, and table
+  (b)'s steps took up to 10% longer).
 - (b) In fp32 over real links the pool is bandwidth-bound: with the old planner
-  (`plan_gemm`, every GEMM sent) utilisation is ~1% or less, steps take 25-2500 s, and
+  (`plan_gemm`, every GEMM sent) utilisation is ~1% or less, steps take 24-2500 s, and
   past ~16 devices the coordinator's shared 10 Gbit/s egress makes them slower again.
   The cost planner (the live default) sees this in its estimates and keeps what the
   links cannot feed at the coordinator: 3.3-3.6 s per step on campus links up to 16
@@ -302,7 +305,7 @@ writes JSON (`--json FILE`).
   links only from tiles that waited behind no other, as the server does. It is not
   faster than a 500 GFLOP/s coordinator for this small model, and at 64-256 campus
   devices it is 30-40% slower (4.3-4.6 s: tiles pulled by slow devices). The operand cache makes the
-  old planner's steps 3-6% faster up to 16 devices.
+  old planner's steps 3-12% faster up to 64 devices.
 - (c) A disconnect costs almost nothing (the tiles re-queue at once); a silent failure
   costs about the heartbeat timeout. Both are >= 100x below the restart baseline.
 - (d) Placed by earliest estimated finish, the planner's makespan is within 1.01-1.06x
@@ -321,13 +324,13 @@ writes JSON (`--json FILE`).
   a 10 Gbit/s LAN: 1.2-6.2x for CPUs, 1.5-14x with GPUs (pull: up to 81x); on home
   links it is pull's plan, and the coordinator alone's ratio.
 - (e) With a pull scheduler and a window of 2, 10x stragglers in a bandwidth-bound pool
-  cost little; speculative copies change the step by under 0.1 s here (the cache saves
-  ~1.7 s). Their benefit shows in compute-bound pools (see
+  cost little; speculative copies change the step by 0.3 s or less here (the cache saves
+  ~3 s). Their benefit shows in compute-bound pools (see
   tests/unit/test_sim.py::test_speculation_rescues_stragglers).
 - (f) Coordinator ranks, with the coordinator's CPU modelled from the benches: where
   every GEMM is sent (grid), that CPU is what binds, 97-100% busy on every rank, and a
-  step shrinks with the workers each rank serves: 1,000 workers take 1,055 s a step with
-  one rank and 470, 218, 107 s with 2, 4, 8; 10,000 take 511, 248, 123 s with 8, 16, 32
+  step shrinks with the workers each rank serves: 1,000 workers take 964 s a step with
+  one rank and 429, 203, 100 s with 2, 4, 8; 10,000 take 508, 243, 123 s with 8, 16, 32
   ranks. The all-reduce (0.4-0.8 s over 10 Gbit/s) is small beside it. The grid cuts
   2N/R tiles a GEMM, so a bigger pool means more, smaller tiles and more CPU per step:
   10,000 workers need 32 ranks to step as fast as 1,000 do with 4. With the cost

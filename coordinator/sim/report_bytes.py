@@ -21,9 +21,10 @@ def cached_sends(grid: Grid, n: int, tile_down_bytes: int, budget: int) -> tuple
     """How many times each A block and each B block goes out with the operand cache, when
     tile t of the GEMM (index order, K fastest, then N, M, batch) goes to device t mod n.
 
-    That is how tiles are dealt strictly in turn, with no affinity rule; the server's
-    `Scheduler.assign` hands a tile to a worker it dealt one of the tile's blocks to
-    (in the same call, or held since), so it sends at most about this. The
+    That is how one `Scheduler.assign` call deals tiles to idle workers (the server's
+    mirror of a cache changes only when a tile is sent, after the call); later calls
+    mostly find one worker ready, which takes a tile of the same GEMM whose block it
+    holds if one is among the next few, so the server sends at most about this. The
     tiles of an A block (bi, mi, ki) are an arithmetic run with stride gk, gn of them:
     they land on min(gn, n / gcd(gk, n)) distinct devices; a B block's (bi, ki, ni) have
     stride gn gk, gm of them: min(gm, n / gcd(gn gk, n)) devices. A device holds a block
@@ -141,12 +142,13 @@ def _bytes_text(
         f"`{CMD}` — {model}, batch {batch} x seq {seq}, fp32 on the wire. Cleave: the "
         "planner's grids (target 2N tiles, 256 MiB tile cap), bytes counted in closed form "
         "from each grid, spread evenly over N devices (down + up). With the operand cache "
-        "(`report.cached_sends`): tile t of each GEMM goes to device t mod N, tiles dealt "
-        "strictly in turn (the server's affinity rule, which hands a tile to a device "
-        "holding or just dealt one of its blocks, sends less: the simulated column below); "
-        "each device keeps the blocks it was sent "
-        "(budget 256 MiB, the smallest memory cap that takes these tiles, LRU), and an A "
-        "or B block goes out once per device that gets one of its tiles. Only the "
+        "(`report.cached_sends`): tile t of each GEMM goes to device t mod N, which is how "
+        "one `assign` call deals tiles to idle workers (later calls mostly find one device "
+        "ready, which takes a tile of the same GEMM whose block it holds if one is among "
+        "the next 16: the simulated column below sends less); each device keeps the "
+        "blocks it was sent (budget 256 MiB, the smallest memory cap that takes these "
+        "tiles, LRU), and an A or B block goes out once per device that gets one of its "
+        "tiles. Only the "
         "downlink shrinks; results come back as before. Tensor parallelism: 4 ring "
         "all-reduces per layer of batch x seq x hidden, sent + received.",
         "",

@@ -165,9 +165,8 @@ def test_wrong_results_are_rejected_reissued_and_the_cheat_is_banned_by_key(
 def test_tiles_of_a_worker_that_leaves_are_finished_by_the_other(
     pool: MemoryPool, bye: bool
 ) -> None:
-    # It joins first: the tiles that share its blocks go to it before the other.
-    leaves = pool.join("leaves", window=2, answer=Answer.HOLD)
     pool.join("stays")
+    leaves = pool.join("leaves", window=2, answer=Answer.HOLD)
     gemm = Gemm(pool, "g", (96, 64, 80), seed=5)
     held = leaves.held  # small tiles share its window's slots: more than 2
     assert held >= 2 and not gemm.done

@@ -884,33 +884,6 @@ def test_a_preferred_worker_takes_a_tile_ahead_of_its_turn() -> None:
     assert run(prefers) == [("w2", "t-a1"), ("w1", "t-a0"), ("w2", "t-x"), ("w1", "t-a1b")]
 
 
-def test_a_call_prefers_a_worker_for_the_blocks_it_dealt_it_already() -> None:
-    # Two idle workers with nothing cached yet; a grid's tiles in an order the rotation
-    # deals crosswise: without counting what the call dealt, each row block of A goes
-    # to both workers (8 block sends); counting it, each goes to one (6).
-    grid = {
-        "t00": ("A0", "B0"),
-        "t11": ("A1", "B1"),
-        "t12": ("A1", "B2"),
-        "t03": ("A0", "B3"),
-    }
-
-    def run(predictor: Table | None) -> dict[str, set[str]]:
-        sched = scheduler({"w1": 2, "w2": 2})
-        sched.submit([TileTicket(t, "g", 10, 10, 10, blocks=b) for t, b in grid.items()])
-        dealt: dict[str, set[str]] = defaultdict(set)
-        for a in sched.assign(1.0, predictor, timed=False):
-            dealt[a.worker_id].update(grid[a.tile_id])
-        return dealt
-
-    crosswise = run(None)  # no preferences at all: the rotation
-    assert sum(map(len, crosswise.values())) == 8
-    nothing_cached = Table(holds=lambda worker_id, t: False)
-    assert run(nothing_cached) == {"w1": {"A0", "B0", "B3"}, "w2": {"A1", "B1", "B2"}}
-    # Workers that keep no blocks gain nothing from it: the rotation.
-    assert run(dataclasses.replace(nothing_cached, keeps=False)) == crosswise
-
-
 def test_a_lone_free_worker_takes_a_tile_of_the_same_gemm_it_holds_a_block_of() -> None:
     # w1 holds B1. Of g's queued tiles it takes t-b1 ahead of the head; t-b0 stays at
     # the head. It never takes a later GEMM's tile ahead of an earlier one's.
@@ -934,3 +907,11 @@ def test_a_lone_free_worker_takes_a_tile_of_the_same_gemm_it_holds_a_block_of() 
     sched.complete("w1", "t-b0", 3.0)
     assert pairs(sched.assign(3.0, table, timed=False)) == [("w1", "t-h5")]  # type: ignore[arg-type]
     sched.check_invariants()
+    # A worker that keeps no blocks takes the queue as it comes.
+    sched.submit(tiles("t-x", "t-y"))
+    sched.submit([TileTicket("t-b1b", "g", 10, 10, 10, blocks=("A0", "B1"))])
+    sched.complete("w1", "t-h5", 4.0)
+    no_cache = dataclasses.replace(table, keeps=False)
+    assert pairs(sched.assign(4.0, no_cache, timed=False)) == [("w1", "t-x")]
+    sched.complete("w1", "t-x", 5.0)
+    assert pairs(sched.assign(5.0, table, timed=False)) == [("w1", "t-b1b")]  # type: ignore[arg-type]
