@@ -214,43 +214,36 @@ def test_window_two_overlaps_download_with_compute() -> None:
     assert in_a_row is not None and in_a_row[-1].finish == 14.0
 
 
-def test_coordinator_uplink_is_shared() -> None:
-    # As above with the coordinator's uplink at 4 B/s: a download cannot end before the
-    # uplink carried every byte placed so far (8, 12, 16, 16 bytes -> 2, 3, 4, 4 s).
-    #   t00: down ends max(1, 2) = 2, compute [2,4], up [4,5]
-    #   t01: down from 2, ends max(2.5, 3) = 3, compute [4,6], up [6,7]
-    #   t10: sent at 5 (t00 back), ends max(5.5, 4) = 5.5, compute [6,8], up [8,9]
-    #   t11: sent at 7, no bytes, compute [8,10], up [10,11]
-    placed = place_tiles(SHAPE, four_tiles(), [FAST], links=LinkModel(2, egress_bps=4.0))
-    assert placed is not None
-    assert [(p.start, p.finish) for p in placed] == [
-        (0.0, 5.0),
-        (2.0, 7.0),
-        (5.0, 9.0),
-        (7.0, 11.0),
-    ]
-    with pytest.raises(ValueError):
-        LinkModel(window=0)
+# As above with the coordinator's uplink at 4 B/s: a download cannot end before the
+# uplink carried every byte placed so far (8, 12, 16, 16 bytes -> 2, 3, 4, 4 s).
+#   t00: down ends max(1, 2) = 2, compute [2,4], up [4,5]
+#   t01: down from 2, ends max(2.5, 3) = 3, compute [4,6], up [6,7]
+#   t10: sent at 5 (t00 back), ends max(5.5, 4) = 5.5, compute [6,8], up [8,9]
+#   t11: sent at 7, no bytes, compute [8,10], up [10,11]
+UPLINK = (LinkModel(2, egress_bps=4.0), [(0.0, 5.0), (2.0, 7.0), (5.0, 9.0), (7.0, 11.0)])
+# Or with the coordinator spending 0.25 s per byte a tile moves (operands sent, result
+# back; the first tile's 8 + 4, then 4 + 4, 4 + 4, 0 + 4): a download cannot end before
+# it has handled those of the tiles placed so far and this one.
+#   t00: handled 12 -> 3 s; down ends max(1, 3) = 3, compute [3,5], up [5,6]
+#   t01: 20 -> 5; sent at 3, ends max(3.5, 5) = 5, compute [5,7], up [7,8]
+#   t10: 28 -> 7; sent at 6 (t00 back), ends max(6.5, 7) = 7, compute [7,9], up [9,10]
+#   t11: 32 -> 8; sent at 8, no bytes, ends 8, compute [9,11], up [11,12]
+CPU = (LinkModel(2, byte_cpu_s=0.25), [(0.0, 6.0), (3.0, 8.0), (6.0, 10.0), (8.0, 12.0)])
 
 
-def test_the_coordinators_cpu_per_byte_is_spent_in_a_row() -> None:
-    # As above with the coordinator spending 0.25 s per byte a tile moves (operands sent,
-    # result back; the first tile's 8 + 4, then 4 + 4, 4 + 4, 0 + 4): a download cannot
-    # end before it has handled those of the tiles placed so far and this one.
-    #   t00: handled 12 -> 3 s; down ends max(1, 3) = 3, compute [3,5], up [5,6]
-    #   t01: 20 -> 5; sent at 3, ends max(3.5, 5) = 5, compute [5,7], up [7,8]
-    #   t10: 28 -> 7; sent at 6 (t00 back), ends max(6.5, 7) = 7, compute [7,9], up [9,10]
-    #   t11: 32 -> 8; sent at 8, no bytes, ends 8, compute [9,11], up [11,12]
-    placed = place_tiles(SHAPE, four_tiles(), [FAST], links=LinkModel(2, byte_cpu_s=0.25))
+@pytest.mark.parametrize(("links", "want"), [UPLINK, CPU], ids=["uplink", "cpu per byte"])
+def test_the_coordinators_uplink_and_cpu_are_shared(
+    links: LinkModel, want: list[tuple[float, float]]
+) -> None:
+    placed = place_tiles(SHAPE, four_tiles(), [FAST], links=links)
     assert placed is not None
-    assert [(p.start, p.finish) for p in placed] == [
-        (0.0, 6.0),
-        (3.0, 8.0),
-        (6.0, 10.0),
-        (8.0, 12.0),
-    ]
+    assert [(p.start, p.finish) for p in placed] == want
+
+
+@pytest.mark.parametrize("bad", [{"window": 0}, {"egress_bps": 0.0}, {"byte_cpu_s": -1.0}])
+def test_a_link_model_rejects_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        LinkModel(byte_cpu_s=-1.0)
+        LinkModel(**bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("rule", ["finish", "pull"])
