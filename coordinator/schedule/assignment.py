@@ -93,9 +93,8 @@ def _assign_common(
         tile = state.live_queue_entry(entry)
         if tile is None:
             continue
-        if prefers is not None and keeps is not None and len(ring) == 1:
-            if keeps(ring[0].worker_id):
-                entry, tile = _preferred_ahead(state, ring[0], entry, tile, prefers)
+        if prefers and keeps and len(ring) == 1 and keeps(ring[0].worker_id):
+            entry, tile = _preferred_ahead(state, ring[0], entry, tile, prefers)
         worker = None
         if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
             worker = _next_taker(ring, tile, prefers, slower, turns)

@@ -116,11 +116,7 @@ def rows_times_each(
                 norms_into[i].copy_(chunk_norms(x, chunks, width).reshape(-1))
             continue
         cut = x.reshape(-1, width)
-        rows = cut.shape[0]
-        spans = (
-            [slice(None)] if rows <= step else [slice(s, s + step) for s in range(0, rows, step)]
-        )
-        for span in spans:
+        for span in (slice(s, s + step) for s in range(0, cut.shape[0], step)):
             torch.mm(v_t, cut[span].mT, out=into[:, span])  # times_skinny's (vᵀ xᵀ)
             if norms_into is not None:
                 torch.linalg.vector_norm(cut[span], dim=-1, out=norms_into[i, span])
