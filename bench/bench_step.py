@@ -66,6 +66,7 @@ from bench_egress import WORKERS, bare  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from common.tensors import content_id, stored_layout  # noqa: E402
 from coordinator.jobs.tiny_gpt import GPTConfig  # noqa: E402
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt  # noqa: E402
 from coordinator.plan.live import Planner  # noqa: E402
@@ -134,12 +135,16 @@ def eager_seconds(steps: int, make: Callable[[], Job] = make_job) -> list[float]
 
 @dataclass
 class EagerRun:
-    """Plain torch steps: wall and process CPU seconds of each, and the CPU seconds of a
-    step spent outside its GEMMs (measured on one more step)."""
+    """Plain torch steps: wall and process CPU seconds of each, the CPU seconds of a
+    step spent outside its GEMMs (measured on one more step), and the bytes of a step's
+    GEMM operands: each time a GEMM reads one, and their distinct contents (on one
+    more)."""
 
     seconds: list[float]
     cpu_seconds: list[float]
     non_gemm_cpu_s: float
+    operand_bytes: int = 0
+    distinct_operand_bytes: int = 0
 
 
 class _GemmCpu(TorchDispatchMode):
@@ -156,6 +161,27 @@ class _GemmCpu(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.seconds += time.process_time() - start
         return out
+
+
+class _GemmOperands(TorchDispatchMode):
+    """The bytes of the GEMMs' operands, counted each time a GEMM reads one, and the
+    distinct contents among them. An operand is told by its bytes as they lie, so a
+    transposed view is its matrix: a layer's input, read by its forward GEMM and as the
+    transposed operand of its weight gradient, is one content read twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+        self.distinct: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in GEMM_OPS:
+            # addmm's first argument is the bias added, not a factor.
+            for t in args[1:3] if func is torch.ops.aten.addmm.default else args[:2]:
+                nbytes = t.numel() * t.element_size()
+                self.read += nbytes
+                self.distinct[content_id(stored_layout(t)[0])] = nbytes
+        return func(*args, **(kwargs or {}))
 
 
 def eager_run(steps: int, make: Callable[[], Job], *, profile: bool = True) -> EagerRun:
@@ -180,6 +206,10 @@ def eager_run(steps: int, make: Callable[[], Job], *, profile: bool = True) -> E
         with gemms:
             step()
         non_gemm = time.process_time() - cpu_start - gemms.seconds
+        operands = _GemmOperands()
+        with operands:
+            step()
+        return EagerRun(seconds, cpu, non_gemm, operands.read, sum(operands.distinct.values()))
     return EagerRun(seconds, cpu, non_gemm)
 
 
@@ -386,7 +416,7 @@ def main() -> None:
                 for r in records
             )
             share = statistics.median(r["workers_flop_share"] or 0.0 for r in records)
-            floor = measure_floor(records, eager.non_gemm_cpu_s)
+            floor = measure_floor(records, eager)
             floors[f"{model} {label}"] = floor
             print(
                 f"{LABELS[model]:>30} {gflop:>11.1f} {label:>8} {eager_s:>8.3f} {ours:>9.3f} "
@@ -430,6 +460,9 @@ class Floor:
     mb_down: float
     mb_up: float
     mb_cut: float
+    # The eager step's GEMM operands, each time read and distinct (EagerRun).
+    mb_operands: float
+    mb_distinct: float
     websockets_s: float
     hash_s: float
     check_s: float
@@ -465,7 +498,7 @@ def _read_seconds_per_byte() -> float:
         torch.set_num_threads(threads)
 
 
-def measure_floor(records: list[dict[str, Any]], non_gemm_s: float) -> Floor:
+def measure_floor(records: list[dict[str, Any]], eager: EagerRun) -> Floor:
     """The floor of the steps ``records`` describe (medians), measured now."""
     down = statistics.median(r["bytes_down"] for r in records)
     up = statistics.median(r["bytes_up"] for r in records)
@@ -479,31 +512,36 @@ def measure_floor(records: list[dict[str, Any]], non_gemm_s: float) -> Floor:
         mb_down=down / 1e6,
         mb_up=up / 1e6,
         mb_cut=cut / 1e6,
+        mb_operands=eager.operand_bytes / 1e6,
+        mb_distinct=eager.distinct_operand_bytes / 1e6,
         websockets_s=cpu * tiles / frames,
         hash_s=cut * _hash_seconds_per_byte(),
         check_s=3 * (cut + up) * _read_seconds_per_byte(),
-        non_gemm_s=non_gemm_s,
+        non_gemm_s=eager.non_gemm_cpu_s,
     )
 
 
 def print_floors(floors: dict[str, Floor]) -> None:
     print("\nThe floor: CPU seconds per step a coordinator spends at least on these bytes")
     print(
-        f"{'run':>14} {'MB down':>8} {'MB up':>7} {'MB cut':>7} {'websockets':>11} "
-        f"{'hash':>6} {'check':>6} {'non-GEMM':>9} {'floor s':>8}"
+        f"{'run':>14} {'MB down':>8} {'MB up':>7} {'MB cut':>7} {'MB read':>8} "
+        f"{'MB distinct':>12} {'websockets':>11} {'hash':>6} {'check':>6} {'non-GEMM':>9} "
+        f"{'floor s':>8}"
     )
     for name, f in floors.items():
         print(
             f"{name:>14} {f.mb_down:>8.1f} {f.mb_up:>7.1f} {f.mb_cut:>7.1f} "
-            f"{f.websockets_s:>11.3f} {f.hash_s:>6.3f} {f.check_s:>6.3f} {f.non_gemm_s:>9.3f} "
-            f"{f.seconds:>8.3f}"
+            f"{f.mb_operands:>8.1f} {f.mb_distinct:>12.1f} {f.websockets_s:>11.3f} "
+            f"{f.hash_s:>6.3f} {f.check_s:>6.3f} {f.non_gemm_s:>9.3f} {f.seconds:>8.3f}"
         )
     print(
         f"(websockets: the step's frames through a bare websockets server and {WORKERS} "
         "receivers, each answered with a frame of the result's mean size, in this run; "
-        "hash: BLAKE3 of the blocks cut; check: three passes over the blocks cut and the "
-        "results at one thread's memory speed; non-GEMM: eager torch's CPU outside its "
-        "GEMMs)"
+        "MB read: the GEMM operands of an eager step, each time a GEMM reads one; MB "
+        "distinct: their distinct contents, a tensor that two GEMMs read (a layer's input "
+        "in its forward and its weight gradient) once; hash: BLAKE3 of the blocks cut; "
+        "check: three passes over the blocks cut and the results at one thread's memory "
+        "speed; non-GEMM: eager torch's CPU outside its GEMMs)"
     )
 
 
