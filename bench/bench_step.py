@@ -444,9 +444,9 @@ CORES = os.cpu_count() or 1
 # third carry the writes of the first two checkpoints, off the training thread during
 # the next step. Those two create the state directory's checkpoint files; every later
 # write reuses the file two before it (common.atomic_file.write_recycling), whose pages
-# the kernel already holds. A new file's pages cost the kernel far more to fill (on a
-# virtual machine, memory never touched before is backed by the host on first write),
-# once per run: a long run pays the rewrites, which is what the steady steps measure.
+# the kernel already holds. Filling a new file takes its pages from free memory, which
+# can cost the kernel several times a rewrite (docs/benchmarks.md), once per run: a long
+# run pays the rewrites, which is what the steady steps measure.
 SKIP = 3
 
 
