@@ -68,7 +68,7 @@ class OperandBlocks(BlockCache[torch.Tensor]):
     def keep(self, received: Received, arrived: dict[str, torch.Tensor]) -> None:
         """Keep the operands of ``received`` that came under a block id, and mark the ones
         used from the cache as recently used: the same order the coordinator's mirror keeps."""
-        if self.budget <= 0:
+        if not self.keeps:
             return
         blocks = [
             desc[BLOCK_FIELD]

@@ -40,12 +40,17 @@ class BlockCache(Mapping[str, V], Generic[V]):
     def __len__(self) -> int:
         return len(self._blocks)
 
+    @property
+    def keeps(self) -> bool:
+        """Whether blocks are kept at all (a budget of 0: every operand is sent)."""
+        return self.budget > 0
+
     def record(self, blocks: Iterable[tuple[str, V | None]]) -> list[str]:
         """One task's blocks, in order: a held one becomes the most recently used; a new
         one is added (its value given; None: it did not arrive, so nothing to keep).
         Returns the blocks let go to fit the budget, the least recently used first."""
         evicted: list[str] = []
-        if self.budget <= 0:
+        if not self.keeps:
             return evicted
         for block, value in blocks:
             if block in self._blocks:

@@ -38,7 +38,7 @@ class Predictions:
 
     def keeps_blocks(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
-        return worker is not None and worker.blocks.budget > 0
+        return worker is not None and worker.blocks.keeps
 
     def run_time(self, worker_id: str, ticket: TileTicket) -> float:
         """Seconds from sending ``ticket`` to an idle ``worker_id`` until its result."""

@@ -93,7 +93,7 @@ class Worker:
         cache itself: operands sent inline first, then the ones referred to, each moved
         to the most recently used end; then the least recently used go past the budget.
         """
-        if self.blocks.budget <= 0:
+        if not self.blocks.keeps:
             return tile.bundle
         ids = dict(zip(("a", "b"), tile.blocks, strict=True))
         sizes = dict(zip(("a", "b"), tile.block_bytes(), strict=True))

@@ -21,7 +21,8 @@ def test_blocks_are_kept_in_use_order_within_the_budget() -> None:
 
 def test_a_zero_budget_keeps_nothing() -> None:
     cache: BlockCache[int] = BlockCache(0, int)
-    cache.record([("a", 1)])
+    assert not cache.keeps and BlockCache(1, int).keeps
+    assert cache.record([("a", 1)]) == []  # nothing was kept, so nothing is let go
     assert len(cache) == 0 and cache.bytes == 0
 
 
