@@ -32,11 +32,12 @@ RunTime = Callable[[str, TileTicket], float]
 def assign_tiles(
     state: SchedulerState,
     now: float,
-    prefers: Prefers | None,
-    keeps: Keeps | None,
-    finish_at: FinishAt | None,
-    run_time: RunTime | None,
-    busy_time: RunTime | None,
+    *,
+    prefers: Prefers | None = None,
+    keeps: Keeps | None = None,
+    finish_at: FinishAt | None = None,
+    run_time: RunTime | None = None,
+    busy_time: RunTime | None = None,
 ) -> list[Assignment]:
     """What `Scheduler.assign` hands out; it documents the arguments."""
     if state.queued == 0 or not state.ready:

@@ -182,19 +182,18 @@ class Scheduler:
         from the longest planned queue.
         """
         if predictor is None:
-            return assign_tiles(self._state, now, None, None, None, None, None)
+            return assign_tiles(self._state, now)
+        prefers, keeps = predictor.prefers, predictor.keeps_blocks
         if not timed:
-            return assign_tiles(
-                self._state, now, predictor.prefers, predictor.keeps_blocks, None, None, None
-            )
+            return assign_tiles(self._state, now, prefers=prefers, keeps=keeps)
         return assign_tiles(
             self._state,
             now,
-            predictor.prefers,
-            predictor.keeps_blocks,
-            predictor.finish_at,
-            predictor.run_time,
-            predictor.busy_time,
+            prefers=prefers,
+            keeps=keeps,
+            finish_at=predictor.finish_at,
+            run_time=predictor.run_time,
+            busy_time=predictor.busy_time,
         )
 
     def complete(self, worker_id: str, tile_id: str, now: float) -> Completion:
