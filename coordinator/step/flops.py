@@ -68,8 +68,39 @@ def _convolution_backward(
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
 
+def _recurrent_gemms(x: Any, w_ih: Any, w_hh: Any) -> int:
+    """One pass of a recurrent layer's GEMMs: at each of its T·B positions, the input's
+    and the hidden state's projections onto the G·H gate rows (``w_ih [G·H, I]``,
+    ``w_hh [G·H, H]``)."""
+    positions = x.numel() // x.shape[-1]
+    return 2 * positions * w_ih.shape[0] * (w_ih.shape[1] + w_hh.shape[1])
+
+
+def _mkldnn_rnn(x: Any, w_ih: Any, w_hh: Any, *args: Any, out_val: Any = None, **kw: Any) -> int:
+    return _recurrent_gemms(x, w_ih, w_hh)
+
+
+def _mkldnn_rnn_backward(x: Any, w_ih: Any, w_hh: Any, *args: Any, **kwargs: Any) -> int:
+    """The input's and hidden state's gradients, then both weights' gradients: twice
+    the forward's products."""
+    return 2 * _recurrent_gemms(x, w_ih, w_hh)
+
+
+def _mv(a: Any, x: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return 2 * a.shape[0] * a.shape[1]
+
+
+def _addmv(bias: Any, a: Any, x: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return 2 * a.shape[0] * a.shape[1]
+
+
+def _dot(x: Any, y: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return 2 * x.shape[0]
+
+
 # Formulas torch's registry lacks (the CPU flash kernels, the ones a CPU coordinator meets;
-# grouped GEMMs; Cleave's own convolution GEMM) or overstates (grouped convolutions'
+# grouped GEMMs; Cleave's own convolution GEMM; oneDNN's fused recurrent layers, which
+# nn.LSTM runs as on a CPU; products with a vector) or overstates (grouped convolutions'
 # backward); these take precedence over torch's.
 _EXTRA = {
     aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
@@ -77,6 +108,12 @@ _EXTRA = {
     aten._grouped_mm: grouped_mm_flops,
     aten.convolution_backward: _convolution_backward,
     torch.ops.cleave.unfold_mm: _unfold_mm,
+    aten.mkldnn_rnn_layer: _mkldnn_rnn,
+    aten.mkldnn_rnn_layer_backward: _mkldnn_rnn_backward,
+    aten.mv: _mv,
+    aten.addmv: _addmv,
+    aten.dot: _dot,
+    aten.vdot: _dot,
 }
 FORMULAS: dict[Any, Any] = {**flop_registry, **_EXTRA}
 
@@ -88,6 +125,9 @@ _HEAVY_WORDS = frozenset(
     "attention linalg fft rfft irfft ifft hfft cdist cholesky triangular lu qr svd eig eigh "
     "inverse solve lstm gru rnn".split()
 )
+# Ops whose names hold such a word but that only read their input once (a norm of a
+# vector, as gradient clipping takes): counted as 0, like other elementwise work.
+_LIGHT = frozenset({"linalg_vector_norm"})
 
 DEPTHWISE = "depthwise convolution"  # forward and backward, tallied under one name
 
@@ -117,6 +157,12 @@ KEPT_WHY = {
         "transposed, 3-D, or grouped with fewer than 8 output channels per group: no GEMM lowering"
     ),
 }
+_FUSED_RNN = (
+    "a recurrent layer oneDNN runs as one fused op (nn.LSTM on a CPU): its GEMMs cannot be"
+    " cut into tiles; run the model under torch.backends.mkldnn.flags(enabled=False) to"
+    " hand them to workers, one small GEMM per time step"
+)
+KEPT_WHY["mkldnn_rnn_layer"] = KEPT_WHY["mkldnn_rnn_layer_backward"] = _FUSED_RNN
 STRANDED = "stranded tiles"
 KEPT_WHY[STRANDED] = (
     "no connected worker could take them (refused by all, or over every memory cap)"
@@ -176,7 +222,7 @@ def node_label(node: Node) -> str:
 @functools.cache
 def uncounted(func: Any) -> bool:
     """Whether ``func`` does heavy arithmetic that no formula here counts."""
-    if getattr(func, "overloadpacket", None) in FORMULAS:
+    if getattr(func, "overloadpacket", None) in FORMULAS or op_name(func) in _LIGHT:
         return False
     words = [w for w in op_name(func).lower().split("_") if w]
     return any(w in _HEAVY_WORDS or w.startswith("conv") or w.endswith("mm") for w in words)

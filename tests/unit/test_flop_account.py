@@ -20,9 +20,10 @@ import pytest
 import torch
 from support import real_models
 from support.recording_offload import RecordingOffload
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
-from coordinator.step.flops import FlopTally, describe, op_flops, uncounted
+from coordinator.step.flops import FlopTally, describe, op_flops, op_name, uncounted
 from coordinator.step.job import Job
 from coordinator.step.trainer import Trainer
 
@@ -148,3 +149,77 @@ def test_only_heavy_ops_without_a_formula_are_uncounted() -> None:
     tally.ran_here(aten.relu.default, 0)
     tally.ran_here(aten._fft_r2c.default, 0)
     assert tally.summary()["uncounted"] == ["_fft_r2c"]
+
+
+def test_an_lstm_fused_by_onednn_is_counted_as_kept_here_with_what_to_change() -> None:
+    """nn.LSTM on a CPU runs each layer's forward as one fused oneDNN op: its GEMMs stay
+    here. They are counted from the layer's definition (four gates, input and hidden
+    projections at every position), and the reason says how to hand them out. The traced
+    step's backward is decomposed into plain GEMMs, which go to workers: the forward's
+    products again (the gates are recomputed), then the gradients, twice as many."""
+    batch, seq, vocab, emb, hidden = 4, 12, 50, 32, 64
+
+    class LanguageModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, emb)
+            self.rnn = torch.nn.LSTM(emb, hidden, num_layers=2, batch_first=True)
+            self.head = torch.nn.Linear(hidden, vocab)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(self.emb(x))[0]).flatten(0, 1)
+
+    torch.manual_seed(0)
+    model = LanguageModel()
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    job = Job(
+        model=model,
+        loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y.flatten()),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        batches=iter([(tokens[:, :-1], tokens[:, 1:])] * 2),
+        name="lstm",
+    )
+    offload = RecordingOffload()
+    trainer = Trainer(job, offload)
+    trainer.run(1)
+    positions = batch * seq
+    gates = 4 * hidden
+    rnn = sum(2 * positions * gates * (inputs + hidden) for inputs in (emb, hidden))
+    head = 2 * positions * hidden * vocab
+    offloaded = 3 * rnn + 3 * head  # the backward's recomputed gates and gradients, the head
+    assert trainer.flops["uncounted"] == [], trainer.flops
+    assert trainer.flops["gflop"] * 1e9 == pytest.approx(rnn + offloaded, rel=0.01), trainer.flops
+    assert offload.flops == pytest.approx(offloaded, rel=0.01)
+    assert trainer.flops["workers_share"] == pytest.approx(offloaded / (rnn + offloaded), abs=0.01)
+    (row,) = trainer.flops["kept_here"]
+    assert row["op"] == "mkldnn_rnn_layer" and row["gflop"] == pytest.approx(rnn / 1e9, rel=0.01)
+    assert "mkldnn.flags(enabled=False)" in row["why"], row
+
+
+def test_an_eager_lstms_fused_backward_counts_twice_its_forward() -> None:
+    """Run eagerly (``Pool.offload``), the LSTM's backward is one fused op too."""
+    seen: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if "mkldnn_rnn_layer" in str(func):
+                seen[op_name(func)] = op_flops(func, args, kwargs or {}, out)
+            return out
+
+    rnn = torch.nn.LSTM(8, 16, batch_first=True)
+    with Count():
+        rnn(torch.randn(3, 5, 8, requires_grad=True))[0].sum().backward()
+    forward = 2 * 3 * 5 * (4 * 16) * (8 + 16)
+    assert seen == {"mkldnn_rnn_layer": forward, "mkldnn_rnn_layer_backward": 2 * forward}
+
+
+def test_products_with_a_vector_are_counted_and_a_vector_norm_is_not_heavy() -> None:
+    a, x = torch.randn(6, 5), torch.randn(5)
+    assert op_flops(aten.mv.default, (a, x), {}, a @ x) == 2 * 6 * 5
+    assert op_flops(aten.addmv.default, (torch.randn(6), a, x), {}, None) == 2 * 6 * 5
+    assert op_flops(aten.vdot.default, (x, x), {}, None) == 2 * 5
+    assert not uncounted(aten.linalg_vector_norm.default)
+    assert uncounted(aten.linalg_matrix_exp.default)  # other linalg ops still are
