@@ -3,16 +3,19 @@
 Worker path per tile, exactly as ``cleave-worker`` runs it: ``WorkerSession.receive``
 (frame decode, BLAKE3 + Ed25519 signature check, operand decode), ``TileComputer.compute``
 (the matmul under the thread cap), ``WorkerSession.tile_done`` and ``result_frame``
-(result encode), and the result's payload masked as the worker's connection writes it
-(``common.frame_writes.payload_writes``).
+(result encode), the result's payload masked as the worker's connection writes it
+(``common.frame_writes.payload_writes``), and the product's memory given back for the
+next one (``TileComputer.give_back``).
 
 - sequential: one thread does everything, one tile after another.
 - pipelined: as the real worker does, the next tile is received and verified, and the
   last one's result encoded, on the I/O thread while the compute thread multiplies.
 
-The ratio is tiles/s of the worker path over tiles/s of bare ``torch.matmul(a, b)``
-with the same thread count, taken within one round of bare, sequential and pipelined
-runs in turn; the table shows medians over rounds. A round runs as many tiles as bare
+The ratio is tiles/s of the worker path over tiles/s of bare ``torch.matmul(a, b,
+out=c)`` into one reused ``c`` (the GEMM alone: fresh memory for each product would add
+the kernel's page faults to the baseline) with the same thread count, taken within one
+round of bare, sequential and pipelined runs in turn; the table shows medians over
+rounds. A round runs as many tiles as bare
 matmul does in ``--seconds`` (at least 8): a worker fed by its coordinator's window
 streams tiles, and the pipeline's fill and drain (the first tile's receive, the last
 one's encode) are paid once per stream, not once per handful of tiles.
@@ -121,9 +124,11 @@ def bench_shape(
     torch.matmul(a, b)
     count = max(8, round(seconds / (time.perf_counter() - start)))
 
+    product = torch.matmul(a, b)
+
     def bare(c: int) -> None:
         for _ in range(c):
-            torch.matmul(a, b)
+            torch.matmul(a, b, out=product)
 
     def sequential(c: int) -> None:
         session = _session(key)
@@ -135,6 +140,7 @@ def bench_shape(
             result = session.tile_done(job, 0.0)
             assert result is not None
             _written(session.result_frame(result, out))
+            computer.give_back(out)
 
     def pipelined(c: int) -> None:
         session = _session(key)
@@ -161,6 +167,7 @@ def bench_shape(
                 with session_lock:
                     frame = session.result_frame(result, out)
                 _written(frame)
+                computer.give_back(out)
                 encoded += 1
 
         feeder = threading.Thread(target=io_thread)

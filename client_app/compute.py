@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from client_app.result_buffers import ResultBuffers
 from common.ops import TILE_OPS, TileOp
 from common.scratch import Scratch
 from common.tensors import stored_layout
@@ -81,6 +82,8 @@ class TileComputer:
         self.threads = threads
         self.device = torch.device("cuda" if use_gpu and cuda_available() else "cpu")
         self._scratch = Scratch()
+        # What products are written into (``give_back`` returns one once sent).
+        self.results = ResultBuffers()
         pin_full_precision()
 
     @property
@@ -106,11 +109,22 @@ class TileComputer:
         if self.device.type != "cpu":
             a = a.to(self.device)
             b = b.to(self.device)
-        elif a.element_size() == 2:
-            a, b = self._aligned(0, a), self._aligned(1, b)
-        # matmul/bmm allocate their output; the read-only operands are only read.
+        else:
+            if a.element_size() == 2:
+                a, b = self._aligned(0, a), self._aligned(1, b)
+            if _multipliable(op, a, b):  # else torch raises its own error below
+                out = self.results.take((*a.shape[:-1], b.shape[-1]), a.dtype)
+                return torch.mm(a, b, out=out) if op == TileOp.MM else torch.bmm(a, b, out=out)
+        # The read-only operands are only read.
         c = torch.matmul(a, b) if op == TileOp.MM else torch.bmm(a, b)
         return c.cpu().contiguous()
+
+    def give_back(self, c: torch.Tensor) -> None:
+        """``c`` (a product ``compute`` returned) is no longer read: its result frame is
+        written. Its memory holds a later product (on a GPU, products are copied out to
+        fresh memory: none is kept)."""
+        if self.device.type == "cpu":
+            self.results.give_back(c)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -134,3 +148,11 @@ class TileComputer:
 
 
 KERNEL_ALIGN = 64
+
+
+def _multipliable(op: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of the op's rank) have one dtype and matching dims: an
+    ``out=`` of the product's shape is then exactly what torch would allocate."""
+    if a.dtype != b.dtype or a.shape[-1] != b.shape[-2]:
+        return False
+    return op == TileOp.MM or a.shape[0] == b.shape[0]

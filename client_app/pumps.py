@@ -194,6 +194,10 @@ class ConnectionPumps:
             for data in packed(frames, most):
                 await self._pacer.before_sending(len(data))
                 await send_frames(self.ws, data)
+            # Each product's bytes were masked into its frame: its memory is free again.
+            for outgoing in ready:
+                if not isinstance(outgoing, bytes):
+                    self._charger.computer.give_back(outgoing[1])
             self._summary.after_tile(session.stats, self._clock())
             self._publish()
 

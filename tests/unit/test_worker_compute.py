@@ -10,6 +10,7 @@ import torch
 
 from client_app.compute import TileComputer, cpu_model_name
 from client_app.profile import GIB, MIB, build_profile, default_mem_cap_bytes, measure_gflops
+from client_app.result_buffers import ResultBuffers
 from common.limits import DEFAULT_LIMITS
 from common.messages import (
     DeviceProfile,
@@ -150,3 +151,63 @@ def test_misaligned_half_precision_operands_in_turn_reuse_the_copies_correctly()
         assert a.data_ptr() % 64 != 0  # one element past the allocator's alignment
         c = computer.compute("mm", a, b)
         torch.testing.assert_close(c, a.clone() @ b.clone(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_product_given_back_holds_the_next_one_and_a_held_one_is_never_reused() -> None:
+    """Products go into memory reused from tile to tile, but only once given back: a
+    product still held (its result not sent yet) keeps its values while others are
+    computed, and one given back twice is handed out once."""
+    computer = TileComputer(threads=1, use_gpu=False)
+    gen = torch.Generator().manual_seed(4)
+
+    def operands(m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+
+    a1, b1 = operands(32, 16, 24)
+    first = computer.compute("mm", a1, b1)
+    computer.give_back(first)
+    a2, b2 = operands(32, 16, 24)
+    second = computer.compute("mm", a2, b2)
+    assert second.data_ptr() == first.data_ptr()  # the given-back memory, reused
+    a3, b3 = operands(32, 16, 24)
+    third = computer.compute("mm", a3, b3)  # `second` is still held: fresh memory
+    assert third.data_ptr() != second.data_ptr()
+    torch.testing.assert_close(second, a2 @ b2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(third, a3 @ b3, rtol=1e-5, atol=1e-5)
+
+    computer.give_back(second)
+    computer.give_back(second)  # twice: still one buffer
+    tiny = computer.compute("mm", torch.ones(2, 3), torch.ones(3, 2))
+    assert tiny.data_ptr() != second.data_ptr()  # would hold a buffer 100x its size
+    smaller = computer.compute("bmm", torch.ones(2, 16, 3), torch.ones(2, 3, 20))
+    other = computer.compute("mm", *operands(32, 16, 24))
+    assert smaller.data_ptr() == second.data_ptr()  # a product a bit smaller fits it
+    assert other.data_ptr() != smaller.data_ptr()
+    torch.testing.assert_close(smaller, torch.full((2, 16, 20), 3.0))
+    assert smaller.shape == (2, 16, 20) and smaller.is_contiguous()
+
+
+def test_operands_that_do_not_multiply_get_torchs_own_error() -> None:
+    computer = TileComputer(threads=1, use_gpu=False)
+    with pytest.raises(RuntimeError):
+        computer.compute("mm", torch.ones(2, 3), torch.ones(4, 2))
+    with pytest.raises(RuntimeError):
+        computer.compute("bmm", torch.ones(2, 2, 3), torch.ones(3, 3, 2))
+    with pytest.raises(RuntimeError):
+        computer.compute("mm", torch.ones(2, 3), torch.ones(3, 2, dtype=torch.float64))
+
+
+def test_result_buffers_keep_the_latest_few_within_their_bytes() -> None:
+    buffers = ResultBuffers(kept=2, kept_bytes=4096)
+    products = [buffers.take((16, 16), torch.float32) for _ in range(3)]  # 1 KiB each
+    for product in products:
+        buffers.give_back(product)
+    again = {buffers.take((16, 16), torch.float32).data_ptr() for _ in range(3)}
+    kept = {p.data_ptr() for p in products[1:]}  # the latest two; the oldest was let go
+    assert kept < again and products[0].data_ptr() not in again
+    large = buffers.take((64, 32), torch.float32)  # 8 KiB: over the bytes kept
+    buffers.give_back(large)
+    assert buffers.take((64, 32), torch.float32).data_ptr() != large.data_ptr()
+    transposed = torch.ones(16, 16).mT
+    buffers.give_back(transposed)  # not contiguous: not kept
+    assert buffers.take((16, 16), torch.float32).data_ptr() != transposed.data_ptr()
