@@ -21,6 +21,7 @@ go out one at a time as the step reaches them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +38,9 @@ from coordinator.serve.local_workers import LocalWorkers
 from coordinator.serve.offload import TileOffload
 from coordinator.serve.server import WS_PATH, CoordinatorServer, ServerConfig
 from coordinator.step.eager import EagerOffloadMode
-from coordinator.step.flops import FlopTally
+from coordinator.step.flops import FlopTally, describe, mostly_kept
+
+log = logging.getLogger("cleave.coordinator")
 
 
 class Pool:
@@ -64,6 +67,7 @@ class Pool:
         self._steps = 0
         self.url = ""
         self.last_step = FlopTally()  # FLOPs of the last offloaded step, by who computed them
+        self._said_kept: set[str] = set()  # ops a warning named as keeping a step here
         self._server: CoordinatorServer | None = None
         self._ledger: Ledger | None = None
         self._local: LocalWorkers | None = None
@@ -116,6 +120,10 @@ class Pool:
         with mode:
             yield mode
         self.last_step = mode.stats.flops
+        kept = mostly_kept(self.last_step)
+        if kept is not None and kept not in self._said_kept:  # once per op, not every step
+            self._said_kept.add(kept)
+            log.warning("%s", describe(self.last_step.summary()))
 
     def close(self) -> None:
         self._cancel.set()

@@ -275,6 +275,20 @@ class FlopTally:
         }
 
 
+# A step whose workers computed less than this share of its FLOPs is worth a word in the
+# log: the pool then does little for the model, and the kept ops say why.
+MOSTLY_KEPT_BELOW = 0.5
+
+
+def mostly_kept(tally: FlopTally) -> str | None:
+    """The op that kept the most of a step's FLOPs at the coordinator, where workers
+    computed less than ``MOSTLY_KEPT_BELOW`` of them; None otherwise."""
+    share = tally.workers_share
+    if share is None or share >= MOSTLY_KEPT_BELOW or not tally.kept:
+        return None
+    return max(tally.kept.items(), key=lambda kv: kv[1])[0]
+
+
 def kept_here(kept: Iterable[tuple[str, int]], total: int) -> list[dict[str, Any]]:
     rows = sorted(kept, key=lambda kv: -kv[1])
     return [

@@ -23,7 +23,14 @@ from support.recording_offload import RecordingOffload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
-from coordinator.step.flops import FlopTally, describe, op_flops, op_name, uncounted
+from coordinator.step.flops import (
+    FlopTally,
+    describe,
+    mostly_kept,
+    op_flops,
+    op_name,
+    uncounted,
+)
 from coordinator.step.job import Job
 from coordinator.step.trainer import Trainer
 
@@ -223,3 +230,14 @@ def test_products_with_a_vector_are_counted_and_a_vector_norm_is_not_heavy() -> 
     assert op_flops(aten.vdot.default, (x, x), {}, None) == 2 * 5
     assert not uncounted(aten.linalg_vector_norm.default)
     assert uncounted(aten.linalg_matrix_exp.default)  # other linalg ops still are
+
+
+def test_the_op_keeping_most_of_a_step_here_is_named_only_below_half() -> None:
+    tally = FlopTally(workers=40)
+    tally.keep("mkldnn_rnn_layer", 50)
+    tally.keep("mm", 10)
+    assert mostly_kept(tally) == "mkldnn_rnn_layer"  # workers computed 40%
+    tally.workers = 60
+    assert mostly_kept(tally) is None  # half of it: the pool carries the step
+    assert mostly_kept(FlopTally()) is None  # nothing counted
+    assert mostly_kept(FlopTally(workers=0, kept={"bmm": 5})) == "bmm"
