@@ -115,7 +115,8 @@ class TileComputer:
             if _multipliable(op, a, b):  # else torch raises its own error below
                 out = self.results.take((*a.shape[:-1], b.shape[-1]), a.dtype)
                 return torch.mm(a, b, out=out) if op == TileOp.MM else torch.bmm(a, b, out=out)
-        # The read-only operands are only read.
+        # A GPU's product (copied out to fresh memory), or torch's own error for operands
+        # that do not multiply; the read-only operands are only read.
         c = torch.matmul(a, b) if op == TileOp.MM else torch.bmm(a, b)
         return c.cpu().contiguous()
 

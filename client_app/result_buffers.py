@@ -1,10 +1,9 @@
 """The memory tiles' products are written into, reused once each result has gone out.
 
-A fresh tensor for every product is fresh memory: the C heap hands a block of a
-result's size back to the system when it is freed, so the next product's pages are
-faulted in and zeroed by the kernel while the GEMM writes them, on the compute thread,
-between its multiplies. A product written into a buffer whose result was already sent
-costs only the GEMM. The compute thread takes buffers; the connection's send loop
+A fresh tensor for every product is, at a product's size, mostly fresh memory from the
+system: its pages are faulted in and zeroed by the kernel while the GEMM writes them, on
+the compute thread, between its multiplies (docs/benchmarks.md, the tile path). A product
+written into a buffer whose result was already sent costs only the GEMM. The compute thread takes buffers; the connection's send loop
 gives each back once the result frame that carried it has been written (its bytes were
 masked into the frame's own copy by then). A buffer that is never given back (its tile
 was cancelled) is simply freed with its tensor.

@@ -17,9 +17,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 EXAMPLE = ROOT / "docs" / "examples" / "own_training_loop.py"
 
 
-def test_own_training_loop_example(tmp_path: Path) -> None:
+def _run(script: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` run as a user would, from ``tmp_path``; it must succeed."""
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE)],
+        [sys.executable, str(script)],
         cwd=tmp_path,
         env=env_for(tmp_path / "config"),
         capture_output=True,
@@ -27,6 +28,11 @@ def test_own_training_loop_example(tmp_path: Path) -> None:
         timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_own_training_loop_example(tmp_path: Path) -> None:
+    done = _run(EXAMPLE, tmp_path)
     steps = re.findall(
         r"step (\d+)  loss ([\d.]+)  plain torch ([\d.]+)  workers computed ([\d.]+)%",
         done.stdout,
@@ -66,15 +72,7 @@ def test_a_step_kept_mostly_here_is_said_once_with_what_to_change(tmp_path: Path
     once, with the op, its share and how to change it; the loss is plain torch's."""
     script = tmp_path / "lstm_step.py"
     script.write_text(LSTM_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env_for(tmp_path / "config"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _run(script, tmp_path)
     steps = re.findall(r"step \d loss ([\d.]+) plain ([\d.]+) share ([\d.]+)", done.stdout)
     assert len(steps) == 2, done.stdout
     for ours, plain, share in steps:
