@@ -378,7 +378,6 @@ def main() -> None:
         pinned_table(models, args.steps)
         return
     planners = [p.value for p in Planner] if args.planner == "both" else [args.planner]
-    skip = SKIP
     sizes = {"CLEAVE_BENCH_WIDTH": str(WIDTH), "CLEAVE_BENCH_BATCH": str(BATCH)}
     print(
         f"{'model':>30} {'GFLOP/step':>11} {'planner':>8} {'eager s':>8} {'cleave s':>9} "
@@ -390,8 +389,8 @@ def main() -> None:
     for model in models:
         spec, make = MODELS[model]
         eager, eager_rss = eager_process(model, args.steps)
-        eager_s = statistics.median(eager.seconds[skip:])
-        eager_cpu = statistics.median(eager.cpu_seconds[skip:])
+        eager_s = statistics.median(eager.seconds[SKIP:])
+        eager_cpu = statistics.median(eager.cpu_seconds[SKIP:])
         gflop = step_gflop(make)
         runs = [(p, f) for p in planners for f in args.min_offload_intensity]
         for planner, intensity in runs:
@@ -406,8 +405,8 @@ def main() -> None:
                 intensity,
                 env=sizes,
             )
-            records = served.records[skip:]
-            ours = statistics.median(served.seconds[skip:])
+            records = served.records[SKIP:]
+            ours = statistics.median(served.seconds[SKIP:])
             orch = statistics.median(r["orchestration_cpu_s"] for r in records)
             no_ckpt = statistics.median(
                 r["orchestration_cpu_s"]
@@ -424,11 +423,11 @@ def main() -> None:
                 f"{orch / eager_cpu:>6.2f} {no_ckpt / eager_cpu:>8.2f} "
                 f"{floor.seconds / eager_cpu:>6.2f} {orch / floor.seconds:>11.2f} {share:>8.1%}"
             )
-            breakdowns[f"{model} {label}"] = step_breakdown(served, skip)
+            breakdowns[f"{model} {label}"] = step_breakdown(served)
         breakdowns[f"{model} eager"] = {"wall": eager_s, "cores x wall": eager_s * CORES}
     print(
         f"(cleave: coordinator + {args.workers} local workers on {CORES} cores; "
-        f"medians of steps {skip}..{args.steps - 1}; memory: the coordinator's peak RSS "
+        f"medians of steps {SKIP}..{args.steps - 1}; memory: the coordinator's peak RSS "
         "over the eager process's; orch: the orchestration ratio, the coordinator "
         "process's CPU seconds per step but for tiles it multiplied itself, over eager "
         "torch's CPU seconds per step; no ckpt: the same without the checkpoint's snapshot "
@@ -436,7 +435,7 @@ def main() -> None:
         "workers: the share of the step's FLOPs that workers computed)"
     )
     print_floors(floors)
-    print_breakdown(breakdowns, skip, args.steps)
+    print_breakdown(breakdowns, args.steps)
 
 
 CORES = os.cpu_count() or 1
@@ -625,24 +624,23 @@ def pinned_steps(model: str, steps: int) -> list[float]:
 def pinned_table(models: list[str], steps: int) -> None:
     if CORES < 2:
         raise SystemExit("--pinned needs two cores")
-    skip = SKIP
     print(f"{'model':>30} {'eager s (1 core)':>17} {'cleave s (1 + 1)':>17} {'ratio':>6}")
     for model in models:
         eager, _ = eager_process(model, steps, threads=1, core=0)
-        eager_s = statistics.median(eager.seconds[skip:])
-        ours = statistics.median(pinned_steps(model, steps)[skip:])
+        eager_s = statistics.median(eager.seconds[SKIP:])
+        ours = statistics.median(pinned_steps(model, steps)[SKIP:])
         print(f"{LABELS[model]:>30} {eager_s:>17.3f} {ours:>17.3f} {ours / eager_s:>6.2f}")
     print(
         "(eager: 1 torch thread pinned to core 0; cleave: the coordinator pinned to core "
-        f"0, one 1-thread worker pinned to core 1; medians of steps {skip}..{steps - 1})"
+        f"0, one 1-thread worker pinned to core 1; medians of steps {SKIP}..{steps - 1})"
     )
 
 
-def step_breakdown(served: Served, skip: int) -> dict[str, float]:
-    """Mean core-seconds per step of each breakdown row over steps ``skip`` on (means,
+def step_breakdown(served: Served) -> dict[str, float]:
+    """Mean core-seconds per step of each breakdown row over steps ``SKIP`` on (means,
     so the rows add up to cores x wall)."""
     rows: dict[str, float] = {name: 0.0 for name, _ in BREAKDOWN_ROWS}
-    steps = range(max(1, skip), len(served.records))
+    steps = range(SKIP, len(served.records))
     for i in steps:
         rec = served.records[i]
         cpu = defaultdict(float, rec["cpu"])  # a stage that did not run spent nothing
@@ -680,9 +678,9 @@ def step_breakdown(served: Served, skip: int) -> dict[str, float]:
     return rows
 
 
-def print_breakdown(breakdowns: dict[str, dict[str, float]], skip: int, steps: int) -> None:
+def print_breakdown(breakdowns: dict[str, dict[str, float]], steps: int) -> None:
     columns = list(breakdowns)
-    print(f"\nWhere a step's time goes: core-seconds per step (means of steps {skip}..{steps - 1})")
+    print(f"\nWhere a step's time goes: core-seconds per step (means of steps {SKIP}..{steps - 1})")
     print(f"{'':>14} " + " ".join(f"{c:>10}" for c in columns))
     for name, meaning in BREAKDOWN_ROWS:
         cells = [breakdowns[c].get(name) for c in columns]

@@ -3,10 +3,10 @@
 A fresh tensor for every product is, at a product's size, mostly fresh memory from the
 system: its pages are faulted in and zeroed by the kernel while the GEMM writes them, on
 the compute thread, between its multiplies (docs/benchmarks.md, the tile path). A product
-written into a buffer whose result was already sent costs only the GEMM. The compute thread takes buffers; the connection's send loop
-gives each back once the result frame that carried it has been written (its bytes were
-masked into the frame's own copy by then). A buffer that is never given back (its tile
-was cancelled) is simply freed with its tensor.
+written into a buffer whose result was already sent costs only the GEMM. The compute
+thread takes buffers; the connection's send loop gives each back once the result frame
+that carried it has been written (its bytes were masked into the frame's own copy by
+then). A buffer never given back (its tile was cancelled) is freed with its tensor.
 """
 
 from __future__ import annotations
