@@ -55,6 +55,11 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# One decoder for every header: ``json.loads`` with hooks builds a new decoder and its
+# scanner on each call, which cost as much as decoding a small header.
+_HEADER_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
 def frame_head(header: dict[str, Any]) -> bytes:
     """A frame's bytes before its payload: the length prefix and the padded header."""
     return head_of(canonical_json(header))
@@ -123,11 +128,7 @@ def decode_frame(data: Buffer, limits: WireLimits = DEFAULT_LIMITS) -> Frame:
             f"header length {header_len} runs past the end of a {len(view)}-byte frame"
         )
     try:
-        header = json.loads(
-            bytes(view[_PREFIX.size : end]).decode("utf-8"),
-            parse_constant=_refuse_constant,
-            parse_float=_finite_float,
-        )
+        header = _HEADER_DECODER.decode(bytes(view[_PREFIX.size : end]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FrameError(f"header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
