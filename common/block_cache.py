@@ -34,6 +34,11 @@ class BlockCache(Mapping[str, V], Generic[V]):
         # asks this for every candidate worker of every tile.
         return block in self._blocks
 
+    def holds_any(self, blocks: Iterable[str]) -> bool:
+        """Whether any of ``blocks`` is held: one call where ``in`` for each is one per
+        block (the scheduler asks it of every candidate worker of every tile)."""
+        return not self._blocks.keys().isdisjoint(blocks)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._blocks)
 

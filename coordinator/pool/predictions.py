@@ -32,9 +32,7 @@ class Predictions:
         """Whether the worker's operand cache already holds one of the tile's operands:
         then it should get the tile, and the coordinator sends one operand, not two."""
         worker = self._workers.get(worker_id)
-        if worker is None or not worker.blocks:
-            return False
-        return any(block in worker.blocks for block in ticket.blocks)
+        return worker is not None and worker.blocks.holds_any(ticket.blocks)
 
     def keeps_blocks(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)

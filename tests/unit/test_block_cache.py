@@ -32,3 +32,13 @@ def test_record_names_what_it_let_go_and_replace_keeps_the_order() -> None:
     assert cache.record([("a", None), ("d", 15)]) == ["b", "c"]
     cache.replace("a", 10)
     assert list(cache) == ["a", "d"] and cache.bytes == 25
+
+
+def test_holds_any_says_whether_one_of_the_blocks_is_held() -> None:
+    cache: BlockCache[int] = BlockCache(30, int)
+    assert not cache.holds_any(("a", "b"))  # empty
+    cache.record([("a", 10), ("b", 10)])
+    assert cache.holds_any(("x", "b")) and cache.holds_any(["a"])
+    assert not cache.holds_any(("x", "y")) and not cache.holds_any(())
+    cache.record([("c", 15)])  # a, the oldest, goes to make room
+    assert not cache.holds_any(("a", "x")) and cache.holds_any(("a", "c"))
