@@ -5,7 +5,8 @@ cheating worker of the end-to-end tests:
 
 - ``DISTRIBUTIONS``: operand values met in training (weights, activations after a
   ReLU, softmax probabilities, rows of very different scale, outliers, magnitudes near
-  the subnormal range, exact zeros, repeated rows, sums that cancel);
+  the subnormal range, gradients whose squares underflow, exact zeros, repeated rows,
+  sums that cancel);
 - ``honest_kernels``: every way an honest worker may compute a tile (torch at one and
   at all threads, ``addmm``/``baddbmm``, transposed and strided operands, float64
   rounded back, numpy's own BLAS, a naive recursive sum, CUDA with TF32 off);
@@ -76,6 +77,15 @@ def _tiny(shape: Shape, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]
     return a * 1e-19, b * 1e-19  # products near fp32's smallest normal (1.2e-38)
 
 
+def _tiny_gradients(shape: Shape, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = _gaussian(shape, g)
+    # The gradients of a model that fits its batch (a softmax sure of every token) times
+    # weights: rows from 1e-18 down to 1e-33, whose fp32 squares are subnormal or zero,
+    # while their products with the weights are normal numbers.
+    rows = 10.0 ** (torch.rand(*a.shape[:-1], 1, generator=g) * -15 - 18)
+    return a * rows, b
+
+
 def _zeros(shape: Shape, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     a, b = _gaussian(shape, g)
     a[torch.rand(a.shape, generator=g) < 0.5] = 0.0
@@ -113,6 +123,7 @@ DISTRIBUTIONS: dict[str, Callable[[Shape, torch.Generator], tuple[torch.Tensor, 
     "zeros": _zeros,
     "repeated rows": _repeated_rows,
     "cancelling": _cancelling,
+    "tiny gradients": _tiny_gradients,
 }
 
 

@@ -137,6 +137,30 @@ def chunk_norms(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
     return torch.from_numpy(np.einsum("...cwr,...cwr->...rc", stored, stored)).sqrt_()
 
 
+# A norm summed in fp32 loses the squares of entries below about 1e-19 (subnormal, and
+# below about 3e-23 zero): a row of such entries, the gradients of a model that fits its
+# batch well, reads as nearly zero, and the honest rounding of its products would look
+# like a wrong result. Rows whose fp32 norm is below this are summed again in float64;
+# above it, what the squares lost is below fp32's own rounding of the norm for rows of up
+# to 2**22 entries.
+NORM_FLOOR = 2.0**-52
+
+
+def repair_norms_(norms: torch.Tensor, x: torch.Tensor, chunks: int, width: int) -> None:
+    """Sum again in float64 the norms in ``norms`` (float64, ``chunk_norms(x, chunks,
+    width)`` as fp32 summed them: ``[..., rows, chunks]`` for ``x [..., rows, cols]``) of
+    the rows where one is below ``NORM_FLOOR``. Only those rows are read again, so a
+    tile of ordinary magnitudes pays one comparison of its norms."""
+    if x.dtype != torch.float32:
+        return  # float64 squares underflow only below 1e-154
+    small = (norms < NORM_FLOOR).any(dim=-1)
+    if not bool(small.any()):
+        return
+    rows = small.nonzero(as_tuple=True)
+    again = x[rows].to(torch.float64).reshape(-1, chunks, width)  # those rows alone
+    norms[rows] = torch.linalg.vector_norm(again, dim=-1)
+
+
 @dataclass(frozen=True)
 class CheckPlan:
     """How the check cuts one tile shape: ``rows`` output rows (all batches), each cut
@@ -204,7 +228,12 @@ def summarize_left(a3: torch.Tensor | Sequence[torch.Tensor]) -> LeftSummary:
     ``[batch, m, k]``), summarised one by one and joined: the blocks are not copied into
     a stack."""
     blocks = [a3] if isinstance(a3, torch.Tensor) else a3
-    row_sq = [chunk_norms(block, 1, block.shape[-1])[..., 0].to(torch.float64) for block in blocks]
+    row_sq = []
+    for block in blocks:
+        k = block.shape[-1]
+        norms = chunk_norms(block, 1, k).to(torch.float64)
+        repair_norms_(norms, block, 1, k)
+        row_sq.append(norms[..., 0])
     return LeftSummary(_summaries_joined(row_sq).square_())
 
 
@@ -230,15 +259,18 @@ def summarize_right(
     projected = rows_times_each(blocks, plan.width, rho, norms).reshape(
         -1, k, plan.chunks * plan.vectors
     )
+    norms = norms.to(torch.float64).view(len(blocks), batch, k, plan.chunks)
+    for block, its_norms in zip(blocks, norms, strict=True):
+        repair_norms_(its_norms, block, plan.chunks, plan.width)
     norms = norms.view(-1, k, plan.chunks)  # [batch, k, chunks]
     largest = norms.amax(dim=1)
     # The mean square over l is the norm of the norms over sqrt(k).
     spread = largest > math.sqrt(UNEVEN / k) * torch.linalg.vector_norm(norms, dim=1)
     uneven = spread.view(tiles, -1).any(dim=1)  # [tiles]
     count = int(uneven.sum())
-    row_sq = norms.to(torch.float64).square_() if count else None
+    row_sq = norms.square() if count else None
     mixed = uneven if 0 < count < tiles else None
-    return RightSummary(rho, projected, largest.to(torch.float64).square_(), row_sq, mixed)
+    return RightSummary(rho, projected, largest.square_(), row_sq, mixed)
 
 
 def _summaries_joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -42,6 +42,7 @@ from coordinator.tiles.check_parts import (
     LeftSummary,
     RightSummary,
     as_float64,
+    repair_norms_,
     rows_times_each,
     summarize_left,
     summarize_right,
@@ -288,7 +289,9 @@ def _c_norms(c3: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
     """The squared norms of c's row chunks, ``[batch, m, chunks]`` float64."""
     batch, m, _ = c3.shape
     c4 = c3.reshape(batch, m, plan.chunks, plan.width)
-    return torch.linalg.vector_norm(c4, dim=-1).to(torch.float64).square_()
+    norms = torch.linalg.vector_norm(c4, dim=-1).to(torch.float64)
+    repair_norms_(norms, c3, plan.chunks, plan.width)
+    return norms.square_()
 
 
 def _verdict(worst: float, plan: CheckPlan) -> CheckResult | None:

@@ -1,7 +1,8 @@
 """Models as outsiders write them, trained by a real coordinator with two local workers
 over loopback: fused attention at sequence 256, a CNN, data-dependent Python, the
 built-in job under bf16 autocast, mixture-of-experts models (grouped GEMMs and an expert
-loop), grouped convolutions (ResNeXt) and depthwise ones (ConvNeXt). Each trains 10
+loop), grouped convolutions (ResNeXt), depthwise ones (ConvNeXt), and a tied embedding
+whose gradients underflow fp32's squares. Each trains 10
 steps; per-step losses equal local torch (1e-5 relative; bf16: see
 test_real_models.BF16_REL), and the share of each step's FLOPs that workers computed is
 read from /api/status while the run goes on."""
@@ -23,6 +24,7 @@ from support.real_models import (
     make_moe_loop_job,
     make_resnext_job,
     make_sdpa_job,
+    make_tied_lm_job,
 )
 from support.recording_offload import BF16_REL
 
@@ -116,3 +118,13 @@ def test_depthwise_convolutions_stay_here_and_the_share_says_so(tmp_path: Path) 
     assert "convolution" not in kept and "convolution_backward" not in kept, flops
     summary = coord.output().split("FLOPs of the last step:")[-1]
     assert "depthwise convolution" in summary and "no check cheaper" in summary, summary[:600]
+
+
+def test_a_tied_embedding_whose_gradients_underflow_fp32_squares(tmp_path: Path) -> None:
+    """Gradients near 1e-25, the rows of some far smaller: an honest worker's results
+    must pass their checks (fp32 row norms of such rows once read zero, and both local
+    workers were banned within the first step)."""
+    coord, flops = _train(tmp_path, "support.real_models:make_tied_lm_job")
+    assert_losses_match(_losses(coord), train_locally(make_tied_lm_job(), STEPS))
+    assert flops["workers_share"] >= 0.90, flops
+    assert "failed verification" not in coord.output()

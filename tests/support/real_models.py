@@ -18,7 +18,10 @@ Each factory builds the same job from the same seed every time, so a distributed
   group, 1x1, batch norm, residual);
 - ``make_convnext_job``: ConvNeXt blocks (depthwise 7x7, LayerNorm over channels, an
   inverted bottleneck MLP, layer scale, stochastic depth) with a patchify stem and a
-  downsampling layer.
+  downsampling layer;
+- ``make_tied_lm_job``: a language model whose output head is its token embedding (GPT-2's
+  tying), asked for the token it is given: it fits from the first step, and its
+  gradients are so small that their squares underflow fp32.
 """
 
 from __future__ import annotations
@@ -408,4 +411,40 @@ def make_convnext_job(batch: int = 8, size: int = 32) -> Job:
         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
         batches=_image_batches(batch, size, seed=6),
         name="convnext",
+    )
+
+
+# ---- a tied embedding on a task it fits at once ------------------------------------------
+
+
+class TiedEmbeddingLM(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # GPT-2's tying
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(self.norm(x + self.mlp(x)))
+
+
+def _copy_batches(batch: int, seq: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The targets are the tokens themselves: a tied head scores a token's own embedding
+    about d above any other's, so the softmax's gradients are near e**-d."""
+    for tokens, _ in _token_batches(batch, seq, seed):
+        yield tokens, tokens
+
+
+def make_tied_lm_job(batch: int = 8, seq: int = 64) -> Job:
+    torch.manual_seed(0)
+    model = TiedEmbeddingLM()
+    return Job(
+        model=model,
+        loss_fn=_lm_loss,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        batches=_copy_batches(batch, seq, seed=7),
+        name="tied_lm",
     )

@@ -365,6 +365,46 @@ def test_magnitudes_beyond_fp32_norms_are_checked_in_float64() -> None:
     assert not freivalds_ok(a, b, c * 1e17, gen(1))
 
 
+# Powers of two, so that scaling an honest product scales its rounding exactly: the
+# squares of entries below about 1e-19 are subnormal in fp32, below 3e-23 zero. Not
+# bf16 at 2**-120: its kernels may flush subnormals, and a result's allowance for that
+# (about fp32's smallest normal, per operation) is as large as a 1% error there.
+TINY_SCALES = [
+    *(
+        (dtype, scale)
+        for dtype in (torch.float32, torch.bfloat16)
+        for scale in (2.0**-40, 2.0**-66, 2.0**-80, 2.0**-100)
+    ),
+    (torch.float32, 2.0**-120),
+]
+
+
+@pytest.mark.parametrize("dtype, scale", TINY_SCALES)
+def test_tiny_magnitudes_get_the_verdicts_of_the_same_tile_at_unit_scale(
+    dtype: torch.dtype, scale: float
+) -> None:
+    """The gradients of a well-fitted model (a language model whose tied embedding makes
+    its targets easy, late in training) are many orders of magnitude below 1: fp32 norms
+    of such rows underflowed to zero, the honest rounding bound with them, and honest
+    workers were banned. Scaled by a power of two, a tile must get the verdict it gets
+    unscaled, alone, in a stack and laid out transposed; the tiny operand is ``a``, as a
+    gradient is, or both, and some of its rows are zero (padding)."""
+    for i, (batch, m, k, n) in enumerate(TAMPER_SHAPES):
+        a, b = operands(batch, m, k, n, torch.float32, 1.0, 1200 + i)
+        a[..., ::5, :] = 0.0
+        for a_scale, b_scale in ((scale, 1.0), (2.0**-20, scale * 2.0**20)):
+            at, bt = (a * a_scale).to(dtype), (b * b_scale).to(dtype)
+            c = honest(at, bt)
+            bad = with_one_element_changed(at, bt, c, 0.01, i)
+            case = (batch, m, k, n, a_scale, b_scale)
+            assert check_product(at, bt, c, gen(i)).ok, case
+            assert not check_product(at, bt, bad, gen(i)).ok, case
+            assert check_product(transposed_layout(at), bt, c, gen(i)).ok, case
+            assert check_product(at, transposed_layout(bt), c, gen(i)).ok, case
+            verdicts = check_products([(at, bt, c), (at, bt, bad), (at, bt, c)], gen(i))
+            assert [v.ok for v in verdicts] == [True, False, True], case
+
+
 def test_the_margin_reports_how_close_a_result_came() -> None:
     a, b = operands(None, 64, 256, 64, torch.float32, 1.0, 24)
     c = honest(a, b)
