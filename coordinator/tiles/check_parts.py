@@ -150,10 +150,12 @@ def repair_norms_(norms: torch.Tensor, x: torch.Tensor, chunks: int, width: int)
     """Sum again in float64 the norms in ``norms`` (float64, ``chunk_norms(x, chunks,
     width)`` as fp32 summed them: ``[..., rows, chunks]`` for ``x [..., rows, cols]``) of
     the rows where one is below ``NORM_FLOOR``. Only those rows are read again, so a
-    tile of ordinary magnitudes pays one comparison of its norms."""
+    tile of ordinary magnitudes pays for the smallest of its norms."""
     if x.dtype != torch.float32:
         return  # float64 squares underflow only below 1e-154
-    small = (norms < NORM_FLOOR).any(dim=-1)
+    if not norms.numel() or float(norms.min()) >= NORM_FLOOR:
+        return
+    small = (norms < NORM_FLOOR).any(dim=-1)  # (a NaN norm is no reason to sum again)
     if not bool(small.any()):
         return
     rows = small.nonzero(as_tuple=True)
