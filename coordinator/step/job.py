@@ -53,6 +53,23 @@ class Job:
                         "Job.optimizer holds a tensor that is not a parameter of Job.model"
                     )
 
+    def loss_of(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """``loss_fn(outputs, targets)``, refused with what to change unless it is one
+        number: backward needs a scalar, and torch's own words for that do not say
+        which of the job's parts gave it something else."""
+        loss = self.loss_fn(outputs, targets)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"Job.loss_fn must return a tensor, not {type(loss).__name__}: return the "
+                "loss itself (for example F.cross_entropy(outputs, targets))"
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"Job.loss_fn must return one number, not a tensor of shape "
+                f"{list(loss.shape)}: reduce it over the batch (.mean() or .sum())"
+            )
+        return loss
+
     def autocast_context(self) -> contextlib.AbstractContextManager[Any]:
         """The context the forward and the loss run in: autocast, or nothing."""
         if self.autocast is None:
@@ -74,7 +91,7 @@ def train_locally(job: Job, steps: int) -> list[float]:
         inputs, targets = job.next_batch()
         job.optimizer.zero_grad(set_to_none=True)
         with job.autocast_context():
-            loss = job.loss_fn(job.model(inputs), targets)
+            loss = job.loss_of(job.model(inputs), targets)
         loss.backward()
         job.optimizer.step()
         losses.append(float(loss.detach()))

@@ -198,7 +198,7 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # are allowed under grad_and_value; gradients are taken for p_ only.
         def loss_of(p_: dict[str, torch.Tensor], b_: dict[str, torch.Tensor]) -> torch.Tensor:
             with job.autocast_context():
-                return job.loss_fn(functional_call(model, (p_, b_), (x,)), y)
+                return job.loss_of(functional_call(model, (p_, b_), (x,)), y)
 
         grads, loss = grad_and_value(loss_of)(p, b)
         return [grads[name] for name in param_names] + [loss]

@@ -202,3 +202,24 @@ def test_the_tiles_the_coordinator_multiplies_itself_are_not_orchestration() -> 
         kept = record.cpu["kept_tiles"]
         assert kept > 0
         assert record.orchestration_cpu_s == pytest.approx(record.process_cpu_s - kept, abs=2e-4)
+
+
+@pytest.mark.parametrize(
+    "loss_fn, error, says",
+    [
+        (lambda out, y: F.cross_entropy(out, y, reduction="none"), ValueError, "shape [8]"),
+        (lambda out, y: F.cross_entropy(out, y).item(), TypeError, "not float"),
+    ],
+)
+def test_a_loss_that_is_not_one_number_says_what_to_change(
+    loss_fn: object, error: type[Exception], says: str
+) -> None:
+    """Forgetting the batch reduction is the common mistake: local training and both of
+    the trainer's paths (the traced step falls back to the eager one, which refuses it
+    too) name the loss function and the fix, not torch's words about implicit grads."""
+    for run in (lambda job: train_locally(job, 1), lambda job: Trainer(job, None).run(1)):
+        job = _mlp_job(batches=1)
+        job.loss_fn = loss_fn  # type: ignore[assignment]
+        with pytest.raises(error, match="Job.loss_fn must return") as raised:
+            run(job)
+        assert says in str(raised.value)
