@@ -146,7 +146,15 @@ def chunk_norms(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
 NORM_FLOOR = 2.0**-52
 
 
-def repair_norms_(norms: torch.Tensor, x: torch.Tensor, chunks: int, width: int) -> None:
+def chunk_norms64(x: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
+    """``chunk_norms`` in float64, with those of rows whose fp32 norms underflowed summed
+    again (``_repair_norms_``)."""
+    norms = chunk_norms(x, chunks, width).to(torch.float64)
+    _repair_norms_(norms, x, chunks, width)
+    return norms
+
+
+def _repair_norms_(norms: torch.Tensor, x: torch.Tensor, chunks: int, width: int) -> None:
     """Sum again in float64 the norms in ``norms`` (float64, ``chunk_norms(x, chunks,
     width)`` as fp32 summed them: ``[..., rows, chunks]`` for ``x [..., rows, cols]``) of
     the rows where one is below ``NORM_FLOOR``. Only those rows are read again, so a
@@ -230,12 +238,7 @@ def summarize_left(a3: torch.Tensor | Sequence[torch.Tensor]) -> LeftSummary:
     ``[batch, m, k]``), summarised one by one and joined: the blocks are not copied into
     a stack."""
     blocks = [a3] if isinstance(a3, torch.Tensor) else a3
-    row_sq = []
-    for block in blocks:
-        k = block.shape[-1]
-        norms = chunk_norms(block, 1, k).to(torch.float64)
-        repair_norms_(norms, block, 1, k)
-        row_sq.append(norms[..., 0])
+    row_sq = [chunk_norms64(block, 1, block.shape[-1])[..., 0] for block in blocks]
     return LeftSummary(_summaries_joined(row_sq).square_())
 
 
@@ -263,7 +266,7 @@ def summarize_right(
     )
     norms = norms.to(torch.float64).view(len(blocks), batch, k, plan.chunks)
     for block, its_norms in zip(blocks, norms, strict=True):
-        repair_norms_(its_norms, block, plan.chunks, plan.width)
+        _repair_norms_(its_norms, block, plan.chunks, plan.width)
     norms = norms.view(-1, k, plan.chunks)  # [batch, k, chunks]
     largest = norms.amax(dim=1)
     # The mean square over l is the norm of the norms over sqrt(k).

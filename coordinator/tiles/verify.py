@@ -21,9 +21,10 @@ and take the plain products.
 
 Every matrix is read at memory speed with no float64 copy: ``a`` and ``b`` twice each,
 ``c`` once for ``c ρ`` and once more for its row norms only where the tile does not pass
-without them (``_excess``). What depends only on an operand block (row
-norms, ``b ρ`` and the ρ it used) can be kept in a ``CheckCache`` and shared by every
-tile that block takes part in.
+without them (``_excess``). Only rows whose fp32 norms underflow (entries below about
+1e-19) are read once more, in float64 (``chunk_norms64``). What depends only on an
+operand block (row norms, ``b ρ`` and the ρ it used) can be kept in a ``CheckCache`` and
+shared by every tile that block takes part in.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from coordinator.tiles.check_parts import (
     LeftSummary,
     RightSummary,
     as_float64,
-    repair_norms_,
+    chunk_norms64,
     rows_times_each,
     summarize_left,
     summarize_right,
@@ -287,11 +288,7 @@ def _claimed(
 
 def _c_norms(c3: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
     """The squared norms of c's row chunks, ``[batch, m, chunks]`` float64."""
-    batch, m, _ = c3.shape
-    c4 = c3.reshape(batch, m, plan.chunks, plan.width)
-    norms = torch.linalg.vector_norm(c4, dim=-1).to(torch.float64)
-    repair_norms_(norms, c3, plan.chunks, plan.width)
-    return norms.square_()
+    return chunk_norms64(c3, plan.chunks, plan.width).square_()
 
 
 def _verdict(worst: float, plan: CheckPlan) -> CheckResult | None:
