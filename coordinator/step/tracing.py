@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from common.unfold import Unfold
+from coordinator.step.dropout import EagerDropout
 from coordinator.step.flops import node_flops, node_label, op_name
 from coordinator.step.job import Job
 from coordinator.step.lowering import LOWERINGS, unfold_spec
@@ -197,7 +198,7 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # Buffers go in as an argument (not captured) so that in-place updates to them
         # are allowed under grad_and_value; gradients are taken for p_ only.
         def loss_of(p_: dict[str, torch.Tensor], b_: dict[str, torch.Tensor]) -> torch.Tensor:
-            with job.autocast_context():
+            with job.autocast_context(), EagerDropout():
                 return job.loss_of(functional_call(model, (p_, b_), (x,)), y)
 
         grads, loss = grad_and_value(loss_of)(p, b)

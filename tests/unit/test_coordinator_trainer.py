@@ -184,6 +184,52 @@ def test_a_dropout_model_matches_local_training() -> None:
     assert_losses_match(got, want)
 
 
+class _TransposedDropout(nn.Module):
+    """Dropout on a transposed activation, as ``nn.MultiheadAttention`` with
+    ``batch_first`` hands its output to the dropout after it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x.transpose(0, 1)).transpose(0, 1)  # (batch, seq, 16), seq-major
+        if self.kind == "alpha":
+            h = F.alpha_dropout(h, 0.3, self.training)
+        elif self.kind == "inplace":
+            h = F.dropout(h + 1, 0.3, self.training, inplace=True)
+        else:
+            h = torch.dropout(h, 0.3, self.training)
+        return self.head(h).mean(1)
+
+
+def _transposed_dropout_job(kind: str) -> Job:
+    torch.manual_seed(0)
+    if kind == "transformer":
+        model: nn.Module = nn.Sequential(
+            nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True),
+            nn.Flatten(),
+            nn.Linear(16 * 6, 4),
+        )
+    else:
+        model = _TransposedDropout(kind)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, 16, generator=g), torch.randint(0, 4, (8,), generator=g))]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return Job(model=model, loss_fn=F.cross_entropy, optimizer=opt, batches=data * 3)
+
+
+@pytest.mark.parametrize("kind", ["transformer", "alpha", "inplace", "torch.dropout"])
+def test_dropout_on_a_transposed_activation_draws_local_torchs_masks(kind: str) -> None:
+    # A trace draws dropout's noise out of place into a contiguous tensor; eager draws it
+    # into one laid out like the input, which on most CPUs puts the mask elsewhere.
+    want = train_locally(_transposed_dropout_job(kind), 3)
+    got = [r.loss for r in Trainer(_transposed_dropout_job(kind), None).run(3)]
+    assert got == want
+
+
 class KeptHereOffload:
     """Every GEMM multiplied at once on the training thread, as the planner's own share
     of a GEMM is (timed as the ``kept_tiles`` stage)."""
