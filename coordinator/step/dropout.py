@@ -1,8 +1,9 @@
 """Dropout in a traced step draws the masks that eager torch draws.
 
 Eager CPU dropout fills a tensor laid out like its input (``empty_like``) with an
-in-place ``bernoulli_``. A trace is functionalised, which turns that into the
-out-of-place ``bernoulli``, whose result is contiguous. Where torch's CPU kernel fills
+in-place ``bernoulli_``. A trace is functionalised, which turns that (and a job's own
+``torch.empty_like(x).bernoulli_(p)``) into the out-of-place ``bernoulli``, whose result
+is contiguous. Where torch's CPU kernel fills
 a tensor in memory order (everywhere but on Intel CPUs, where it takes MKL's Bernoulli
 stream in logical order), the mask of a transposed input then lands on other elements
 than eager's: still a dropout, but not local torch's, so the losses part from
@@ -10,10 +11,12 @@ than eager's: still a dropout, but not local torch's, so the losses part from
 transposed output to the dropout after it in every ``nn.TransformerEncoderLayer``.
 
 While a step is traced, ``EagerDropout`` replaces dropout and alpha dropout by eager's
-own arithmetic around ``cleave::dropout_noise``: one graph node that draws the noise
-in place into a tensor laid out like the input, as eager does. Feature dropout
-(``Dropout1d/2d/3d``) draws into a fresh contiguous tensor in eager too, so it is left
-as it is.
+own arithmetic around ``cleave::bernoulli_like``: one graph node that draws the noise
+in place into a tensor laid out like the input, as eager does; ``Tensor.bernoulli_``
+with a number becomes a copy of that node's draw. Feature dropout (``Dropout1d/2d/3d``)
+draws into a fresh contiguous tensor in eager too, and every other random op measured
+(``rand_like``, ``randn_like``, ``bernoulli`` of a tensor, ``uniform_``, ``normal_``,
+``rrelu``) draws the same values traced, so they are left as they are.
 """
 
 from __future__ import annotations
@@ -31,22 +34,22 @@ _ALPHA = 1.7580993408473766
 
 
 @torch.library.custom_op(
-    "cleave::dropout_noise", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+    "cleave::bernoulli_like", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
 )
-def dropout_noise(like: torch.Tensor, keep: float) -> torch.Tensor:
-    """Bernoulli(``keep``) noise laid out like ``like``, drawn as eager dropout draws it."""
-    return torch.empty_like(like).bernoulli_(keep)
+def bernoulli_like(like: torch.Tensor, p: float) -> torch.Tensor:
+    """Bernoulli(``p``) noise laid out like ``like``, drawn as eager dropout draws it."""
+    return torch.empty_like(like).bernoulli_(p)
 
 
-@dropout_noise.register_fake
-def _dropout_noise_shape(like: torch.Tensor, keep: float) -> torch.Tensor:
+@bernoulli_like.register_fake
+def _bernoulli_like_shape(like: torch.Tensor, p: float) -> torch.Tensor:
     return torch.empty_like(like)
 
 
 def _dropout(x: torch.Tensor, p: float, inplace: bool, alpha: bool) -> torch.Tensor:
     """Eager's ``_dropout_impl`` for a training step with ``0 < p < 1``, op for op."""
     # The noise takes no gradient: the input's flows through the product below.
-    noise = dropout_noise(x.detach(), 1 - p)
+    noise = bernoulli_like(x.detach(), 1 - p)
     if not alpha:
         noise.div_(1 - p)
         return x.mul_(noise) if inplace else x * noise
@@ -75,7 +78,7 @@ _FUNCTIONS: dict[Callable[..., Any], _Spec] = {
 
 
 class EagerDropout(TorchFunctionMode):
-    """Within it, dropout draws its noise through ``cleave::dropout_noise``."""
+    """Within it, dropout and ``bernoulli_`` draw through ``cleave::bernoulli_like``."""
 
     def __torch_function__(
         self,
@@ -85,6 +88,10 @@ class EagerDropout(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.bernoulli_ and len(args) == 2 and not kwargs:
+            x, p = args
+            if isinstance(p, (int, float)) and 0 <= p <= 1:
+                return x.copy_(bernoulli_like(x.detach(), float(p)))
         spec = _FUNCTIONS.get(func)
         if spec is not None:
             names, defaults, alpha, always_inplace = spec

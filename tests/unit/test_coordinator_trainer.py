@@ -198,6 +198,8 @@ class _TransposedDropout(nn.Module):
         h = self.linear(x.transpose(0, 1)).transpose(0, 1)  # (batch, seq, 16), seq-major
         if self.kind == "alpha":
             h = F.alpha_dropout(h, 0.3, self.training)
+        elif self.kind == "bernoulli_":  # a dropout of the job's own
+            h = h * torch.empty_like(h).bernoulli_(0.7) / 0.7
         elif self.kind == "inplace":
             h = F.dropout(h + 1, 0.3, self.training, inplace=True)
         else:
@@ -221,7 +223,7 @@ def _transposed_dropout_job(kind: str) -> Job:
     return Job(model=model, loss_fn=F.cross_entropy, optimizer=opt, batches=data * 3)
 
 
-@pytest.mark.parametrize("kind", ["transformer", "alpha", "inplace", "torch.dropout"])
+@pytest.mark.parametrize("kind", ["transformer", "alpha", "inplace", "torch.dropout", "bernoulli_"])
 def test_dropout_on_a_transposed_activation_draws_local_torchs_masks(kind: str) -> None:
     # A trace draws dropout's noise out of place into a contiguous tensor; eager draws it
     # into one laid out like the input, which on most CPUs puts the mask elsewhere.
