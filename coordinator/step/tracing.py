@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
@@ -115,11 +116,30 @@ def _user_frame(exc: BaseException) -> str:
     return where
 
 
+def _in_checkpoint(exc: BaseException) -> bool:
+    """Whether the traceback passes through ``torch.utils.checkpoint``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename).parts[-3:] == ("torch", "utils", "checkpoint.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def capture_reason(exc: BaseException) -> str:
     """Why make_fx stopped, in words an author of a model can act on."""
     where = _user_frame(exc)
     at = f" (at {where})" if where else ""
     text = str(exc)
+    if _in_checkpoint(exc):
+        # torch.func refuses checkpointing's saved-tensor hooks (and the reentrant kind's
+        # autograd.Function), and its own words point at neither.
+        return (
+            f"the model uses activation checkpointing{at} (torch.utils.checkpoint, or a "
+            "library's gradient_checkpointing_enable()), which torch.func cannot trace. To "
+            "capture the whole step, turn it off: here it only saves the coordinator "
+            "memory, by computing the forward twice (its GEMMs go to workers twice)"
+        )
     if "_local_scalar_dense" in text or "data-dependent" in text or "data dependent" in text:
         return (
             f"the model or loss reads a tensor's value in Python{at}: .item(), .tolist(), "

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support.real_models import (
     make_cnn_job,
     make_convnext_job,
@@ -21,6 +22,7 @@ from support.real_models import (
     make_sdpa_job,
 )
 from support.recording_offload import BF16_REL, RecordingOffload
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from coordinator.jobs.tiny_gpt import make_bf16_job
@@ -142,6 +144,45 @@ def test_a_shape_taken_from_data_is_named_and_the_step_runs_eagerly() -> None:
         trace_step(job, x, y)
     reason = caught.value.reason
     assert "torch.where(cond)" in reason and "real_models.py:" in reason, reason
+
+
+class _Checkpointed(torch.nn.Module):
+    """Blocks under activation checkpointing, as a library's
+    ``gradient_checkpointing_enable()`` wraps them."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = torch.nn.Linear(32, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)  # reentrant checkpointing needs an input that takes gradients
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant).relu()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_is_named_and_the_step_runs_eagerly(reentrant: bool) -> None:
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _Checkpointed(reentrant)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g))]
+        return Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), data * 3)
+
+    job = make()
+    x, y = job.next_batch()
+    with pytest.raises(CaptureError) as caught:
+        trace_step(job, x, y)
+    reason = caught.value.reason
+    assert "activation checkpointing" in reason and "test_real_models.py:" in reason, reason
+    assert "turn it off" in reason, reason
+    trainer, _, losses = _distributed(make, 3)
+    _assert_close(losses, train_locally(make(), 3), 1e-6)
+    assert trainer.flops["workers_share"] == 1.0
 
 
 def test_depthwise_convolutions_stay_here_and_say_why() -> None:
