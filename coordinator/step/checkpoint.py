@@ -1,4 +1,5 @@
-"""Checkpoints of a training run: model, optimizer, step, data position and RNG.
+"""Checkpoints of a training run: model, optimizer, learning-rate schedule, step, data
+position and RNG.
 
 A checkpoint replaces the previous one atomically (``common.atomic_file``): a crash at
 any moment leaves either the previous checkpoint or the new one, never a torn file. Each
@@ -25,6 +26,7 @@ class Checkpoint:
     model: dict[str, Any]
     optimizer: dict[str, Any]
     rng_state: torch.Tensor  # torch's global CPU RNG, so dropout streams continue
+    scheduler: dict[str, Any] | None = None  # the job's lr_scheduler, if it has one
 
 
 def save_checkpoint(
@@ -50,6 +52,7 @@ def write_checkpoint(path: Path, ckpt: Checkpoint) -> None:
         "model": ckpt.model,
         "optimizer": ckpt.optimizer,
         "rng_state": ckpt.rng_state,
+        "scheduler": ckpt.scheduler,
     }
     with _without_crc32():
         write_recycling(path, lambda fh: torch.save(payload, fh))
@@ -81,4 +84,5 @@ def load_checkpoint(path: Path) -> Checkpoint | None:
         model=data["model"],
         optimizer=data["optimizer"],
         rng_state=data["rng_state"],
+        scheduler=data.get("scheduler"),  # absent from checkpoints of older versions
     )

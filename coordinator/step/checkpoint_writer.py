@@ -15,6 +15,7 @@ is lost is at most the steps after it plus the step in flight.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable
@@ -35,15 +36,20 @@ def take_snapshot(
     step: int,
     batches_consumed: int,
     rng_state: torch.Tensor,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> Checkpoint:
-    """The model's and optimizer's state as of now, valid until the next optimizer step:
-    parameters and optimizer state by reference, buffers copied."""
+    """The model's, optimizer's and schedule's state as of now, valid until the next
+    optimizer step: parameters and optimizer state by reference, buffers and the
+    schedule's few numbers copied."""
     buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
     state = {
         name: value.clone() if name in buffers else value
         for name, value in model.state_dict().items()
     }
-    return Checkpoint(step, batches_consumed, state, optimizer.state_dict(), rng_state.clone())
+    scheduler = None if lr_scheduler is None else copy.deepcopy(lr_scheduler.state_dict())
+    return Checkpoint(
+        step, batches_consumed, state, optimizer.state_dict(), rng_state.clone(), scheduler
+    )
 
 
 class CheckpointWriter:

@@ -1,14 +1,16 @@
 """What a user hands to Cleave: a model, a loss, an optimizer and batches.
 
-One training step is ``loss = loss_fn(model(inputs), targets)``, backward, then
-``optimizer.step()``. ``train_locally`` runs exactly that with plain torch: it is the
-reference that distributed runs are compared against, and a way for users to check a
-job before they serve it.
+One training step is ``loss = loss_fn(model(inputs), targets)``, backward, then the
+update (``Job.update``): gradients clipped if the job asks, ``optimizer.step()``, and
+the learning-rate schedule's step. ``train_locally`` runs exactly that with plain
+torch: it is the reference that distributed runs are compared against, and a way for
+users to check a job before they serve it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,12 @@ class Job:
     description: str = ""
     operator: str = ""
     link: str = ""
+    # Stepped once after every optimizer step, as a training loop that schedules per
+    # step does: its periods (warm-up, step_size, T_max) count steps, not epochs.
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    # Before every optimizer step the gradients are scaled to at most this total 2-norm
+    # (torch.nn.utils.clip_grad_norm_ over the model's parameters).
+    clip_grad_norm: float | None = None
     _iterator: Iterator[Batch] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +60,31 @@ class Job:
                     raise ValueError(
                         "Job.optimizer holds a tensor that is not a parameter of Job.model"
                     )
+        self._check_update()
+
+    def _check_update(self) -> None:
+        scheduler, clip = self.lr_scheduler, self.clip_grad_norm
+        if scheduler is not None:
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                raise ValueError(
+                    "Job.lr_scheduler cannot be ReduceLROnPlateau: it steps on a metric, "
+                    "and a job's schedule steps once per training step without one. Use "
+                    "a schedule of the step count (LambdaLR, CosineAnnealingLR, ...)"
+                )
+            if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+                raise TypeError(
+                    "Job.lr_scheduler must be a torch.optim.lr_scheduler.LRScheduler, "
+                    f"not {type(scheduler).__name__}"
+                )
+            if scheduler.optimizer is not self.optimizer:
+                raise ValueError(
+                    "Job.lr_scheduler schedules another optimizer than Job.optimizer: "
+                    "build it on the job's optimizer"
+                )
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf
+        ):
+            raise ValueError(f"Job.clip_grad_norm must be a positive number or None, not {clip!r}")
 
     def loss_of(self, outputs: Any, targets: Any) -> torch.Tensor:
         """``loss_fn(outputs, targets)``, refused with what to change unless it is one
@@ -69,6 +102,15 @@ class Job:
                 f"{list(loss.shape)}: reduce it over the batch (.mean() or .sum())"
             )
         return loss
+
+    def update(self) -> None:
+        """The step's update once its gradients are in ``.grad``: clip them if the job
+        asks, step the optimizer, then the schedule, in the order a training loop does."""
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     def autocast_context(self) -> contextlib.AbstractContextManager[Any]:
         """The context the forward and the loss run in: autocast, or nothing."""
@@ -93,6 +135,6 @@ def train_locally(job: Job, steps: int) -> list[float]:
         with job.autocast_context():
             loss = job.loss_of(job.model(inputs), targets)
         loss.backward()
-        job.optimizer.step()
+        job.update()
         losses.append(float(loss.detach()))
     return losses

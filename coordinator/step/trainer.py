@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from common.atomic_file import recover_recycling
-from coordinator.step.checkpoint import load_checkpoint
+from coordinator.step.checkpoint import Checkpoint, load_checkpoint
 from coordinator.step.checkpoint_writer import CheckpointWriter, take_snapshot
 from coordinator.step.cpu_costs import COMPUTING_STAGES, COSTS, process_cpu_seconds, since
 from coordinator.step.eager import run_eager_step
@@ -148,6 +148,7 @@ class Trainer:
             return False
         self.job.model.load_state_dict(ckpt.model)
         self.job.optimizer.load_state_dict(ckpt.optimizer)
+        self._resume_schedule(ckpt)
         for _ in range(ckpt.batches_consumed):  # fast-forward the data to where it was
             self.job.next_batch()
         self.batches_consumed = ckpt.batches_consumed
@@ -156,6 +157,24 @@ class Trainer:
         self.on_checkpoint(ckpt.step)
         log.info("resuming from step %d (checkpoint %s)", ckpt.step, self.checkpoint_path)
         return True
+
+    def _resume_schedule(self, ckpt: Checkpoint) -> None:
+        """The learning-rate schedule where the checkpoint left it. The optimizer's
+        state already holds the learning rate of that step."""
+        scheduler = self.job.lr_scheduler
+        if scheduler is not None and ckpt.scheduler is not None:
+            scheduler.load_state_dict(ckpt.scheduler)
+        elif scheduler is not None:
+            log.warning(
+                "the checkpoint holds no learning-rate schedule (it was written by a job "
+                "without one): the job's lr_scheduler starts from its beginning at step %d",
+                ckpt.step,
+            )
+        elif ckpt.scheduler is not None:
+            log.warning(
+                "the checkpoint was written by a job with an lr_scheduler and this job has "
+                "none: the learning rate stays at the checkpoint's"
+            )
 
     @property
     def checkpointed_step(self) -> int | None:
@@ -191,6 +210,7 @@ class Trainer:
                 step=self.step,
                 batches_consumed=batches_consumed,
                 rng_state=rng_state,
+                lr_scheduler=self.job.lr_scheduler,
             )
         )
         self._checkpointed_step = self.step
@@ -276,7 +296,7 @@ class Trainer:
             waited = time.perf_counter()
             self._writer.wait()  # the snapshot in flight holds the parameters by reference
             checkpoint_s = time.perf_counter() - waited
-        self.job.optimizer.step()
+        self.job.update()
         self.job.optimizer.zero_grad(set_to_none=True)
         release_free_memory()  # the step's tensors are gone: coordinator.step.heap says why
         if self.ranks is not None:

@@ -33,7 +33,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _mlp_job() -> Job:
+def _mlp_job(schedule: bool = False) -> Job:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
     g = torch.Generator().manual_seed(1)
@@ -41,7 +41,13 @@ def _mlp_job() -> Job:
         (torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(6)
     ]
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return Job(model=model, loss_fn=F.cross_entropy, optimizer=opt, batches=data, name="mlp")
+    job = Job(model=model, loss_fn=F.cross_entropy, optimizer=opt, batches=data, name="mlp")
+    if schedule:  # a warm-up then a cosine decay, as language models train
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3)
+        job.lr_scheduler = torch.optim.lr_scheduler.SequentialLR(opt, [warmup, cosine], [3])
+        job.clip_grad_norm = 0.5
+    return job
 
 
 @pytest.mark.timeout(60)
@@ -113,6 +119,25 @@ def test_a_resumed_trainer_continues_like_an_uninterrupted_run(tmp_path: Path) -
     assert_losses_match(got, want, rel=1e-6)
     ckpt = load_checkpoint(path)
     assert ckpt is not None and ckpt.step == 5  # the clean end is checkpointed too
+
+
+@pytest.mark.timeout(60)
+def test_a_learning_rate_schedule_and_clipping_resume_where_they_were(tmp_path: Path) -> None:
+    local = _mlp_job(schedule=True)
+    want = train_locally(local, 6)
+    # The schedule and the clipping change the trajectory: they are not ignored.
+    gaps = [abs(a - b) for a, b in zip(want, train_locally(_mlp_job(), 6), strict=True)]
+    assert max(gaps) > 1e-3, gaps
+    path = tmp_path / "checkpoint.pt"
+    first = Trainer(_mlp_job(schedule=True), None, checkpoint_path=path)
+    first.run(3)
+    torch.manual_seed(123)  # a new process starts with some other RNG state
+    second = Trainer(_mlp_job(schedule=True), None, checkpoint_path=path)
+    assert second.resume() and second.step == 3
+    records = second.run(3)
+    assert_losses_match(first.losses + [r.loss for r in records], want, rel=1e-6)
+    lr = second.job.optimizer.param_groups[0]["lr"]
+    assert lr == local.optimizer.param_groups[0]["lr"] and lr < 0.01
 
 
 @pytest.mark.timeout(60)

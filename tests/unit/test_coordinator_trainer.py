@@ -10,6 +10,7 @@ import json
 import queue
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -271,3 +272,32 @@ def test_a_loss_that_is_not_one_number_says_what_to_change(
         with pytest.raises(error, match="Job.loss_fn must return") as raised:
             run(job)
         assert says in str(raised.value)
+
+
+def _with_update(batches: int = 1, **fields: Any) -> Job:
+    job = _mlp_job(batches=batches)
+    return Job(job.model, job.loss_fn, job.optimizer, job.batches, **fields)
+
+
+def test_a_schedule_or_clipping_the_step_cannot_take_is_refused_with_the_reason() -> None:
+    job = _mlp_job(batches=1)
+    other = torch.optim.SGD(job.model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="another optimizer"):
+        _with_update(lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 10))
+    with pytest.raises(ValueError, match="ReduceLROnPlateau"):
+        _with_update(lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(job.optimizer))
+    with pytest.raises(TypeError, match="LRScheduler"):
+        _with_update(lr_scheduler=lambda step: 0.1)
+    for clip in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="clip_grad_norm"):
+            _with_update(clip_grad_norm=clip)
+
+
+def test_clipping_scales_the_gradients_the_trainer_computed() -> None:
+    # The traced step's gradients, computed through an offload, are clipped as local
+    # torch's are; and the clipping changes the trajectory, so it is not skipped.
+    want = train_locally(_with_update(3, clip_grad_norm=0.01), 3)
+    unclipped = train_locally(_with_update(3), 3)
+    assert abs(want[2] - unclipped[2]) > 1e-4, (want, unclipped)
+    trainer = Trainer(_with_update(3, clip_grad_norm=0.01), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
