@@ -35,7 +35,7 @@ from coordinator.serve.rank_view import RankView
 from coordinator.serve.server import WS_PATH, CoordinatorServer
 from coordinator.serve_options import ServeOptions
 from coordinator.step.flops import describe
-from coordinator.step.job import Job
+from coordinator.step.job import Job, JobError
 from coordinator.step.progress import Progress
 from coordinator.step.ranks import BatchSplitError, Ranks
 from coordinator.step.run_state import RunState
@@ -160,6 +160,8 @@ class CoordinatorRun:
             await self._training
         except (RunAborted, BatchSplitError) as exc:
             failed = str(exc)
+        except JobError as exc:  # the job's own mistake: its message says what to change
+            failed = f"training failed: {exc}"
         except (asyncio.CancelledError, Exception) as exc:
             if self.stop_signal is None:
                 log.exception("training failed")

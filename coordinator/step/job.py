@@ -18,6 +18,21 @@ from typing import Any
 import torch
 
 Batch = tuple[Any, Any]
+
+
+class JobError(Exception):
+    """A mistake in the job that no way of running its step gets past: reported as it
+    is, not as a step that cannot be captured and is run eagerly instead."""
+
+
+class LossNotATensor(JobError, TypeError):
+    pass
+
+
+class LossNotOneNumber(JobError, ValueError):
+    pass
+
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
@@ -92,12 +107,19 @@ class Job:
         which of the job's parts gave it something else."""
         loss = self.loss_fn(outputs, targets)
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"Job.loss_fn must return a tensor, not {type(loss).__name__}: return the "
+            # A trace sees .item()'s number as a SymFloat: name what the author wrote.
+            numeric = (bool, int, float, torch.SymBool, torch.SymInt, torch.SymFloat)
+            what = (
+                "a Python number (.item() or float() made one)"
+                if isinstance(loss, numeric)
+                else type(loss).__name__
+            )
+            raise LossNotATensor(
+                f"Job.loss_fn must return a tensor, not {what}: return the "
                 "loss itself (for example F.cross_entropy(outputs, targets))"
             )
         if loss.numel() != 1:
-            raise ValueError(
+            raise LossNotOneNumber(
                 f"Job.loss_fn must return one number, not a tensor of shape "
                 f"{list(loss.shape)}: reduce it over the batch (.mean() or .sum())"
             )

@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from common.unfold import Unfold
 from coordinator.step.dropout import EagerDropout
 from coordinator.step.flops import node_flops, node_label, op_name
-from coordinator.step.job import Job
+from coordinator.step.job import Job, JobError
 from coordinator.step.lowering import LOWERINGS, unfold_spec
 
 log = logging.getLogger("cleave.coordinator")
@@ -244,9 +244,13 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # steps are traced on real data, as they run.
         try:
             gm = traced("fake")
+        except JobError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the real trace says what is wrong
             log.debug("tracing on fake tensors failed (%s): tracing on real data", exc)
             gm = traced("real")
+    except JobError:
+        raise
     except Exception as exc:
         raise CaptureError(capture_reason(exc), exc) from exc
     finally:

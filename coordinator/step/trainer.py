@@ -241,7 +241,11 @@ class Trainer:
                     raise StepCancelled("cancelled between steps")
                 record = self.train_step()
             except StopIteration:
-                log.info("the job's batches ran out after %d steps", self.step)
+                log.info(
+                    "the job's batches ran out after %d step%s",
+                    self.step,
+                    "" if self.step == 1 else "s",
+                )
                 break
             except StepCancelled:
                 log.info("stopping at step %d: checkpointing the steps completed", self.step)

@@ -143,3 +143,31 @@ def test_json_logs_carry_the_step_records(tmp_path: Path) -> None:
     assert all(isinstance(r["loss"], float) and r["tiles"] > 0 for r in steps), steps
     assert steps[0]["message"].startswith("step    0  loss")
     assert any(r["logger"] == "cleave.coordinator" for r in records)  # diagnostics too
+
+
+def make_unreduced_loss_job() -> Job:
+    """The common mistake: a per-example loss left unreduced."""
+    job = _dropout_job()
+    job.loss_fn = lambda out, y: F.cross_entropy(out, y, reduction="none")
+    return job
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_mistake_in_the_job_stops_the_run_with_what_to_change(tmp_path: Path) -> None:
+    coord = Coordinator(
+        tmp_path,
+        *("--job", "e2e.test_e2e_shutdown:make_unreduced_loss_job"),
+        *("--steps", "3", "--local-workers", "1", "--fresh"),
+    )
+    try:
+        assert coord.wait(100) == 1, coord.output()
+    finally:
+        coord.kill()
+    out = coord.output()
+    assert (
+        "error: training failed: Job.loss_fn must return one number, not a tensor of shape [8]"
+        in out
+    ), out
+    # Said once, as what to change: no capture warning first, no stack trace.
+    assert "cannot be captured" not in out and "Traceback" not in out, out

@@ -257,21 +257,23 @@ def test_the_tiles_the_coordinator_multiplies_itself_are_not_orchestration() -> 
     "loss_fn, error, says",
     [
         (lambda out, y: F.cross_entropy(out, y, reduction="none"), ValueError, "shape [8]"),
-        (lambda out, y: F.cross_entropy(out, y).item(), TypeError, "not float"),
+        (lambda out, y: F.cross_entropy(out, y).item(), TypeError, "not a Python number"),
     ],
 )
 def test_a_loss_that_is_not_one_number_says_what_to_change(
-    loss_fn: object, error: type[Exception], says: str
+    loss_fn: object, error: type[Exception], says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Forgetting the batch reduction is the common mistake: local training and both of
-    the trainer's paths (the traced step falls back to the eager one, which refuses it
-    too) name the loss function and the fix, not torch's words about implicit grads."""
+    """Forgetting the batch reduction is the common mistake: local training and the
+    trainer name the loss function and the fix, not torch's words about implicit grads,
+    and the trainer says it once: not first that the step cannot be captured and will
+    run eagerly, where the same mistake stops it."""
     for run in (lambda job: train_locally(job, 1), lambda job: Trainer(job, None).run(1)):
         job = _mlp_job(batches=1)
         job.loss_fn = loss_fn  # type: ignore[assignment]
         with pytest.raises(error, match="Job.loss_fn must return") as raised:
             run(job)
         assert says in str(raised.value)
+    assert "cannot be captured" not in caplog.text
 
 
 def _with_update(batches: int = 1, **fields: Any) -> Job:
