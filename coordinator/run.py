@@ -34,6 +34,7 @@ from coordinator.serve.offload import TileOffload
 from coordinator.serve.rank_view import RankView
 from coordinator.serve.server import WS_PATH, CoordinatorServer
 from coordinator.serve_options import ServeOptions
+from coordinator.step.executor import StepCancelled
 from coordinator.step.flops import describe
 from coordinator.step.job import Job, JobError
 from coordinator.step.progress import Progress
@@ -49,6 +50,10 @@ progress_log = logging.getLogger(PROGRESS_LOGGER)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+# How often training looks whether its local workers are all gone.
+LOCAL_WORKERS_WATCH_S = 1.0
 
 
 class RunAborted(Exception):
@@ -74,6 +79,7 @@ class CoordinatorRun:
         self.cancel = threading.Event()
         self.stop_signal: signal.Signals | None = None
         self.in_trainer = False  # the training thread runs: it must finish before we stop
+        self.aborted: str | None = None  # why the run stopped itself mid-training, if it did
         state = options.state_dir
         state.mkdir(parents=True, exist_ok=True)
         self.key = self._job_key(state)
@@ -336,8 +342,32 @@ class CoordinatorRun:
             orchestrate_on_one_thread()  # coordinator.step.torch_threads says why
             trainer.run(steps, on_step)
 
-        await asyncio.to_thread(train)
+        watch = asyncio.ensure_future(self._watch_local_workers(local))
+        try:
+            await asyncio.to_thread(train)
+        except StepCancelled:
+            if self.aborted is not None:  # the step in flight was abandoned, as on a signal
+                raise RunAborted(self.aborted) from None
+            raise
+        finally:
+            watch.cancel()
         self.progress.state = RunState.DONE
+
+    async def _watch_local_workers(self, local: LocalWorkers) -> None:
+        """Stop the run once every local worker has exited (banned, or crashed) while no
+        other worker is connected: the step's tiles would wait for workers forever, and a
+        banned key cannot come back. The last completed step is checkpointed first."""
+        if not local.count:
+            return
+        while not (local.all_exited() and self.server.pool.active == 0):
+            await asyncio.sleep(LOCAL_WORKERS_WATCH_S)
+        self.aborted = (
+            f"all {local.count} local workers exited during training and no other worker is "
+            f"connected, so the step's tiles would wait forever; their logs are in {local.dir} "
+            "(a banned worker's reason is in the log above)"
+        )
+        log.error("%s: stopping", self.aborted)
+        self.cancel.set()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stop_signal is not None:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,3 +172,25 @@ def test_a_mistake_in_the_job_stops_the_run_with_what_to_change(tmp_path: Path) 
     ), out
     # Said once, as what to change: no capture warning first, no stack trace.
     assert "cannot be captured" not in out and "Traceback" not in out, out
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_a_run_whose_local_workers_all_exit_stops_with_its_last_step_checkpointed(
+    tmp_path: Path,
+) -> None:
+    # Banned or crashed, local workers do not come back; with no other worker connected
+    # the step's tiles would wait forever.
+    coord = Coordinator(tmp_path, "--steps", "500", "--local-workers", "2", "--fresh")
+    try:
+        wait_until(lambda: len(_printed_steps(coord.output())) >= 2, 150, "two steps")
+        for worker in psutil.Process(coord.proc.pid).children():
+            worker.kill()
+        code = coord.wait(60)
+    finally:
+        coord.kill()
+    out = coord.output()
+    assert code == 1, out
+    assert "error: all 2 local workers exited during training" in out, out
+    ckpt = load_checkpoint(coord.state / "checkpoint.pt")
+    assert ckpt is not None and ckpt.step == len(_printed_steps(out)), out
