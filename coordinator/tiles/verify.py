@@ -118,12 +118,74 @@ def check_product(
     # Something was not finite. Only a step that has already blown up (inf/NaN
     # operands) has honest non-finite products; such a tile cannot be checked, and it
     # does not matter. Finite operands whose sums leave fp32's range are checked again
-    # in float64.
+    # in float64, and so are results with entries an honest kernel rounds past their
+    # dtype's range (a model blowing up in fp16): those entries are made exact first.
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return CheckResult(True, 0.0)
-    if work != torch.float64:
-        verdict = _check(a, b, c, torch.float64, generator, None, None, None, False)
+    if not bool(torch.isfinite(c).all()):
+        exact = _overflows_made_exact(a, b, c, generator)
+        if exact is None:
+            return CheckResult(False, math.inf, reason=CheckReason.NON_FINITE)
+        c = exact
+    elif work == torch.float64:
+        return CheckResult(False, math.inf, reason=CheckReason.NON_FINITE)
+    verdict = _check(a, b, c, torch.float64, generator, None, None, None, False)
     return verdict or CheckResult(False, math.inf, reason=CheckReason.NON_FINITE)
+
+
+# Non-finite entries of a result looked at first, one by one, before the whole
+# product is made in float64.
+OVERFLOW_SAMPLE = 16
+
+
+def _overflows_made_exact(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor | None:
+    """``c`` in float64 with its non-finite entries replaced by their exact values, if
+    an honest kernel could have returned each of them (``_honest_non_finite``); None if
+    one could not. A few of them, drawn at random, are asked first, one row's work each,
+    so that infinities where no honest sum overflows are refused without a product in
+    float64."""
+    bad = ~torch.isfinite(c)
+    where = bad.nonzero()
+    drawn = where[torch.randperm(len(where), generator=generator)[:OVERFLOW_SAMPLE]]
+    if c.dim() == 2:
+        rows, cols = drawn.unbind(1)
+        a_rows, b_cols = a[rows].double(), b[:, cols].mT.double()
+    else:
+        tiles, rows, cols = drawn.unbind(1)
+        a_rows, b_cols = a[tiles, rows].double(), b[tiles, :, cols].double()
+    terms = a_rows * b_cols  # [drawn, k]
+    found = c[tuple(drawn.unbind(1))]
+    k = a.shape[-1]
+    if not bool(_honest_non_finite(found, terms.sum(-1), terms.abs().sum(-1), k).all()):
+        return None
+    a64, b64 = a.double(), b.double()
+    exact = torch.matmul(a64, b64)
+    budget = torch.matmul(a64.abs(), b64.abs())
+    if not bool(_honest_non_finite(c[bad], exact[bad], budget[bad], k).all()):
+        return None
+    return torch.where(bad, exact, c.double())
+
+
+def _honest_non_finite(
+    found: torch.Tensor, exact: torch.Tensor, budget: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Per non-finite entry ``found`` of a result of ``found``'s dtype, with the exact
+    value of its sum and the sum of its terms' magnitudes: could an honest kernel have
+    returned it?
+
+    An honest kernel's sum is the exact one give or take what its accumulation rounds
+    (at most ``k`` unit roundoffs of the magnitudes summed). It rounds to +inf only if
+    that can reach the dtype's largest value, to -inf likewise below, and to anything
+    (NaN included: inf - inf) only where the accumulator itself could overflow."""
+    acc = accumulation_dtype(found.dtype)
+    slack = budget * (1.01 * k * UNIT_ROUNDOFF[acc] + UNIT_ROUNDOFF[torch.float64])
+    top = torch.finfo(found.dtype).max
+    wild = budget + slack >= torch.finfo(acc).max
+    up = (found == math.inf) & (exact + slack >= top)
+    down = (found == -math.inf) & (exact - slack <= -top)
+    return wild | up | down
 
 
 def _without_arithmetic(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> CheckResult | None:

@@ -365,6 +365,46 @@ def test_magnitudes_beyond_fp32_norms_are_checked_in_float64() -> None:
     assert not freivalds_ok(a, b, c * 1e17, gen(1))
 
 
+# (a row scale, b's scale) that takes the first rows of a product past its dtype's
+# range, as a model blowing up does, while the other rows stay small.
+OVERFLOWING = {
+    torch.float16: (250.0, 25.0),
+    torch.bfloat16: (1e19, 3e18),
+    torch.float32: (1e19, 3e18),
+}
+
+
+@pytest.mark.parametrize("dtype", list(OVERFLOWING))
+def test_an_honest_product_past_its_dtypes_range_passes_and_cheats_in_it_fail(
+    dtype: torch.dtype,
+) -> None:
+    """An honest kernel rounds a sum past the largest finite value to inf: a job whose
+    activations outgrow fp16 must not get its volunteers banned. Each infinity must be
+    one an honest sum can round to, and the finite rest is checked as ever."""
+    row_scale, b_scale = OVERFLOWING[dtype]
+    for batch, m, k, n in ((None, 24, 128, 20), (2, 12, 64, 10)):
+        a, b = operands(batch, m, k, n, dtype, 1.0, 5)
+        a[..., :4, :] *= row_scale
+        b *= b_scale
+        c = honest(a, b)
+        past = ~torch.isfinite(c)
+        assert past.any() and past[..., 4:, :].sum() == 0 and torch.isfinite(a).all()
+        assert freivalds_ok(a, b, c, gen(1)), (dtype, batch)
+        off = c.clone()
+        off[..., 4:, :] = with_one_element_changed(a[..., 4:, :], b, c[..., 4:, :], 0.01, 3)
+        cheats = {"one small entry off by 1% of its row": off}
+        cheats["inf where the sum is small"] = c.clone()
+        cheats["inf where the sum is small"][(0,) * (c.dim() - 2) + (5, 2)] = math.inf
+        cheats["infinities everywhere"] = torch.full_like(c, math.inf)
+        if dtype == torch.float16:  # the accumulation cannot overflow: sign and NaN tell
+            cheats["an overflow's sign flipped"] = torch.where(past, -c, c)
+            cheats["NaN for an overflow"] = torch.where(past, math.nan, c)
+        for what, bad in cheats.items():
+            assert not freivalds_ok(a, b, bad, gen(1)), (dtype, batch, what)
+        verdicts = check_products([(a, b, c), (a, b, cheats["inf where the sum is small"])], gen(2))
+        assert [v.ok for v in verdicts] == [True, False]
+
+
 # Powers of two, so that scaling an honest product scales its rounding exactly: the
 # squares of entries below about 1e-19 are subnormal in fp32, below 3e-23 zero. Not
 # bf16 at 2**-120: its kernels may flush subnormals, and a result's allowance for that
