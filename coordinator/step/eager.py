@@ -145,6 +145,6 @@ def run_eager_step(
     job.model.train()
     with mode:
         with job.autocast_context():
-            loss = job.loss_of(job.model(inputs), targets)
+            loss = job.loss_of(job.forward(inputs), targets)
         loss.backward()
     return loss.detach(), mode.stats

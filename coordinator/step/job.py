@@ -1,6 +1,8 @@
 """What a user hands to Cleave: a model, a loss, an optimizer and batches.
 
-One training step is ``loss = loss_fn(model(inputs), targets)``, backward, then the
+One training step is ``loss = loss_fn(model(inputs), targets)`` (``model(**inputs)`` for
+a dict of the forward's keyword arguments, as Hugging Face models take a batch), backward,
+then the
 update (``Job.update``): gradients clipped if the job asks, ``optimizer.step()``, and
 the learning-rate schedule's step. ``train_locally`` runs exactly that with plain
 torch: it is the reference that distributed runs are compared against, and a way for
@@ -10,8 +12,9 @@ users to check a job before they serve it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +128,20 @@ class Job:
             )
         return loss
 
+    def model_arguments(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """How the model is called on a batch's ``inputs``, as (args, kwargs): a dict
+        whose keys the model's forward takes goes in as keyword arguments, as Hugging
+        Face models take a batch (``model(**batch)``); anything else, a dict for a
+        forward that takes one included, as the one argument."""
+        if isinstance(inputs, Mapping) and _takes_keywords(self.model, inputs):
+            return (), dict(inputs)
+        return (inputs,), {}
+
+    def forward(self, inputs: Any) -> Any:
+        """The model on a batch's ``inputs`` (``model_arguments`` says how)."""
+        args, kwargs = self.model_arguments(inputs)
+        return self.model(*args, **kwargs)
+
     def update(self) -> None:
         """The step's update once its gradients are in ``.grad``: clip them if the job
         asks, step the optimizer, then the schedule, in the order a training loop does."""
@@ -147,6 +164,17 @@ class Job:
         return next(self._iterator)
 
 
+def _takes_keywords(model: torch.nn.Module, inputs: Mapping[Any, Any]) -> bool:
+    """Whether ``model``'s forward takes every key of ``inputs`` as a keyword argument."""
+    if not all(isinstance(key, str) for key in inputs):
+        return False
+    try:
+        inspect.signature(model.forward).bind(**dict.fromkeys(inputs))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def train_locally(job: Job, steps: int) -> list[float]:
     """Plain torch training of ``job`` for ``steps`` steps: the reference losses."""
     losses: list[float] = []
@@ -155,7 +183,7 @@ def train_locally(job: Job, steps: int) -> list[float]:
         inputs, targets = job.next_batch()
         job.optimizer.zero_grad(set_to_none=True)
         with job.autocast_context():
-            loss = job.loss_of(job.model(inputs), targets)
+            loss = job.loss_of(job.forward(inputs), targets)
         loss.backward()
         job.update()
         losses.append(float(loss.detach()))

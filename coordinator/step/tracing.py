@@ -219,7 +219,8 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # are allowed under grad_and_value; gradients are taken for p_ only.
         def loss_of(p_: dict[str, torch.Tensor], b_: dict[str, torch.Tensor]) -> torch.Tensor:
             with job.autocast_context(), EagerDropout():
-                return job.loss_of(functional_call(model, (p_, b_), (x,)), y)
+                args, kwargs = job.model_arguments(x)
+                return job.loss_of(functional_call(model, (p_, b_), args, kwargs), y)
 
         grads, loss = grad_and_value(loss_of)(p, b)
         return [grads[name] for name in param_names] + [loss]

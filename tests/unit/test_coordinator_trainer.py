@@ -303,3 +303,57 @@ def test_clipping_scales_the_gradients_the_trainer_computed() -> None:
     assert abs(want[2] - unclipped[2]) > 1e-4, (want, unclipped)
     trainer = Trainer(_with_update(3, clip_grad_norm=0.01), InThreadOffload())
     assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
+
+
+class _KeywordLM(nn.Module):
+    """A model called as Hugging Face models are: ``model(**batch)``, returning its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        logits = self.head(h)
+        assert labels is not None
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)}
+
+
+class _DictLM(_KeywordLM):
+    """A model whose forward takes the batch's dict as its one argument."""
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return super().forward(**batch)
+
+
+@pytest.mark.parametrize("model_type", [_KeywordLM, _DictLM])
+def test_a_dict_of_inputs_goes_in_as_keywords_where_the_forward_takes_them(
+    model_type: type[nn.Module],
+) -> None:
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = model_type()
+        g = torch.Generator().manual_seed(1)
+        data = []
+        for _ in range(3):
+            ids = torch.randint(0, 32, (4, 8), generator=g)
+            mask = torch.ones_like(ids)
+            mask[0, 6:] = 0
+            labels = ids.masked_fill(mask == 0, -100)
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+            data.append((batch, labels))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        return Job(model, lambda out, _: out["loss"], opt, data)
+
+    want = train_locally(make(), 3)
+    trainer = Trainer(make(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
+    assert trainer.tracer.get(*make().next_batch()) is not None  # captured, not eager
