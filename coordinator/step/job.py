@@ -158,10 +158,26 @@ class Job:
         return torch.autocast("cpu", dtype=self.autocast)
 
     def next_batch(self) -> Batch:
-        """The next (inputs, targets); raises StopIteration when the data runs out."""
+        """The next (inputs, targets), every mapping in it a dict (``plain_batch``);
+        raises StopIteration when the data runs out."""
         if self._iterator is None:
             self._iterator = iter(self.batches)
-        return next(self._iterator)
+        return plain_batch(next(self._iterator))  # type: ignore[no-any-return]
+
+
+def plain_batch(batch: Any) -> Any:
+    """``batch`` with every mapping in it a dict: a tokenizer's ``BatchEncoding`` or a
+    ``UserDict`` is a mapping but not a dict, and torch's pytree, with which a step is
+    traced and a batch cut between coordinator ranks, sees into dicts, lists and tuples
+    only. The model gets the same keys and values."""
+    if isinstance(batch, Mapping):
+        return {key: plain_batch(value) for key, value in batch.items()}
+    if isinstance(batch, list):
+        return [plain_batch(value) for value in batch]
+    if isinstance(batch, tuple):
+        values = [plain_batch(value) for value in batch]
+        return type(batch)(*values) if hasattr(batch, "_fields") else tuple(values)
+    return batch
 
 
 def _takes_keywords(model: torch.nn.Module, inputs: Mapping[Any, Any]) -> bool:

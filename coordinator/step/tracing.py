@@ -188,15 +188,28 @@ _TRACE_TABLE: dict[Any, Callable[..., Any]] = {
 
 
 def shape_key(batch: Any) -> tuple[Any, ...]:
-    """Traces are valid per input shape and dtype: the cache key."""
+    """Traces are valid per input shape and dtype: the cache key. A value that is not a
+    tensor is part of the key, or, where it cannot be (an unhashable one: a numpy
+    array), stands as ``Untraceable``."""
     leaves, spec = pytree.tree_flatten(batch)
-    return (
-        str(spec),
-        tuple(
-            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x), x)
-            for x in leaves
-        ),
-    )
+    return (str(spec), tuple(_leaf_key(x) for x in leaves))
+
+
+@dataclass(frozen=True)
+class Untraceable:
+    """A batch value a trace would keep as a constant though it may differ per batch."""
+
+    kind: str
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype)
+    try:
+        hash(x)
+    except TypeError:
+        return Untraceable(type(x).__qualname__)
+    return (type(x), x)
 
 
 def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
@@ -275,6 +288,14 @@ class StepTracer:
         key = shape_key((inputs, targets))
         if key not in self._cache:
             try:
+                untraceable = [k.kind for k in key[1] if isinstance(k, Untraceable)]
+                if untraceable:
+                    raise CaptureError(
+                        f"the batch holds a {untraceable[0]}, which is not a tensor: one graph "
+                        "would keep this batch's value for every later batch. Make it a "
+                        "tensor to capture the whole step",
+                        TypeError(untraceable[0]),
+                    )
                 self._cache[key] = self._trace(self._job, inputs, targets)
             except CaptureError as exc:
                 self._cache[key] = None

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from collections import UserDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -357,3 +359,48 @@ def test_a_dict_of_inputs_goes_in_as_keywords_where_the_forward_takes_them(
     trainer = Trainer(make(), InThreadOffload())
     assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
     assert trainer.tracer.get(*make().next_batch()) is not None  # captured, not eager
+
+
+class _WeightedLM(_KeywordLM):
+    """Takes a per-example weight that is not a tensor: a numpy array."""
+
+    def forward(  # type: ignore[override]
+        self, input_ids: torch.Tensor, labels: torch.Tensor, weights: np.ndarray
+    ) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(input_ids))
+        losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(1)
+        return {"loss": (losses * torch.from_numpy(weights)).mean()}
+
+
+@pytest.mark.parametrize("batch_type", ["UserDict", "numpy"])
+def test_batches_of_mappings_that_are_not_dicts_or_of_arrays_train_as_locally(
+    batch_type: str,
+) -> None:
+    """A tokenizer's BatchEncoding is a mapping, not a dict: torch's pytree does not see
+    into it. A numpy array in a batch cannot be traced (one graph would keep its first
+    value): such steps run eagerly and say why."""
+
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _WeightedLM() if batch_type == "numpy" else _KeywordLM()
+        g = torch.Generator().manual_seed(1)
+        data = []
+        for step in range(3):
+            ids = torch.randint(0, 32, (4, 8), generator=g)
+            batch: dict[str, Any] = {"input_ids": ids, "labels": ids}
+            if batch_type == "numpy":
+                batch["weights"] = np.linspace(0.5, 1.5, 4, dtype=np.float32) * (step + 1)
+            data.append((UserDict(batch), ids))
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        return Job(model, lambda out, _: out["loss"], opt, data)
+
+    want = train_locally(make(), 3)
+    trainer = Trainer(make(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
+    captured = trainer.tracer.get(*make().next_batch())
+    if batch_type == "numpy":
+        assert captured is None
+        (failure,) = trainer.tracer.failures.values()
+        assert "holds a ndarray, which is not a tensor" in failure.reason
+    else:
+        assert captured is not None
