@@ -36,6 +36,10 @@ class LossNotOneNumber(JobError, ValueError):
     pass
 
 
+class BatchNotAPair(JobError, ValueError):
+    pass
+
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
@@ -162,7 +166,20 @@ class Job:
         raises StopIteration when the data runs out."""
         if self._iterator is None:
             self._iterator = iter(self.batches)
-        return plain_batch(next(self._iterator))  # type: ignore[no-any-return]
+        batch = next(self._iterator)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            what = (
+                f"a mapping with keys {list(batch)[:6]}"
+                if isinstance(batch, Mapping)
+                else f"a {type(batch).__name__}"
+                + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+            )
+            raise BatchNotAPair(
+                f"Job.batches must yield (inputs, targets) pairs, not {what}: yield "
+                "(batch, None) for a model that takes the whole batch (loss_fn gets None), "
+                "or (inputs, labels)"
+            )
+        return plain_batch(tuple(batch))  # type: ignore[no-any-return]
 
 
 def plain_batch(batch: Any) -> Any:

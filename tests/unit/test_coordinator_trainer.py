@@ -404,3 +404,22 @@ def test_batches_of_mappings_that_are_not_dicts_or_of_arrays_train_as_locally(
         assert "holds a ndarray, which is not a tensor" in failure.reason
     else:
         assert captured is not None
+
+
+@pytest.mark.parametrize(
+    "batch, says",
+    [
+        ({"input_ids": torch.zeros(2, 4), "labels": torch.zeros(2, 4)}, "mapping with keys"),
+        ((torch.zeros(2, 16), torch.zeros(2), torch.zeros(2)), "tuple of 3"),
+        (torch.zeros(2, 16), "Tensor"),
+    ],
+)
+def test_batches_that_are_not_pairs_are_refused_with_what_to_yield(batch: Any, says: str) -> None:
+    # A data loader of dicts, as Hugging Face's yield, unpacked as (inputs, targets) took
+    # two of its keys, or failed with "too many values to unpack".
+    for run in (lambda job: train_locally(job, 1), lambda job: Trainer(job, None).run(1)):
+        job = _mlp_job(batches=1)
+        job.batches = [batch]
+        with pytest.raises(ValueError, match="Job.batches must yield") as raised:
+            run(job)
+        assert says in str(raised.value)
