@@ -330,10 +330,11 @@ class CoordinatorRun:
             self.progress.add(
                 record, trainer.dag.get("gflop"), trainer.checkpointed_step, trainer.flops
             )
+            scheduled = self.job.lr_scheduler is not None and record.lr is not None
             say(
                 f"step {record.step:4d}  loss {record.loss:.4f}  {record.seconds:6.2f} s  "
                 f"tiles {record.tiles:4d}  reissued {record.reissued:3d}  "
-                f"workers {record.workers}",
+                f"workers {record.workers}" + (f"  lr {record.lr:.3g}" if scheduled else ""),
                 event="step",
                 **asdict(record),
             )

@@ -75,6 +75,9 @@ class StepRecord:
     bytes_down: int = 0
     bytes_up: int = 0
     bytes_cut: int = 0
+    # The learning rate this step's update used (the optimizer's first parameter group):
+    # it moves with the job's lr_scheduler.
+    lr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,7 @@ class Trainer:
             waited = time.perf_counter()
             self._writer.wait()  # the snapshot in flight holds the parameters by reference
             checkpoint_s = time.perf_counter() - waited
+        lr = self.job.optimizer.param_groups[0].get("lr")
         self.job.update()
         self.job.optimizer.zero_grad(set_to_none=True)
         release_free_memory()  # the step's tensors are gone: coordinator.step.heap says why
@@ -346,6 +350,7 @@ class Trainer:
             bytes_down=after.bytes_down - before.bytes_down,
             bytes_up=after.bytes_up - before.bytes_up,
             bytes_cut=COSTS.bytes_so_far("cut") - cut_before,
+            lr=None if lr is None else float(lr),
         )
         if self.metrics_out is not None:
             with self.metrics_out.open("a") as fh:

@@ -138,6 +138,15 @@ def test_a_learning_rate_schedule_and_clipping_resume_where_they_were(tmp_path: 
     assert_losses_match(first.losses + [r.loss for r in records], want, rel=1e-6)
     lr = second.job.optimizer.param_groups[0]["lr"]
     assert lr == local.optimizer.param_groups[0]["lr"] and lr < 0.01
+    # Each step's record says the learning rate its update used.
+    schedule = _mlp_job(schedule=True)
+    used = []
+    for _ in range(6):
+        used.append(schedule.optimizer.param_groups[0]["lr"])
+        schedule.optimizer.step()
+        assert schedule.lr_scheduler is not None
+        schedule.lr_scheduler.step()
+    assert [r.lr for r in records] == used[3:], (records, used)
 
 
 @pytest.mark.timeout(60)
