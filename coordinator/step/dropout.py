@@ -3,12 +3,12 @@
 Eager CPU dropout fills a tensor laid out like its input (``empty_like``) with an
 in-place ``bernoulli_``. A trace is functionalised, which turns that (and a job's own
 ``torch.empty_like(x).bernoulli_(p)``) into the out-of-place ``bernoulli``, whose result
-is contiguous. Where torch's CPU kernel fills
-a tensor in memory order (everywhere but on Intel CPUs, where it takes MKL's Bernoulli
-stream in logical order), the mask of a transposed input then lands on other elements
-than eager's: still a dropout, but not local torch's, so the losses part from
-``train_locally``. ``nn.MultiheadAttention`` with ``batch_first`` hands such a
-transposed output to the dropout after it in every ``nn.TransformerEncoderLayer``.
+is contiguous. Where torch's CPU kernel fills a tensor in memory order (everywhere but
+on Intel CPUs, where it takes MKL's Bernoulli stream in logical order), the mask of a
+transposed input then lands on other elements than eager's: still a dropout, but not
+local torch's, so the losses part from ``train_locally``. ``nn.MultiheadAttention``
+with ``batch_first`` hands such a transposed output to the dropout after it in every
+``nn.TransformerEncoderLayer``.
 
 While a step is traced, ``EagerDropout`` replaces dropout and alpha dropout by eager's
 own arithmetic around ``cleave::bernoulli_like``: one graph node that draws the noise

@@ -1,12 +1,11 @@
 """What a user hands to Cleave: a model, a loss, an optimizer and batches.
 
 One training step is ``loss = loss_fn(model(inputs), targets)`` (``model(**inputs)`` for
-a dict of the forward's keyword arguments, as Hugging Face models take a batch), backward,
-then the
-update (``Job.update``): gradients clipped if the job asks, ``optimizer.step()``, and
-the learning-rate schedule's step. ``train_locally`` runs exactly that with plain
-torch: it is the reference that distributed runs are compared against, and a way for
-users to check a job before they serve it.
+a dict of the forward's keyword arguments, as Hugging Face models take a batch),
+backward, then the update (``Job.update``): gradients clipped if the job asks,
+``optimizer.step()``, and the learning-rate schedule's step. ``train_locally`` runs
+exactly that with plain torch: it is the reference that distributed runs are compared
+against, and a way for users to check a job before they serve it.
 """
 
 from __future__ import annotations
