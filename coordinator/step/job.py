@@ -84,6 +84,13 @@ class Job:
         self._check_update()
 
     def _check_update(self) -> None:
+        closure = inspect.signature(self.optimizer.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"Job.optimizer ({type(self.optimizer).__name__}) needs a closure in its "
+                "step, to compute the loss again: a step computes the loss and its "
+                "gradients once. Use a first-order optimizer (SGD, AdamW, ...)"
+            )
         scheduler, clip = self.lr_scheduler, self.clip_grad_norm
         if scheduler is not None:
             if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):

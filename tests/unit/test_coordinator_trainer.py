@@ -295,6 +295,8 @@ def test_a_schedule_or_clipping_the_step_cannot_take_is_refused_with_the_reason(
     for clip in (0, -1.0, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ValueError, match="clip_grad_norm"):
             _with_update(clip_grad_norm=clip)
+    with pytest.raises(ValueError, match=r"LBFGS\) needs a closure"):
+        Job(job.model, job.loss_fn, torch.optim.LBFGS(job.model.parameters()), job.batches)
 
 
 def test_clipping_scales_the_gradients_the_trainer_computed() -> None:
