@@ -83,6 +83,26 @@ class TracedStep:
             self.graph_module.meta["cleave_flops"] = cached
         return cached
 
+    def gradients_flow(self) -> tuple[bool, ...]:
+        """Per parameter, whether its gradient comes from the loss. One that the loss
+        does not depend on (a head the step does not use, a weight read under no_grad)
+        gets zeros from the trace where local torch leaves its ``.grad`` None, and the
+        optimizer then skips it: no weight decay, no momentum, no state."""
+        cached: tuple[bool, ...] | None = self.graph_module.meta.get("cleave_grads_flow")
+        if cached is None:
+            (output,) = (n for n in self.graph.nodes if n.op == "output")
+            *grads, loss = output.args[0]
+            after_loss: set[Node] = set()
+            frontier = [loss]
+            while frontier:
+                for user in frontier.pop().users:
+                    if user not in after_loss:
+                        after_loss.add(user)
+                        frontier.append(user)
+            cached = tuple(g in after_loss for g in grads)
+            self.graph_module.meta["cleave_grads_flow"] = cached
+        return cached
+
     def labels(self) -> dict[Node, str]:
         """The nodes whose FLOPs are tallied under another name than their op's (a
         depthwise convolution), computed once."""

@@ -425,3 +425,40 @@ def test_batches_that_are_not_pairs_are_refused_with_what_to_yield(batch: Any, s
         with pytest.raises(ValueError, match="Job.batches must yield") as raised:
             run(job)
         assert says in str(raised.value)
+
+
+class _TwoHeads(nn.Module):
+    """A multi-task model: each batch says which head it trains; the other is unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.heads = nn.ModuleList([nn.Linear(32, 4), nn.Linear(32, 4)])
+        self.unused = nn.Linear(32, 4)  # an evaluation head, never in the training step
+
+    def forward(self, batch: tuple[torch.Tensor, int]) -> torch.Tensor:
+        x, task = batch
+        return self.heads[task](torch.relu(self.body(x)))
+
+
+def test_a_parameter_the_step_does_not_use_is_left_alone_as_locally() -> None:
+    # Local torch leaves an unused parameter's grad None and the optimizer skips it; a
+    # zero gradient instead would move it by momentum and weight decay.
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _TwoHeads()
+        g = torch.Generator().manual_seed(1)
+        data = [
+            ((torch.randn(8, 16, generator=g), step % 2), torch.randint(0, 4, (8,), generator=g))
+            for step in range(6)
+        ]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        return Job(model, F.cross_entropy, opt, data)
+
+    local = make()
+    want = train_locally(local, 6)
+    trainer = Trainer(make(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(6)], want, rel=1e-6)
+    for name, value in local.model.state_dict().items():
+        torch.testing.assert_close(trainer.job.model.state_dict()[name], value, msg=name)
+    assert trainer.job.model.unused.weight not in trainer.job.optimizer.state
