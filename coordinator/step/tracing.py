@@ -60,13 +60,16 @@ class TracedStep:
     """One traced training step.
 
     Call signature of the graph (flat): ``*params, *buffers, *input_leaves`` ->
-    ``[*grads, loss]`` with params/buffers in ``param_names``/``buffer_names`` order.
+    ``[*grads, loss]`` with params/buffers in ``param_names``/``buffer_names`` order and
+    grads in ``grad_names`` order: the parameters that required gradients when traced
+    (a frozen one takes none, as in local torch, and costs no GEMM).
     """
 
     graph_module: GraphModule
     param_names: tuple[str, ...]
     buffer_names: tuple[str, ...]
     batch_spec: pytree.TreeSpec
+    grad_names: tuple[str, ...]
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -84,10 +87,11 @@ class TracedStep:
         return cached
 
     def gradients_flow(self) -> tuple[bool, ...]:
-        """Per parameter, whether its gradient comes from the loss. One that the loss
-        does not depend on (a head the step does not use, a weight read under no_grad)
-        gets zeros from the trace where local torch leaves its ``.grad`` None, and the
-        optimizer then skips it: no weight decay, no momentum, no state."""
+        """Per parameter of ``grad_names``, whether its gradient comes from the loss.
+        One that the loss does not depend on (a head the step does not use, a weight
+        read under no_grad) gets zeros from the trace where local torch leaves its
+        ``.grad`` None, and the optimizer then skips it: no weight decay, no momentum,
+        no state."""
         cached: tuple[bool, ...] | None = self.graph_module.meta.get("cleave_grads_flow")
         if cached is None:
             (output,) = (n for n in self.graph.nodes if n.op == "output")
@@ -235,6 +239,7 @@ def _leaf_key(x: Any) -> Any:
 def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
     model = job.model
     param_names = tuple(name for name, _ in model.named_parameters())
+    grad_names = tuple(name for name, p in model.named_parameters() if p.requires_grad)
     buffer_names = tuple(name for name, _ in model.named_buffers())
     params = [p.detach() for _, p in model.named_parameters()]
     # A trace on real data (the fallback below) runs the step once: clones keep it from
@@ -248,15 +253,18 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         b = dict(zip(buffer_names, flat[n_params : n_params + n_buffers], strict=True))
         x, y = pytree.tree_unflatten(list(flat[n_params + n_buffers :]), batch_spec)
 
-        # Buffers go in as an argument (not captured) so that in-place updates to them
-        # are allowed under grad_and_value; gradients are taken for p_ only.
-        def loss_of(p_: dict[str, torch.Tensor], b_: dict[str, torch.Tensor]) -> torch.Tensor:
+        # Buffers and frozen parameters go in as an argument (not captured) so that
+        # in-place updates to them are allowed under grad_and_value; gradients are taken
+        # for p_ only.
+        def loss_of(p_: dict[str, torch.Tensor], rest: dict[str, torch.Tensor]) -> torch.Tensor:
             with job.autocast_context(), EagerDropout():
                 args, kwargs = job.model_arguments(x)
-                return job.loss_of(functional_call(model, (p_, b_), args, kwargs), y)
+                return job.loss_of(functional_call(model, (p_, rest), args, kwargs), y)
 
-        grads, loss = grad_and_value(loss_of)(p, b)
-        return [grads[name] for name in param_names] + [loss]
+        trained = {name: p[name] for name in grad_names}
+        rest = {**{n: t for n, t in p.items() if n not in trained}, **b}
+        grads, loss = grad_and_value(loss_of)(trained, rest)
+        return [grads[name] for name in grad_names] + [loss]
 
     def traced(mode: Literal["real", "fake"]) -> GraphModule:
         # The trace draws from the global RNG (dropout masks) like a real step would;
@@ -289,7 +297,7 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         raise CaptureError(capture_reason(exc), exc) from exc
     finally:
         model.train(was_training)
-    return TracedStep(gm, param_names, buffer_names, batch_spec)
+    return TracedStep(gm, param_names, buffer_names, batch_spec, grad_names)
 
 
 class StepTracer:
@@ -305,7 +313,9 @@ class StepTracer:
         self.failures: dict[tuple[Any, ...], CaptureError] = {}
 
     def get(self, inputs: Any, targets: Any) -> TracedStep | None:
-        key = shape_key((inputs, targets))
+        # A parameter frozen or unfrozen since (gradual unfreezing) needs another trace.
+        frozen = tuple(not p.requires_grad for p in self._job.model.parameters())
+        key = (*shape_key((inputs, targets)), frozen)
         if key not in self._cache:
             try:
                 untraceable = [k.kind for k in key[1] if isinstance(k, Untraceable)]

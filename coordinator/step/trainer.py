@@ -294,8 +294,10 @@ class Trainer:
             flat = [p.detach() for p in params] + list(model.buffers()) + leaves
             outputs, stats = self.executor.run(traced, flat, self.cancel, label=label)
             grads, loss = outputs[:-1], outputs[-1]
-            for p, g, flows in zip(params, grads, traced.gradients_flow(), strict=True):
-                p.grad = g if flows else None
+            named = dict(model.named_parameters())
+            flowing = zip(traced.grad_names, grads, traced.gradients_flow(), strict=True)
+            for name, g, flows in flowing:
+                named[name].grad = g if flows else None
         if self.ranks is not None:
             self.ranks.average_grads(params)
         checkpoint_s = 0.0

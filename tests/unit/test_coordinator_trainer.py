@@ -10,6 +10,7 @@ import json
 import queue
 import threading
 from collections import UserDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support.recording_offload import RecordingOffload
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job
@@ -462,3 +464,36 @@ def test_a_parameter_the_step_does_not_use_is_left_alone_as_locally() -> None:
     for name, value in local.model.state_dict().items():
         torch.testing.assert_close(trainer.job.model.state_dict()[name], value, msg=name)
     assert trainer.job.model.unused.weight not in trainer.job.optimizer.state
+
+
+def test_frozen_parameters_take_no_gradient_and_no_gemm_until_unfrozen() -> None:
+    # Fine-tuning freezes layers with requires_grad_(False) and often still hands every
+    # parameter to the optimizer: local torch leaves the frozen ones alone and computes
+    # no gradient for them. Here the first layer thaws after three steps.
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        model[0].requires_grad_(False)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))] * 6
+
+        def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for step, batch in enumerate(data):
+                if step == 3:
+                    model[0].requires_grad_(True)
+                yield batch
+
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        return Job(model, F.cross_entropy, opt, batches())
+
+    local = make()
+    want = train_locally(local, 6)
+    offload = RecordingOffload()
+    trainer = Trainer(make(), offload)
+    records = trainer.run(6)
+    assert_losses_match([r.loss for r in records], want, rel=1e-6)
+    for name, value in local.model.state_dict().items():
+        torch.testing.assert_close(trainer.job.model.state_dict()[name], value, msg=name)
+    # Frozen: 2 forward GEMMs and the last layer's weight gradient; thawed: the first
+    # layer's weight gradient and the input gradient it needs too.
+    assert [r.gemms_offloaded for r in records] == [3, 3, 3, 5, 5, 5]
