@@ -236,8 +236,20 @@ def _leaf_key(x: Any) -> Any:
     return (type(x), x)
 
 
+def _has_grad_hooks(p: torch.Tensor) -> bool:
+    return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+
+
 def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
     model = job.model
+    hooked = [name for name, p in model.named_parameters() if _has_grad_hooks(p)]
+    if hooked:
+        raise CaptureError(
+            f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook or "
+            "register_post_accumulate_grad_hook): a traced step computes gradients apart "
+            "from the parameters themselves, so its hooks would not run",
+            RuntimeError(f"gradient hooks on {', '.join(hooked)}"),
+        )
     param_names = tuple(name for name, _ in model.named_parameters())
     grad_names = tuple(name for name, p in model.named_parameters() if p.requires_grad)
     buffer_names = tuple(name for name, _ in model.named_buffers())
@@ -313,9 +325,10 @@ class StepTracer:
         self.failures: dict[tuple[Any, ...], CaptureError] = {}
 
     def get(self, inputs: Any, targets: Any) -> TracedStep | None:
-        # A parameter frozen or unfrozen since (gradual unfreezing) needs another trace.
-        frozen = tuple(not p.requires_grad for p in self._job.model.parameters())
-        key = (*shape_key((inputs, targets)), frozen)
+        # A parameter frozen or thawed since (gradual unfreezing), or one that took or
+        # lost a gradient hook, needs another trace.
+        params = tuple((p.requires_grad, _has_grad_hooks(p)) for p in self._job.model.parameters())
+        key = (*shape_key((inputs, targets)), params)
         if key not in self._cache:
             try:
                 untraceable = [k.kind for k in key[1] if isinstance(k, Untraceable)]

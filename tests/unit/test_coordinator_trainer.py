@@ -497,3 +497,28 @@ def test_frozen_parameters_take_no_gradient_and_no_gemm_until_unfrozen() -> None
     # Frozen: 2 forward GEMMs and the last layer's weight gradient; thawed: the first
     # layer's weight gradient and the input gradient it needs too.
     assert [r.gemms_offloaded for r in records] == [3, 3, 3, 5, 5, 5]
+
+
+def _scale_the_gradient(p: torch.Tensor) -> None:
+    assert p.grad is not None
+    p.grad.mul_(0.1)
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_gradient_hooks_on_parameters_run_as_locally(hook: str) -> None:
+    # A traced step computes gradients apart from the parameters, so their own hooks
+    # would not run: such a step runs eagerly, where they do.
+    def make() -> Job:
+        job = _mlp_job(batches=3)
+        for p in job.model.parameters():
+            if hook == "register_hook":
+                p.register_hook(lambda g: g.clamp(-0.01, 0.01))
+            else:
+                p.register_post_accumulate_grad_hook(_scale_the_gradient)
+        return job
+
+    want = train_locally(make(), 3)
+    trainer = Trainer(make(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
+    (failure,) = trainer.tracer.failures.values()
+    assert "has a gradient hook" in failure.reason
