@@ -234,7 +234,7 @@ def test_dropout_on_a_transposed_activation_draws_local_torchs_masks(kind: str) 
     # into one laid out like the input, which on most CPUs puts the mask elsewhere.
     want = train_locally(_transposed_dropout_job(kind), 3)
     got = [r.loss for r in Trainer(_transposed_dropout_job(kind), None).run(3)]
-    assert got == want
+    assert_losses_match(got, want, rel=1e-6)  # another mask moves them by 1e-4 and more
 
 
 class KeptHereOffload:
