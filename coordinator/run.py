@@ -314,7 +314,8 @@ class CoordinatorRun:
                 await asyncio.wait_for(server.wait_for_workers(wanted), 10)
             except asyncio.TimeoutError:
                 continue
-        log.info("%d workers after %.1f s", server.pool.active, time.monotonic() - waited)
+        active, waited_s = server.pool.active, time.monotonic() - waited
+        log.info("%d worker%s after %.1f s", active, "" if active == 1 else "s", waited_s)
 
     async def train(self, trainer: Trainer, local: LocalWorkers) -> None:
         await self.wait_for_workers(local)

@@ -79,9 +79,11 @@ class LocalWorkers:
             )
             logfile.close()
         log.info(
-            "started %d local workers (%d threads each); logs in %s",
+            "started %d local worker%s (%d thread%s each); logs in %s",
             self.count,
+            "" if self.count == 1 else "s",
             self.threads,
+            "" if self.threads == 1 else "s",
             self.dir,
         )
 
