@@ -316,12 +316,19 @@ class StepTracer:
     """Traces once per input shape and reuses the graph for every later batch of it.
 
     ``get`` returns None for shapes whose step cannot be captured (``CaptureError``):
-    those steps run eagerly. The reason is logged once per shape, not every step."""
+    those steps run eagerly. The reason is logged once per shape, not every step.
+
+    A trace runs the model's Python once, so a decision it makes on anything but tensors
+    (a counter in an attribute, Python's ``random`` in layer-drop code) would be kept for
+    every later step, where local torch decides again each time. The second step of a
+    shape is traced once more: a graph that differs from the first (its code or its
+    constants) runs that step, and the shape runs eagerly from then on."""
 
     def __init__(self, job: Job, trace: Callable[[Job, Any, Any], TracedStep] = trace_step):
         self._job = job
         self._trace = trace
         self._cache: dict[tuple[Any, ...], TracedStep | None] = {}
+        self._checked: set[tuple[Any, ...]] = set()
         self.failures: dict[tuple[Any, ...], CaptureError] = {}
 
     def get(self, inputs: Any, targets: Any) -> TracedStep | None:
@@ -343,13 +350,49 @@ class StepTracer:
             except CaptureError as exc:
                 self._cache[key] = None
                 self.failures[key] = exc
-                log.warning(
-                    "this step cannot be captured as one graph: %s. Cleave runs it eagerly "
-                    "here instead: every GEMM still goes to workers as the step reaches it "
-                    "(one at a time, not overlapped), and the rest of the step runs here",
-                    exc.reason,
-                )
-        return self._cache[key]
+                self._warn(exc)
+            return self._cache[key]
+        first = self._cache[key]
+        if first is None or key in self._checked:
+            return first
+        self._checked.add(key)
+        again: TracedStep | None = None
+        try:
+            again = self._trace(self._job, inputs, targets)
+            if _same_graph(first, again):
+                return first
+            raise CaptureError(
+                "the model's Python made other decisions at the next step of the same "
+                "shapes (a counter kept in an attribute, Python's random module): one graph "
+                "would keep the first step's. Decide with tensor ops (torch.rand, torch.where) "
+                "to capture the whole step",
+                RuntimeError("the step's graph differs between two traces"),
+            )
+        except CaptureError as exc:  # another graph, or the Python took an untraceable way
+            self._cache[key] = None
+            self.failures[key] = exc
+            self._warn(exc)
+        return again  # this step's own graph, if it has one
+
+    @staticmethod
+    def _warn(exc: CaptureError) -> None:
+        log.warning(
+            "this step cannot be captured as one graph: %s. Cleave runs it eagerly "
+            "here instead: every GEMM still goes to workers as the step reaches it "
+            "(one at a time, not overlapped), and the rest of the step runs here",
+            exc.reason,
+        )
+
+
+def _same_graph(a: TracedStep, b: TracedStep) -> bool:
+    """Whether two traces of one step are the same graph: code and lifted constants."""
+    if a.graph_module.code != b.graph_module.code:
+        return False
+    constants_a = dict(a.graph_module.named_buffers())
+    constants_b = dict(b.graph_module.named_buffers())
+    return constants_a.keys() == constants_b.keys() and all(
+        torch.equal(value, constants_b[name]) for name, value in constants_a.items()
+    )
 
 
 # ---- GEMM geometry and the GEMM DAG ---------------------------------------------------

@@ -9,6 +9,7 @@ import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from support.small_nets import BatchNormNet
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
@@ -175,12 +176,15 @@ def test_a_model_without_gemms_has_an_empty_dag() -> None:
 
 
 class CountingTrace:
+    """Distinct traces of one graph, one per call."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any]] = []
+        self.graph = torch.fx.symbolic_trace(nn.Identity())
 
     def __call__(self, job: Job, inputs: Any, targets: Any) -> TracedStep:
         self.calls.append((inputs, targets))
-        return object()  # type: ignore[return-value]  # a distinct token per trace
+        return TracedStep(self.graph, (), (), pytree.tree_flatten(None)[1], ())
 
 
 def test_step_tracer_traces_once_per_input_shape_and_dtype() -> None:
@@ -188,17 +192,20 @@ def test_step_tracer_traces_once_per_input_shape_and_dtype() -> None:
     tracer = StepTracer(make_job(), trace)
     x, y = torch.zeros(16, 64, dtype=torch.long), torch.zeros(16, 64, dtype=torch.long)
     first = tracer.get(x, y)
-    assert tracer.get(x + 1, y + 2) is first  # same shapes, other values: no retrace
-    assert len(trace.calls) == 1
+    # Same shapes, other values: traced once more to check that the model's Python
+    # decides alike, then served from the cache.
+    assert tracer.get(x + 1, y + 2) is first and len(trace.calls) == 2
+    assert tracer.get(x + 2, y + 3) is first and len(trace.calls) == 2
     shorter = tracer.get(x[:, :32], y[:, :32])  # another shape: retrace
-    assert shorter is not first and len(trace.calls) == 2
-    assert tracer.get(x[:8], y[:8]) is not first and len(trace.calls) == 3
-    assert tracer.get(x.int(), y) is not first and len(trace.calls) == 4  # dtype counts
-    assert tracer.get(x, y[:, :32]) is not first and len(trace.calls) == 5  # targets count
-    # Every shape seen before is served from the cache.
+    assert shorter is not first and len(trace.calls) == 3
+    assert tracer.get(x[:8], y[:8]) is not first and len(trace.calls) == 4
+    assert tracer.get(x.int(), y) is not first and len(trace.calls) == 5  # dtype counts
+    assert tracer.get(x, y[:, :32]) is not first and len(trace.calls) == 6  # targets count
+    assert tracer.get(x[:, :32] * 3, y[:, :32]) is shorter and len(trace.calls) == 7
+    # Every shape seen and checked before is served from the cache.
     assert tracer.get(x[:, :32] * 3, y[:, :32]) is shorter
     assert tracer.get(x, y) is first
-    assert len(trace.calls) == 5
+    assert len(trace.calls) == 7
 
 
 def test_step_tracer_with_the_real_trace_serves_a_second_batch_from_the_cache() -> None:
@@ -211,8 +218,9 @@ def test_step_tracer_with_the_real_trace_serves_a_second_batch_from_the_cache() 
 
     tracer = StepTracer(job, counted)
     first = tracer.get(*job.next_batch())
-    second = tracer.get(*job.next_batch())
-    assert second is first and len(calls) == 1
+    second = tracer.get(*job.next_batch())  # traced again: the same graph
+    third = tracer.get(*job.next_batch())
+    assert second is first and third is first and len(calls) == 2
     assert len(first.gemm_nodes()) == 39
 
 

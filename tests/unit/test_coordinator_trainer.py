@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import random
 import threading
 from collections import UserDict
 from collections.abc import Iterator
@@ -522,3 +523,43 @@ def test_gradient_hooks_on_parameters_run_as_locally(hook: str) -> None:
     assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
     (failure,) = trainer.tracer.failures.values()
     assert "has a gradient hook" in failure.reason
+
+
+class _PythonDecides(nn.Module):
+    """Layer drop decided with Python's random module, or a scale that a Python counter
+    changes after the first step: decisions a trace would keep from the traced step."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.calls = 0
+        self.rng = random.Random(3)  # seeded with the job, as torch's generator is
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        for layer in self.layers:
+            if self.kind == "layer drop" and self.training and self.rng.random() < 0.5:
+                continue
+            x = x + torch.tanh(layer(x))
+        scale = 1.0 if self.kind != "counter" or self.calls < 2 else 0.5
+        return self.head(x) * scale
+
+
+@pytest.mark.parametrize("kind", ["layer drop", "counter"])
+def test_python_that_decides_differently_at_later_steps_runs_them_as_locally(kind: str) -> None:
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _PythonDecides(kind)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))]
+        return Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), data * 6)
+
+    want = train_locally(make(), 6)
+    trainer = Trainer(make(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(6)], want, rel=1e-6)
+    # The model's Python ran once a step, as locally: traced twice, then eagerly.
+    assert isinstance(trainer.job.model, _PythonDecides) and trainer.job.model.calls == 6
+    (failure,) = trainer.tracer.failures.values()
+    assert "other decisions at the next step" in failure.reason
