@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator.step.job import Job
+
 
 class BatchNormNet(nn.Module):
     def __init__(self) -> None:
@@ -16,3 +18,10 @@ class BatchNormNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(F.relu(self.bn(self.inp(x))))
+
+
+def repeated_batch_job(model: nn.Module, rows: int, features: int, steps: int) -> Job:
+    """``model`` trained with SGD on one seeded batch of 4-class rows, ``steps`` times."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(rows, features, generator=g), torch.randint(0, 4, (rows,), generator=g))]
+    return Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), data * steps)

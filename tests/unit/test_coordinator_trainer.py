@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.recording_offload import RecordingOffload
+from support.small_nets import repeated_batch_job
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job
@@ -551,10 +552,7 @@ class _PythonDecides(nn.Module):
 def test_python_that_decides_differently_at_later_steps_runs_them_as_locally(kind: str) -> None:
     def make() -> Job:
         torch.manual_seed(0)
-        model = _PythonDecides(kind)
-        g = torch.Generator().manual_seed(1)
-        data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))]
-        return Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), data * 6)
+        return repeated_batch_job(_PythonDecides(kind), rows=8, features=16, steps=6)
 
     want = train_locally(make(), 6)
     trainer = Trainer(make(), InThreadOffload())

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from support.real_models import (
     make_cnn_job,
     make_convnext_job,
@@ -22,6 +21,7 @@ from support.real_models import (
     make_sdpa_job,
 )
 from support.recording_offload import BF16_REL, RecordingOffload
+from support.small_nets import repeated_batch_job
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -170,10 +170,7 @@ class _Checkpointed(torch.nn.Module):
 def test_activation_checkpointing_is_named_and_the_step_runs_eagerly(reentrant: bool) -> None:
     def make() -> Job:
         torch.manual_seed(0)
-        model = _Checkpointed(reentrant)
-        g = torch.Generator().manual_seed(1)
-        data = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g))]
-        return Job(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), data * 3)
+        return repeated_batch_job(_Checkpointed(reentrant), rows=16, features=32, steps=3)
 
     reason = _why_not_captured(make())
     assert "activation checkpointing" in reason and "test_real_models.py:" in reason, reason
