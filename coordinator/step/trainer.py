@@ -284,7 +284,8 @@ class Trainer:
             )
         label = step_label(self.step)
         model = self.job.model
-        params = [p for _, p in model.named_parameters()]
+        named = dict(model.named_parameters())
+        params = list(named.values())
         if traced is None:
             loss, stats = run_eager_step(
                 self.job, self.offload, inputs, targets, self.cancel, label
@@ -294,7 +295,6 @@ class Trainer:
             flat = [p.detach() for p in params] + list(model.buffers()) + leaves
             outputs, stats = self.executor.run(traced, flat, self.cancel, label=label)
             grads, loss = outputs[:-1], outputs[-1]
-            named = dict(model.named_parameters())
             flowing = zip(traced.grad_names, grads, traced.gradients_flow(), strict=True)
             for name, g, flows in flowing:
                 named[name].grad = g if flows else None
