@@ -14,8 +14,9 @@ A step that cannot be one graph (Python that branches on a tensor's value) raise
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -240,6 +241,49 @@ def _has_grad_hooks(p: torch.Tensor) -> bool:
     return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
+@contextlib.contextmanager
+def _compiling(on: bool) -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` reads ``on`` inside, as torch.export's own make_fx
+    trace sets it. Libraries read it to take the path their authors wrote for graph
+    capture: transformers then builds the attention mask from the padding mask instead of
+    asking in Python whether the padding mask is all ones, a question one graph cannot
+    hold."""
+    was = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = on
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = was
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensor logs a stack trace for each op whose shape rule refuses its inputs
+    before it raises; the next attempt handles that, so the operator need not read it."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was
+
+
+# The order a step is traced in: the model's own path first, the one local torch runs;
+# the path it takes for torch.compile only where its own path cannot be one graph (some
+# libraries' compile paths hold ops torch.func cannot trace). On fake tensors first:
+# shapes only, no arithmetic, and none of the step's activations held at once (a real
+# trace holds all of them and every gradient on top of the model's own memory: the
+# coordinator's peak). A few ops' shape rules are stricter than their CPU kernels
+# (grouped_mm asks for bf16): those steps are traced on real data, as they run.
+_ATTEMPTS: tuple[tuple[Literal["real", "fake"], bool], ...] = (
+    ("fake", False),
+    ("fake", True),
+    ("real", False),
+    ("real", True),
+)
+
+
 def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
     model = job.model
     hooked = [name for name, p in model.named_parameters() if _has_grad_hooks(p)]
@@ -269,7 +313,7 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # in-place updates to them are allowed under grad_and_value; gradients are taken
         # for p_ only.
         def loss_of(p_: dict[str, torch.Tensor], rest: dict[str, torch.Tensor]) -> torch.Tensor:
-            with job.autocast_context(), EagerDropout():
+            with job.autocast_context(), EagerDropout(), _compiling(compiling):
                 args, kwargs = job.model_arguments(x)
                 return job.loss_of(functional_call(model, (p_, rest), args, kwargs), y)
 
@@ -278,10 +322,14 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         grads, loss = grad_and_value(loss_of)(trained, rest)
         return [grads[name] for name in grad_names] + [loss]
 
-    def traced(mode: Literal["real", "fake"]) -> GraphModule:
+    compiling = False
+
+    def traced(mode: Literal["real", "fake"], as_compiled: bool) -> GraphModule:
+        nonlocal compiling
+        compiling = as_compiled
         # The trace draws from the global RNG (dropout masks) like a real step would;
         # forking it leaves the RNG stream to the real steps, as in local training.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _quiet_fake_tensor_log():
             return make_fx(  # type: ignore[no-any-return]
                 functionalize(step, remove="mutations"),
                 decomposition_table=_TRACE_TABLE,
@@ -290,23 +338,21 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
 
     was_training = model.training
     model.train()
+    failed: list[Exception] = []
     try:
-        # On fake tensors first: shapes only, no arithmetic, and none of the step's
-        # activations held at once (a real trace holds all of them and every gradient
-        # on top of the model's own memory: the coordinator's peak). A few ops' shape
-        # rules are stricter than their CPU kernels (grouped_mm asks for bf16): those
-        # steps are traced on real data, as they run.
-        try:
-            gm = traced("fake")
-        except JobError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the real trace says what is wrong
-            log.debug("tracing on fake tensors failed (%s): tracing on real data", exc)
-            gm = traced("real")
-    except JobError:
-        raise
-    except Exception as exc:
-        raise CaptureError(capture_reason(exc), exc) from exc
+        for mode, as_compiled in _ATTEMPTS:
+            try:
+                gm = traced(mode, as_compiled)
+                break
+            except JobError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next attempt may succeed
+                log.debug("tracing (%s, compiling %s) failed: %s", mode, as_compiled, exc)
+                failed.append(exc)
+        else:
+            # The model's own path on real data says best what the author can change.
+            own = failed[_ATTEMPTS.index(("real", False))]
+            raise CaptureError(capture_reason(own), own) from own
     finally:
         model.train(was_training)
     return TracedStep(gm, param_names, buffer_names, batch_spec, grad_names)

@@ -561,3 +561,77 @@ def test_python_that_decides_differently_at_later_steps_runs_them_as_locally(kin
     assert isinstance(trainer.job.model, _PythonDecides) and trainer.job.model.calls == 6
     (failure,) = trainer.tracer.failures.values()
     assert "other decisions at the next step" in failure.reason
+
+
+class _MaskedAttentionLM(nn.Module):
+    """Attention whose mask is built as transformers builds it: outside graph capture it
+    may ask in Python whether any token is padding (a question one graph cannot hold) and
+    then use SDPA's own causal mask; under capture it builds the mask from the padding
+    mask. The own path can be made one a graph holds; the capture path one it cannot
+    hold, or one that rounds otherwise (as some libraries' compile paths do)."""
+
+    def __init__(self, own_path_traceable: bool, compile_path: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.head = nn.Linear(16, 32)
+        self.own_path_traceable = own_path_traceable
+        self.compile_path = compile_path
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        q, k, v = self.qkv(h).unsqueeze(1).chunk(3, dim=-1)
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.compile_path == "untraceable":
+            h = h + h[attention_mask.bool()].sum() * 0  # a shape taken from data
+        if compiling and self.compile_path == "rounds":
+            q = q.bfloat16().float()
+        if not compiling and not self.own_path_traceable and bool(attention_mask.all()):
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            n = input_ids.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            mask = causal & attention_mask.bool()[:, None, None, :]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        logits = self.head(h + a.squeeze(1))
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)}
+
+
+@pytest.mark.parametrize(
+    ("own_path", "compile_path"),
+    [(False, "exact"), (True, "untraceable"), (True, "rounds"), (False, "untraceable")],
+)
+def test_a_model_that_reads_its_padding_mask_outside_graph_capture_is_captured(
+    own_path: bool, compile_path: str
+) -> None:
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _MaskedAttentionLM(own_path, compile_path)
+        g = torch.Generator().manual_seed(1)
+        data = []
+        for step in range(4):
+            ids = torch.randint(0, 32, (4, 8), generator=g)
+            mask = torch.ones_like(ids)
+            if step % 2:
+                mask[1, 5:] = 0  # right padding in one row, every other batch
+            labels = ids.masked_fill(mask == 0, -100)
+            data.append(({"input_ids": ids, "attention_mask": mask, "labels": labels}, labels))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return Job(model, lambda out, _: out["loss"], opt, data)
+
+    want = train_locally(make(), 4)
+    trainer = Trainer(make(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(4)], want, rel=1e-6)
+    if own_path or compile_path != "untraceable":
+        # The step is one graph, whichever batches have padding; the model's own path
+        # where it can be one, as it computes what local torch computes.
+        assert trainer.tracer.get(*make().next_batch()) is not None
+        assert not trainer.tracer.failures
+    else:
+        # The step runs eagerly, and says why in the words of the model's own path, the
+        # one local torch runs.
+        (failure,) = trainer.tracer.failures.values()
+        assert "reads a tensor's value in Python" in failure.reason
+    assert not torch.compiler.is_compiling()
