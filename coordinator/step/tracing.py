@@ -31,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from common.unfold import Unfold
 from coordinator.step.dropout import EagerDropout
 from coordinator.step.flops import node_flops, node_label, op_name
+from coordinator.step.hooks import hooks_reason, untraced_hooks
 from coordinator.step.job import Job, JobError
 from coordinator.step.lowering import LOWERINGS, unfold_spec
 
@@ -237,10 +238,6 @@ def _leaf_key(x: Any) -> Any:
     return (type(x), x)
 
 
-def _has_grad_hooks(p: torch.Tensor) -> bool:
-    return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
-
-
 @contextlib.contextmanager
 def _compiling(on: bool) -> Iterator[None]:
     """``torch.compiler.is_compiling()`` reads ``on`` inside, as torch.export's own make_fx
@@ -286,14 +283,9 @@ _ATTEMPTS: tuple[tuple[Literal["real", "fake"], bool], ...] = (
 
 def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
     model = job.model
-    hooked = [name for name, p in model.named_parameters() if _has_grad_hooks(p)]
+    hooked = untraced_hooks(model)
     if hooked:
-        raise CaptureError(
-            f"parameter {hooked[0]} has a gradient hook (Tensor.register_hook or "
-            "register_post_accumulate_grad_hook): a traced step computes gradients apart "
-            "from the parameters themselves, so its hooks would not run",
-            RuntimeError(f"gradient hooks on {', '.join(hooked)}"),
-        )
+        raise CaptureError(hooks_reason(hooked), RuntimeError("; ".join(hooked)))
     param_names = tuple(name for name, _ in model.named_parameters())
     grad_names = tuple(name for name, p in model.named_parameters() if p.requires_grad)
     buffer_names = tuple(name for name, _ in model.named_buffers())
@@ -378,10 +370,11 @@ class StepTracer:
         self.failures: dict[tuple[Any, ...], CaptureError] = {}
 
     def get(self, inputs: Any, targets: Any) -> TracedStep | None:
-        # A parameter frozen or thawed since (gradual unfreezing), or one that took or
-        # lost a gradient hook, needs another trace.
-        params = tuple((p.requires_grad, _has_grad_hooks(p)) for p in self._job.model.parameters())
-        key = (*shape_key((inputs, targets)), params)
+        # A parameter frozen or thawed since (gradual unfreezing), or a hook added or
+        # removed, needs another trace.
+        model = self._job.model
+        frozen = tuple(p.requires_grad for p in model.parameters())
+        key = (*shape_key((inputs, targets)), frozen, untraced_hooks(model))
         if key not in self._cache:
             try:
                 untraceable = [k.kind for k in key[1] if isinstance(k, Untraceable)]

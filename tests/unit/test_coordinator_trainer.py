@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from support.recording_offload import RecordingOffload
 from support.small_nets import repeated_batch_job
 from torch import nn
+from torch.nn.utils import prune
 
 from coordinator.jobs.tiny_gpt import make_job
 from coordinator.step import trainer as trainer_module
@@ -524,6 +525,53 @@ def test_gradient_hooks_on_parameters_run_as_locally(hook: str) -> None:
     assert_losses_match([r.loss for r in trainer.run(3)], want, rel=1e-6)
     (failure,) = trainer.tracer.failures.values()
     assert "has a gradient hook" in failure.reason
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("hook", ["forward", "forward pre", "full backward", "pruning"])
+def test_module_hooks_run_at_each_step_as_locally(hook: str) -> None:
+    # A hook that records what it sees would run once, during the trace, with its
+    # placeholder tensors: the step runs eagerly instead. torch's pruning recomputes
+    # the weight in a forward pre-hook, tensor work only: that step is still one graph.
+    def make() -> tuple[Job, list[torch.Tensor]]:
+        job = _mlp_job(batches=4)
+        seen: list[torch.Tensor] = []
+        layer = job.model[0]
+        if hook == "forward":
+            layer.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
+        elif hook == "forward pre":
+            layer.register_forward_pre_hook(lambda m, i: seen.append(i[0].detach()))
+        elif hook == "full backward":
+            layer.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].detach()))
+        else:
+            prune.l1_unstructured(layer, "weight", amount=0.5)
+        return job, seen
+
+    local, seen_locally = make()
+    want = train_locally(local, 4)
+    job, seen = make()
+    trainer = Trainer(job, InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(4)], want, rel=1e-6)
+    assert len(seen) == len(seen_locally)
+    for got, expected in zip(seen, seen_locally, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if hook == "pruning":
+        assert not trainer.tracer.failures
+        assert trainer.tracer.get(*make()[0].next_batch()) is not None
+    else:
+        (failure,) = trainer.tracer.failures.values()
+        kind = {"forward": "forward hook", "forward pre": "forward pre-hook"}
+        assert f"module 0 has a {kind.get(hook, 'backward hook')}" in failure.reason
+
+
+def test_a_step_is_captured_again_once_its_hooks_are_removed() -> None:
+    job = _mlp_job(batches=4)
+    handle = job.model[0].register_forward_hook(lambda m, i, out: None)
+    trainer = Trainer(job, InThreadOffload())
+    trainer.run(2)
+    assert trainer.tracer.get(*job.next_batch()) is None
+    handle.remove()
+    assert trainer.tracer.get(*job.next_batch()) is not None
 
 
 class _PythonDecides(nn.Module):
