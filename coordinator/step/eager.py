@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.ops import TileOp
+from coordinator.step.complex_gemm import start_gemm
 from coordinator.step.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
 from coordinator.step.flops import op_flops, op_label, op_name
 from coordinator.step.grouped_mm import GROUPED_MM, split_grouped_mm, start_pieces
@@ -116,8 +117,8 @@ class EagerOffloadMode(TorchDispatchMode):
         name = f"{self._label}:eager_{op}_{self._count}"
         self._count += 1
         if unfold is None:
-            sent = self._offload.start(
-                name, TileOp.BMM if op == "bmm" else TileOp.MM, a, b, results.put
+            sent = start_gemm(
+                self._offload, name, TileOp.BMM if op == "bmm" else TileOp.MM, a, b, results.put
             )
         else:
             sent = self._offload.start(name, TileOp.MM, a, b, results.put, unfold)

@@ -21,6 +21,7 @@ from torch.fx.node import map_arg
 
 from common.ops import TileOp
 from common.unfold import Unfold
+from coordinator.step.complex_gemm import start_gemm
 from coordinator.step.flops import FlopTally, op_name
 from coordinator.step.grouped_mm import GROUPED_MM, GroupedCall, split_grouped_mm, start_pieces
 from coordinator.step.tracing import GEMM_OPS, TracedStep, gemm_operands
@@ -234,7 +235,9 @@ class DataflowExecutor:
 
         name = f"{label}:{node.name}" if label else node.name
         if unfold is None:  # keeps offloads that know no unfolded operands working
-            return self._offload.start(name, TileOp.BMM if op == "bmm" else TileOp.MM, a, b, done)
+            return start_gemm(
+                self._offload, name, TileOp.BMM if op == "bmm" else TileOp.MM, a, b, done
+            )
         return self._offload.start(name, TileOp.MM, a, b, done, unfold)
 
 

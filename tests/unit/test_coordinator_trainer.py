@@ -574,6 +574,50 @@ def test_a_step_is_captured_again_once_its_hooks_are_removed() -> None:
     assert trainer.tracer.get(*job.next_batch()) is not None
 
 
+class _Spectral(nn.Module):
+    """A Fourier neural operator's spectral layer: complex weights multiplied with the
+    input's lowest Fourier modes (complex bmm), then a complex linear map (complex mm).
+    ``branchy`` reads a value in Python, so the step runs eagerly."""
+
+    def __init__(self, branchy: bool) -> None:
+        super().__init__()
+        self.lift = nn.Linear(2, 8)
+        self.modes = nn.Parameter(torch.randn(6, 8, 8, dtype=torch.cfloat) / 8)
+        self.mix = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat) / 8)
+        self.head = nn.Linear(8, 1)
+        self.branchy = branchy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lift(x)  # (batch, points, 8)
+        f = torch.fft.rfft(h, dim=1)  # (batch, modes, 8)
+        low = torch.einsum("bmi,mio->bmo", f[:, :6], self.modes) @ self.mix
+        f = torch.cat((low, torch.zeros_like(f[:, 6:])), dim=1)
+        h = h + torch.fft.irfft(f, n=x.shape[1], dim=1)
+        if self.branchy and bool(h.sum() > 1e9):
+            h = h * 0
+        return self.head(torch.tanh(h)).squeeze(-1)
+
+
+@pytest.mark.parametrize("branchy", [False, True])
+def test_complex_gemms_go_to_workers_as_real_ones(branchy: bool) -> None:
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _Spectral(branchy)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(4, 32, 2, generator=g), torch.randn(4, 32, generator=g))]
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return Job(model, F.mse_loss, opt, data * 4)
+
+    want = train_locally(make(), 4)
+    offload = RecordingOffload()
+    trainer = Trainer(make(), offload)
+    assert_losses_match([r.loss for r in trainer.run(4)], want, rel=1e-5)
+    assert (trainer.tracer.get(*make().next_batch()) is None) == branchy
+    # Workers multiply real dtypes only; every GEMM of the step went to them.
+    assert {dtype for _, _, dtype in offload.calls} == {torch.float32}
+    assert trainer.flops["workers_share"] == 1.0
+
+
 class _PythonDecides(nn.Module):
     """Layer drop decided with Python's random module, or a scale that a Python counter
     changes after the first step: decisions a trace would keep from the traced step."""
