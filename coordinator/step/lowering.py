@@ -17,6 +17,9 @@ plus cheap ops that stay at the coordinator:
   carry image blocks, which workers unfold themselves (``common.unfold``), so the wire
   carries each image once instead of its kernel-size-times larger patch matrix. Every
   returned tile is a plain GEMM tile, checked like any other.
+- **GEMMs with a scaled sum** (``baddbmm``, as older attention code adds a bias to its
+  scores; ``addbmm``): the bmm, or for ``addbmm`` one mm over the batch and the inner
+  dimension together, and the scaled sum here.
 
 The table is keyed by aten overload and used as ``make_fx``'s decomposition table and by
 the eager fallback (``coordinator.step.eager``). A lowering returns ``NotImplemented`` for the
@@ -376,7 +379,41 @@ def _input_gradient_folded(
     )
 
 
+# ---- GEMMs with a scaled sum --------------------------------------------------------------
+
+
+def _scaled_sum(product: torch.Tensor, other: torch.Tensor, beta: Any, alpha: Any) -> torch.Tensor:
+    """``beta * other + alpha * product``; with beta 0, ``other`` is not read (NaN in it
+    stays out, as torch documents)."""
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product
+    return product + (other if beta == 1 else other * beta)
+
+
+def baddbmm(
+    self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+) -> torch.Tensor:
+    """Attention scores with a bias (ALiBi) or a scale, as older transformers models
+    write them: a bmm, the rest here."""
+    return _scaled_sum(aten.bmm.default(batch1, batch2), self, beta, alpha)
+
+
+def addbmm(
+    self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+) -> torch.Tensor:
+    """The sum of a batch of products is one GEMM over the batch and the inner dimension
+    together: (n, b·m) @ (b·m, p)."""
+    b, n, m = batch1.shape
+    a = batch1.permute(1, 0, 2).reshape(n, b * m)
+    product = aten.mm.default(a, batch2.reshape(b * m, batch2.shape[-1]))
+    return _scaled_sum(product, self, beta, alpha)
+
+
 LOWERINGS: dict[Any, Callable[..., Any]] = {
+    aten.baddbmm.default: baddbmm,
+    aten.addbmm.default: addbmm,
     aten._scaled_dot_product_flash_attention_for_cpu.default: flash_attention_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
         flash_attention_cpu_backward

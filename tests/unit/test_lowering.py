@@ -206,3 +206,33 @@ def test_scaled_dot_product_attention_as_models_call_it(
 
     for got, want in zip(run(True), run(False), strict=True):
         assert got.shape == want.shape and rel(got, want) < 2e-6
+
+
+# ---- GEMMs with a scaled sum --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["baddbmm", "addbmm"])
+@pytest.mark.parametrize(("beta", "alpha"), [(1, 1), (0.5, 2.0), (0, 0.125)])
+def test_gemms_with_a_scaled_sum_are_gemms_for_workers(op: str, beta: float, alpha: float) -> None:
+    gen = torch.Generator().manual_seed(5)
+    b1, b2 = torch.randn(3, 16, 24, generator=gen), torch.randn(3, 24, 8, generator=gen)
+    bias = torch.randn(16, 8, generator=gen)  # broadcast over the batch for baddbmm
+    if beta == 0:
+        bias = torch.full_like(bias, float("nan"))  # not read: torch leaves NaN out
+    grad = torch.randn(3, 16, 8, generator=gen) if op == "baddbmm" else torch.randn(16, 8)
+
+    def run(lowered: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (b1, b2)]
+        mode = EagerOffloadMode(None, threading.Event(), "t")
+        with mode if lowered else contextlib.nullcontext():
+            out = getattr(torch, op)(bias, *leaves, beta=beta, alpha=alpha)
+            out.backward(grad)
+        if lowered:
+            # Only GEMMs, whose tiles workers would take (no offload here: kept).
+            assert set(mode.stats.flops.kept) <= {"bmm", "mm"}, mode.stats.flops.kept
+            assert not mode.stats.flops.uncounted
+        return [out.detach()] + [t.grad for t in leaves]  # type: ignore[misc]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert not got.isnan().any()
+        assert got.shape == want.shape and rel(got, want) < 2e-6
