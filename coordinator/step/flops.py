@@ -151,10 +151,12 @@ KEPT_WHY = {
         " much as computing it here (bench/bench_depthwise.py)"
     ),
     "convolution": (
-        "transposed, 3-D, or grouped with fewer than 8 output channels per group: no GEMM lowering"
+        "3-D, or fewer than 8 output channels per group (an image's colours, a grouped"
+        " convolution's narrow groups): no GEMM lowering"
     ),
     "convolution_backward": (
-        "transposed, 3-D, or grouped with fewer than 8 output channels per group: no GEMM lowering"
+        "3-D, or fewer than 8 output channels per group (an image's colours, a grouped"
+        " convolution's narrow groups): no GEMM lowering"
     ),
 }
 _FUSED_RNN = (

@@ -13,18 +13,20 @@ plus cheap ops that stay at the coordinator:
   group: the output is ``patches(input) @ weightᵀ``, the weight gradient
   ``grad_outᵀ @ patches(input)``, and the input gradient of a stride-1 convolution
   ``patches(grad_out) @ flipped weight`` (a strided one: ``grad_out @ weight``, folded
-  back here). GEMMs with a patch operand are ``cleave::unfold_mm`` nodes: their tiles
-  carry image blocks, which workers unfold themselves (``common.unfold``), so the wire
-  carries each image once instead of its kernel-size-times larger patch matrix. Every
-  returned tile is a plain GEMM tile, checked like any other.
+  back here). A transposed convolution is the input gradient of the convolution with its
+  weight, and its backward that convolution's forward and weight gradient. GEMMs with a
+  patch operand are ``cleave::unfold_mm`` nodes: their tiles carry image blocks, which
+  workers unfold themselves (``common.unfold``), so the wire carries each image once
+  instead of its kernel-size-times larger patch matrix. Every returned tile is a plain
+  GEMM tile, checked like any other.
 - **GEMMs with a scaled sum** (``baddbmm``, as older attention code adds a bias to its
   scores; ``addbmm``): the bmm, or for ``addbmm`` one mm over the batch and the inner
   dimension together, and the scaled sum here.
 
 The table is keyed by aten overload and used as ``make_fx``'s decomposition table and by
 the eager fallback (``coordinator.step.eager``). A lowering returns ``NotImplemented`` for the
-cases it does not cover (transposed or 3-D convolutions, groups too narrow to make useful
-tiles, dropout inside the fused kernel); those ops then run at the coordinator as they are,
+cases it does not cover (3-D convolutions, groups too narrow to make useful tiles,
+dropout inside the fused kernel); those ops then run at the coordinator as they are,
 and the FLOP accounting names them.
 """
 
@@ -218,12 +220,23 @@ def _as_2d(
     return x, list(stride), list(padding), list(dilation)
 
 
-def _lowerable(weight: torch.Tensor, transposed: bool, groups: int) -> bool:
-    return (
-        not transposed
-        and weight.dim() in (3, 4)
-        and weight.shape[0] // groups >= MIN_GROUP_CHANNELS
-    )
+def _lowerable(
+    weight: torch.Tensor,
+    transposed: bool,
+    groups: int,
+    stride: Sequence[int],
+    output_padding: Sequence[int],
+) -> bool:
+    if weight.dim() not in (3, 4) or weight.shape[0] // groups < MIN_GROUP_CHANNELS:
+        return False
+    if not transposed:
+        return True
+    # A transposed convolution's forward is a convolution's input gradient, whose GEMMs
+    # are as wide as its own output channels; its input gradient a convolution, as wide
+    # as its input channels (weight.shape[0] // groups, above). Extra output rows on a
+    # stride-1 side (output_padding with dilation) have no such form.
+    extra_rows = any(p > 0 and s == 1 for p, s in zip(output_padding, stride, strict=True))
+    return weight.shape[1] >= MIN_GROUP_CHANNELS and not extra_rows
 
 
 def convolution(
@@ -237,11 +250,19 @@ def convolution(
     output_padding: Sequence[int],
     groups: int,
 ) -> Any:
-    if not _lowerable(weight, transposed, groups) or input.dim() != weight.dim():
+    if (
+        not _lowerable(weight, transposed, groups, stride, output_padding)
+        or input.dim() != weight.dim()
+    ):
         return NotImplemented
     one_d = input.dim() == 3
     x4, st, pd, dl = _as_2d(input, stride, padding, dilation)
     w4 = weight.unsqueeze(2) if one_d else weight
+    if transposed:
+        out = _transposed(x4, w4, st, pd, dl, output_padding, groups)
+        if bias is not None:
+            out = out + bias.view(1, -1, 1, 1)
+        return out.squeeze(2) if one_d else out
     out_ch, kernel = w4.shape[0], tuple(w4.shape[2:])
     n, h, w = x4.shape[0], x4.shape[2], x4.shape[3]
     ho = (h + 2 * pd[0] - dl[0] * (kernel[0] - 1) - 1) // st[0] + 1
@@ -276,34 +297,86 @@ def convolution_backward(
     groups: int,
     output_mask: Sequence[bool],
 ) -> Any:
-    if not _lowerable(weight, transposed, groups) or input.dim() != weight.dim():
+    if (
+        not _lowerable(weight, transposed, groups, stride, output_padding)
+        or input.dim() != weight.dim()
+    ):
         return NotImplemented
     one_d = input.dim() == 3
     x4, st, pd, dl = _as_2d(input, stride, padding, dilation)
     w4 = weight.unsqueeze(2) if one_d else weight
     g4 = grad_output.unsqueeze(2) if one_d else grad_output
-    out_ch, kernel = w4.shape[0], tuple(w4.shape[2:])
-    og = out_ch // groups
-    # grad_out as the GEMMs see it: (N·positions, O), one column block per group.
-    go = g4.permute(0, 2, 3, 1).reshape(-1, out_ch)
     grad_input = grad_weight = grad_bias = None
-    if output_mask[0]:
-        grad_input = _input_gradient(g4, w4, tuple(x4.shape), st, pd, dl, groups)
-        grad_input = grad_input.squeeze(2) if one_d else grad_input
-    if output_mask[1]:
-        cg = x4.shape[1] // groups
-        geometry = (list(kernel), st, pd, dl)
-        grads = [
-            # (O/g, N·positions) @ (N·positions, C/g·kk), the patches unfolded from the image.
-            torch.ops.cleave.unfold_mm(
-                go[:, g * og : (g + 1) * og].t(), x4[:, g * cg : (g + 1) * cg], "b", *geometry
+    if transposed:
+        # The convolution whose input gradient the forward was, run forward on grad_out,
+        # is the input gradient; the weight gradient is that convolution's, with the
+        # roles of image and output gradient swapped.
+        if output_mask[0]:
+            no_padding = [0] * len(output_padding)
+            grad_input = convolution(
+                grad_output, weight, None, stride, padding, dilation, False, no_padding, groups
             )
-            for g in range(groups)
-        ]
-        grad_weight = (grads[0] if groups == 1 else torch.cat(grads, dim=0)).view(weight.shape)
+        if output_mask[1]:
+            grad_weight = _weight_gradient(x4, g4, w4, st, pd, dl, groups).view(weight.shape)
+    else:
+        if output_mask[0]:
+            grad_input = _input_gradient(g4, w4, tuple(x4.shape), st, pd, dl, groups)
+            grad_input = grad_input.squeeze(2) if one_d else grad_input
+        if output_mask[1]:
+            grad_weight = _weight_gradient(g4, x4, w4, st, pd, dl, groups).view(weight.shape)
     if output_mask[2]:
         grad_bias = g4.sum(dim=(0, 2, 3))
     return grad_input, grad_weight, grad_bias
+
+
+def _weight_gradient(
+    g4: torch.Tensor,
+    x4: torch.Tensor,
+    w4: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """A convolution's weight gradient from its output gradient ``g4`` and its input
+    image ``x4``: (O, C/g·kk), one row block per group."""
+    out_ch, kernel = w4.shape[0], tuple(w4.shape[2:])
+    og, cg = out_ch // groups, x4.shape[1] // groups
+    # grad_out as the GEMMs see it: (N·positions, O), one column block per group.
+    go = g4.permute(0, 2, 3, 1).reshape(-1, out_ch)
+    geometry = (list(kernel), list(stride), list(padding), list(dilation))
+    grads = [
+        # (O/g, N·positions) @ (N·positions, C/g·kk), the patches unfolded from the image.
+        torch.ops.cleave.unfold_mm(
+            go[:, g * og : (g + 1) * og].t(), x4[:, g * cg : (g + 1) * cg], "b", *geometry
+        )
+        for g in range(groups)
+    ]
+    return grads[0] if groups == 1 else torch.cat(grads, dim=0)
+
+
+def _transposed(
+    x4: torch.Tensor,
+    w4: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    output_padding: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """A transposed convolution is the input gradient of the convolution with its weight
+    (channels (C_in, C_out/g) read as that convolution's (out, in/g)), at grad_out = x."""
+    out_ch = w4.shape[1] * groups
+    op = [0] * (2 - len(output_padding)) + [int(v) for v in output_padding]
+    size = [
+        (x4.shape[2 + i] - 1) * stride[i]
+        - 2 * padding[i]
+        + dilation[i] * (w4.shape[2 + i] - 1)
+        + op[i]
+        + 1
+        for i in range(2)
+    ]
+    return _input_gradient(x4, w4, (x4.shape[0], out_ch, *size), stride, padding, dilation, groups)
 
 
 def _input_gradient(

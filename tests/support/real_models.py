@@ -178,6 +178,38 @@ def make_cnn_job(batch: int = 16, size: int = 32, groups: int = 2) -> Job:
     )
 
 
+class Decoder(nn.Module):
+    """A GAN generator's or a VAE decoder's upsampling, with a 1-D branch as a vocoder
+    upsamples: transposed convolutions, strided, with output_padding, grouped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32 * 4 * 4)
+        self.up1 = nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.up2 = nn.ConvTranspose2d(16, 16, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.wave = nn.ConvTranspose1d(16, 8, 8, stride=4, padding=2)
+        self.to_rgb = nn.Conv2d(16, 3, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.up1(self.fc(z).view(-1, 32, 4, 4))))
+        h = F.relu(self.up2(h))  # (N, 16, 16, 16)
+        wave = self.wave(h.mean(dim=2))  # (N, 8, 64)
+        return torch.tanh(self.to_rgb(h)).mean(dim=1) + wave.mean(dim=(1, 2)).view(-1, 1, 1)
+
+
+def make_decoder_job(batch: int = 4) -> Job:
+    torch.manual_seed(0)
+    model = Decoder()
+    gen = torch.Generator().manual_seed(4)
+    data = [
+        (torch.randn(batch, 16, generator=gen), torch.rand(batch, 16, 16, generator=gen))
+        for _ in range(4)
+    ]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return Job(model=model, loss_fn=F.mse_loss, optimizer=opt, batches=data, name="decoder")
+
+
 # ---- data-dependent Python in the forward and the loss -----------------------------------
 
 PAD = 0

@@ -141,13 +141,64 @@ def test_convolution_and_its_backward_match_torch(case: Any, dtype: Any, tol: fl
             assert g.shape == wg.shape and rel(g, wg) < tol
 
 
+TRANSPOSED_CASES = [
+    # (dims, stride, padding, dilation, output_padding, groups, bias, kernel)
+    (2, 2, 1, 1, 0, 1, True, 4),  # a DCGAN generator's upsampling
+    (2, 2, 1, 1, 1, 1, False, 3),  # output_padding: the odd row a U-Net decoder adds
+    (2, 2, 0, 1, 0, 1, True, 2),  # a U-Net's 2x2 up-convolution
+    (2, 1, 1, 1, 0, 1, True, 3),
+    (2, 1, 0, 2, 0, 2, True, 3),
+    (2, (2, 1), (1, 0), 1, (1, 0), 1, True, 3),
+    (2, 3, 2, 1, 2, 1, False, 3),
+    (1, 4, 2, 1, 0, 1, True, 8),  # a vocoder's 1-D upsampling
+    (1, 2, 1, 1, 1, 2, False, 3),
+]
+
+
+@pytest.mark.parametrize("case", TRANSPOSED_CASES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_transposed_convolution_and_its_backward_match_torch(
+    case: Any, dtype: Any, tol: float
+) -> None:
+    dims, stride, padding, dilation, output_padding, groups, bias, kernel = case
+    gen = torch.Generator().manual_seed(2)
+    spatial = (7, 9) if dims == 2 else (13,)
+    x = torch.randn(3, 16, *spatial, generator=gen, dtype=dtype)
+    w = torch.randn(16, 16 // groups, *((kernel,) * dims), generator=gen, dtype=dtype)
+    b = torch.randn(16, generator=gen, dtype=dtype) if bias else None
+
+    def per_dim(v: Any) -> tuple[int, ...]:
+        return v if isinstance(v, tuple) else (v,) * dims
+
+    args = (per_dim(stride), per_dim(padding), per_dim(dilation), True, per_dim(output_padding))
+    want = aten.convolution(x, w, b, *args, groups)
+    got = lowering.convolution(x, w, b, *args, groups)
+    assert got is not NotImplemented
+    assert got.shape == want.shape and rel(got, want) < tol
+    grad = torch.randn_like(want)
+    sizes = [16] if bias else None
+    mask = [True, True, bias]
+    want_g = aten.convolution_backward(grad, x, w, sizes, *args, groups, mask)
+    got_g = lowering.convolution_backward(grad, x, w, sizes, *args, groups, mask)
+    for g, wg in zip(got_g, want_g, strict=True):
+        if wg is None:
+            assert g is None
+        else:
+            assert g.shape == wg.shape and rel(g, wg) < tol
+
+
 def test_convolutions_without_a_useful_gemm_stay_as_they_are() -> None:
     x = torch.randn(2, 8, 6, 6)
     depthwise = torch.randn(8, 1, 3, 3)
     args = ((1, 1), (1, 1), (1, 1))
     assert lowering.convolution(x, depthwise, None, *args, False, (0, 0), 8) is NotImplemented
+    # Transposed: three output channels (an image's colours) make GEMMs too narrow; an
+    # output_padding on a stride-1 side has no input-gradient form.
+    to_rgb = torch.randn(8, 3, 3, 3)
+    assert lowering.convolution(x, to_rgb, None, *args, True, (0, 0), 1) is NotImplemented
+    dilated = ((1, 1), (1, 1), (2, 2))
     weight = torch.randn(8, 8, 3, 3)
-    assert lowering.convolution(x, weight, None, *args, True, (0, 0), 1) is NotImplemented
+    assert lowering.convolution(x, weight, None, *dilated, True, (1, 1), 1) is NotImplemented
     x3, w3 = torch.randn(1, 8, 4, 4, 4), torch.randn(8, 8, 3, 3, 3)
     three = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
     assert lowering.convolution(x3, w3, None, *three, False, (0, 0, 0), 1) is NotImplemented

@@ -15,6 +15,7 @@ from support.real_models import (
     make_cnn_job,
     make_convnext_job,
     make_data_dependent_job,
+    make_decoder_job,
     make_moe_job,
     make_moe_loop_job,
     make_resnext_job,
@@ -76,6 +77,30 @@ def test_cnn_trains_and_its_flops_are_torchs_count(groups: int) -> None:
     assert trainer.flops["gflop"] == pytest.approx(counter.get_total_flops() / 1e9, abs=1e-4)
 
 
+def test_transposed_convolutions_go_to_workers() -> None:
+    trainer, offload, losses = _distributed(make_decoder_job, 3)
+    _assert_close(losses, train_locally(make_decoder_job(), 3), 1e-5)
+    assert {op for _, op, _ in offload.calls} >= {"unfold_mm", "mm"}
+    # A transposed convolution's FLOPs are 2 per input entry and weight it meets: every
+    # layer's forward, its input and weight gradients (none for the batch itself).
+    # (torch's own counter counts a transposed convolution's backward otherwise.)
+    forward = {
+        "fc": 2 * 4 * 16 * 512,
+        "up1": 2 * 4 * 32 * 4 * 4 * 16 * 4 * 4,
+        "up2": 2 * 4 * 16 * 8 * 8 * 8 * 3 * 3,
+        "wave": 2 * 4 * 16 * 16 * 8 * 8,
+        "to_rgb": 2 * 4 * 16 * 16 * 3 * 16 * 3 * 3,
+    }
+    total = 3 * sum(forward.values()) - forward["fc"]
+    assert trainer.flops["gflop"] == pytest.approx(total / 1e9, abs=1e-4)
+    # Only the last convolution, to three colours, is too narrow to tile: its forward,
+    # input gradient and weight gradient stayed here.
+    kept = {k["op"] for k in trainer.flops["kept_here"]}
+    assert kept == {"convolution", "convolution_backward"}, trainer.flops
+    kept_gflop = (1 - trainer.flops["workers_share"]) * trainer.flops["gflop"]
+    assert kept_gflop == pytest.approx(3 * forward["to_rgb"] / 1e9, abs=1e-4)
+
+
 def test_without_workers_the_accounting_names_what_stayed_here() -> None:
     trainer = Trainer(make_cnn_job(batch=4, size=16), None)
     trainer.run(1)
@@ -95,7 +120,7 @@ def test_tally_describes_the_ops_kept_here() -> None:
         "convolution"
     ]
     assert describe(summary).startswith("workers computed 90.0% of this step's 0.00 GFLOP")
-    assert "convolution 10.00% (transposed, 3-D" in describe(summary)
+    assert "convolution 10.00% (3-D, or fewer than 8 output channels" in describe(summary)
 
 
 def _why_not_captured(job: Job) -> str:
