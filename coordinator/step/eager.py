@@ -26,9 +26,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.ops import TileOp
-from coordinator.step.complex_gemm import start_gemm
 from coordinator.step.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
 from coordinator.step.flops import op_flops, op_label, op_name
+from coordinator.step.gemm_start import start_gemm
 from coordinator.step.grouped_mm import GROUPED_MM, split_grouped_mm, start_pieces
 from coordinator.step.job import Job
 from coordinator.step.lowering import LOWERINGS

@@ -21,8 +21,8 @@ from torch.fx.node import map_arg
 
 from common.ops import TileOp
 from common.unfold import Unfold
-from coordinator.step.complex_gemm import start_gemm
 from coordinator.step.flops import FlopTally, op_name
+from coordinator.step.gemm_start import start_gemm
 from coordinator.step.grouped_mm import GROUPED_MM, GroupedCall, split_grouped_mm, start_pieces
 from coordinator.step.tracing import GEMM_OPS, TracedStep, gemm_operands
 

@@ -190,6 +190,10 @@ def node_flops(node: Node) -> int:
     def meta(n: Node) -> Any:
         return n.meta.get("val")
 
+    if any(meta(n) is None for n in node.all_input_nodes):
+        # A constant make_fx kept no value of (a sparse matrix the model holds): no
+        # shapes to count from. Its products run here and cost its nonzeros, not m·n·k.
+        return 0
     args = torch.fx.node.map_arg(node.args, meta)
     kwargs = torch.fx.node.map_arg(node.kwargs, meta)
     return op_flops(node.target, args, kwargs, node.meta.get("val"))  # type: ignore[arg-type]

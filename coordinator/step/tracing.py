@@ -57,6 +57,12 @@ def gemm_operands(target: Any, args: Sequence[Any]) -> tuple[Any, Any, Unfold | 
     return args[0], args[1], None
 
 
+def _dense_operands(node: Node) -> bool:
+    a, b, _ = gemm_operands(node.target, node.args)
+    vals = [x.meta.get("val") if isinstance(x, Node) else x for x in (a, b)]
+    return all(isinstance(v, torch.Tensor) and v.layout == torch.strided for v in vals)
+
+
 @dataclass(frozen=True)
 class TracedStep:
     """One traced training step.
@@ -78,7 +84,12 @@ class TracedStep:
         return self.graph_module.graph
 
     def gemm_nodes(self) -> list[Node]:
-        return [n for n in self.graph.nodes if n.op == "call_function" and n.target in GEMM_OPS]
+        """The GEMMs workers can take: sparse operands (no dense blocks to cut) run here."""
+        return [
+            n
+            for n in self.graph.nodes
+            if n.op == "call_function" and n.target in GEMM_OPS and _dense_operands(n)
+        ]
 
     def flops(self) -> dict[Node, int]:
         """Every node's FLOPs (``torch.utils.flop_counter`` conventions), counted once."""
@@ -430,8 +441,23 @@ def _same_graph(a: TracedStep, b: TracedStep) -> bool:
     constants_a = dict(a.graph_module.named_buffers())
     constants_b = dict(b.graph_module.named_buffers())
     return constants_a.keys() == constants_b.keys() and all(
-        torch.equal(value, constants_b[name]) for name, value in constants_a.items()
+        _same_constant(value, constants_b[name]) for name, value in constants_a.items()
     )
+
+
+def _same_constant(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal contents; a sparse constant (a graph network's adjacency matrix) by its
+    nonzeros. Other sparse layouts count as changed: that step then runs eagerly."""
+    if a is b:
+        return True
+    if (a.layout, a.shape, a.dtype) != (b.layout, b.shape, b.dtype):
+        return False
+    if a.layout == torch.strided:
+        return torch.equal(a, b)
+    if a.layout == torch.sparse_coo:
+        a, b = a.coalesce(), b.coalesce()
+        return torch.equal(a.indices(), b.indices()) and torch.equal(a.values(), b.values())
+    return False
 
 
 # ---- GEMM geometry and the GEMM DAG ---------------------------------------------------

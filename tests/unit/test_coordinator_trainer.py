@@ -618,6 +618,56 @@ def test_complex_gemms_go_to_workers_as_real_ones(branchy: bool) -> None:
     assert trainer.flops["workers_share"] == 1.0
 
 
+class _GraphConvolution(nn.Module):
+    """A graph network as written without a library: a sparse adjacency matrix the model
+    holds, multiplied with dense features (torch.sparse.mm). ``branchy`` reads a value in
+    Python, so the step runs eagerly."""
+
+    def __init__(self, branchy: bool) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        edges = torch.randint(0, 40, (2, 160), generator=gen)
+        weights = torch.rand(160, generator=gen)
+        adjacency = torch.sparse_coo_tensor(edges, weights, (40, 40), check_invariants=True)
+        self.adjacency = adjacency.coalesce()
+        self.inner = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 3)
+        self.branchy = branchy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(torch.sparse.mm(self.adjacency, self.inner(x)))
+        if self.branchy and bool(h.sum() > 1e9):
+            h = h * 0
+        return torch.sparse.mm(self.adjacency, self.out(h))
+
+
+@pytest.mark.parametrize("branchy", [False, True])
+def test_a_sparse_operand_runs_here_and_the_dense_gemms_go_to_workers(branchy: bool) -> None:
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _GraphConvolution(branchy)
+        g = torch.Generator().manual_seed(1)
+        nodes, labels = torch.randn(40, 8, generator=g), torch.randint(0, 3, (40,), generator=g)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return Job(model, F.cross_entropy, opt, [(nodes, labels)] * 4)
+
+    want = train_locally(make(), 4)
+    offload = _DenseOnly()
+    trainer = Trainer(make(), offload)
+    assert_losses_match([r.loss for r in trainer.run(4)], want, rel=1e-6)
+    assert (trainer.tracer.get(*make().next_batch()) is None) == branchy
+    # The linear layers' GEMMs went out (forward, and weight and input gradients).
+    assert len(offload.calls) >= 4 * 4
+
+
+class _DenseOnly(RecordingOffload):
+    """Tiles carry dense blocks: a sparse operand must never reach an offload."""
+
+    def start(self, name: str, op: str, a: torch.Tensor, b: torch.Tensor, *args: Any) -> int:
+        assert a.layout == b.layout == torch.strided, (name, a.layout, b.layout)
+        return super().start(name, op, a, b, *args)
+
+
 class _PythonDecides(nn.Module):
     """Layer drop decided with Python's random module, or a scale that a Python counter
     changes after the first step: decisions a trace would keep from the traced step."""

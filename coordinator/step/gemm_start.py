@@ -1,5 +1,8 @@
-"""A complex GEMM handed out as one real GEMM: workers multiply real dtypes only.
+"""How a GEMM's operands are handed to an offload: dense real ones as they are, complex
+ones as one real GEMM, sparse ones not at all (a sparse adjacency matrix in a graph
+network: tiles carry dense blocks; such a product runs here).
 
+Workers multiply real dtypes only.
 (a_r + i a_i)(b_r + i b_i) = (a_r b_r - a_i b_i) + i (a_r b_i + a_i b_r). Stacking a's
 parts by rows and b's by columns, [a_r; a_i] @ [b_r | b_i] holds all four products in
 one real GEMM whose operands are the complex operands' own bytes; its result is twice
@@ -26,6 +29,8 @@ def start_gemm(
     """``offload.start`` for ``a @ b``, complex operands as one real GEMM. Returns the
     FLOPs handed out in the complex GEMM's own count (2·m·n·k per product, as the
     step's tally counts it); 0: nothing started."""
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return 0
     if not (a.is_complex() or b.is_complex()):
         return offload.start(name, op, a, b, done)
     if a.dtype != b.dtype or a.dtype not in _REAL:
