@@ -151,12 +151,12 @@ KEPT_WHY = {
         " much as computing it here (bench/bench_depthwise.py)"
     ),
     "convolution": (
-        "3-D, or fewer than 8 output channels per group (an image's colours, a grouped"
-        " convolution's narrow groups): no GEMM lowering"
+        "fewer than 8 output channels per group (an image's colours, a grouped"
+        " convolution's narrow groups), or 3-D and transposed: no GEMM lowering"
     ),
     "convolution_backward": (
-        "3-D, or fewer than 8 output channels per group (an image's colours, a grouped"
-        " convolution's narrow groups): no GEMM lowering"
+        "fewer than 8 output channels per group (an image's colours, a grouped"
+        " convolution's narrow groups), or 3-D and transposed: no GEMM lowering"
     ),
 }
 _FUSED_RNN = (

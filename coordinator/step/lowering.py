@@ -14,7 +14,8 @@ plus cheap ops that stay at the coordinator:
   ``grad_outᵀ @ patches(input)``, and the input gradient of a stride-1 convolution
   ``patches(grad_out) @ flipped weight`` (a strided one: ``grad_out @ weight``, folded
   back here). A transposed convolution is the input gradient of the convolution with its
-  weight, and its backward that convolution's forward and weight gradient. GEMMs with a
+  weight, and its backward that convolution's forward and weight gradient; a 3-D
+  convolution a 2-D one over depth-stacked frames. GEMMs with a
   patch operand are ``cleave::unfold_mm`` nodes: their tiles carry image blocks, which
   workers unfold themselves (``common.unfold``), so the wire carries each image once
   instead of its kernel-size-times larger patch matrix. Every returned tile is a plain
@@ -25,7 +26,7 @@ plus cheap ops that stay at the coordinator:
 
 The table is keyed by aten overload and used as ``make_fx``'s decomposition table and by
 the eager fallback (``coordinator.step.eager``). A lowering returns ``NotImplemented`` for the
-cases it does not cover (3-D convolutions, groups too narrow to make useful tiles,
+cases it does not cover (3-D transposed convolutions, groups too narrow to make useful tiles,
 dropout inside the fused kernel); those ops then run at the coordinator as they are,
 and the FLOP accounting names them.
 """
@@ -227,10 +228,12 @@ def _lowerable(
     stride: Sequence[int],
     output_padding: Sequence[int],
 ) -> bool:
-    if weight.dim() not in (3, 4) or weight.shape[0] // groups < MIN_GROUP_CHANNELS:
+    if weight.dim() not in (3, 4, 5) or weight.shape[0] // groups < MIN_GROUP_CHANNELS:
         return False
     if not transposed:
         return True
+    if weight.dim() == 5:
+        return False  # a 3-D transposed convolution: no lowering yet
     # A transposed convolution's forward is a convolution's input gradient, whose GEMMs
     # are as wide as its own output channels; its input gradient a convolution, as wide
     # as its input channels (weight.shape[0] // groups, above). Extra output rows on a
@@ -255,6 +258,8 @@ def convolution(
         or input.dim() != weight.dim()
     ):
         return NotImplemented
+    if input.dim() == 5:
+        return _volume(input, weight, bias, stride, padding, dilation, groups)
     one_d = input.dim() == 3
     x4, st, pd, dl = _as_2d(input, stride, padding, dilation)
     w4 = weight.unsqueeze(2) if one_d else weight
@@ -302,6 +307,10 @@ def convolution_backward(
         or input.dim() != weight.dim()
     ):
         return NotImplemented
+    if input.dim() == 5:
+        return _volume_backward(
+            grad_output, input, weight, stride, padding, dilation, groups, output_mask
+        )
     one_d = input.dim() == 3
     x4, st, pd, dl = _as_2d(input, stride, padding, dilation)
     w4 = weight.unsqueeze(2) if one_d else weight
@@ -450,6 +459,100 @@ def _input_gradient_folded(
         tuple(padding),
         tuple(stride),
     )
+
+
+# A 3-D convolution is a 2-D one over depth-stacked frames: for each output frame, the
+# kernel-depth input frames it reads, side by side as channels, convolved in 2-D with the
+# weight's depth taps side by side too. Workers unfold 2-D image blocks; the stacking (the
+# input once per kernel tap in depth) and the scatter of the input gradient back to the
+# frames are done here.
+
+
+def _depth_geometry(
+    x5: torch.Tensor,
+    w5: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> tuple[int, int, int, int, int]:
+    """(kernel depth, depth stride, depth padding, depth dilation, output depth)."""
+    kd, sd, pd, dd = w5.shape[2], int(stride[0]), int(padding[0]), int(dilation[0])
+    return kd, sd, pd, dd, (x5.shape[2] + 2 * pd - dd * (kd - 1) - 1) // sd + 1
+
+
+def _stacked_frames(
+    x5: torch.Tensor, w5: torch.Tensor, geometry: tuple[int, ...], groups: int
+) -> torch.Tensor:
+    """(N·D_out, kd·C, H, W): output frame t's input frames, each group's channels
+    ordered (tap, channel) as `_stacked_weight` orders them."""
+    kd, sd, pd, dd, do = geometry
+    n, c, _, h, w = x5.shape
+    xp = torch.nn.functional.pad(x5, (0, 0, 0, 0, pd, pd))
+    taps = torch.stack([xp[:, :, z * dd : z * dd + sd * (do - 1) + 1 : sd] for z in range(kd)], 1)
+    taps = taps.view(n, kd, groups, c // groups, do, h, w).permute(0, 4, 2, 1, 3, 5, 6)
+    return taps.reshape(n * do, kd * c, h, w)
+
+
+def _stacked_weight(w5: torch.Tensor) -> torch.Tensor:
+    """(O, C/g, kd, kh, kw) as (O, kd·C/g, kh, kw): the depth taps side by side."""
+    o, cg, kd, kh, kw = w5.shape
+    return w5.permute(0, 2, 1, 3, 4).reshape(o, kd * cg, kh, kw)
+
+
+def _volume(
+    x5: torch.Tensor,
+    w5: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> Any:
+    geometry = _depth_geometry(x5, w5, stride, padding, dilation)
+    do = geometry[4]
+    x4 = _stacked_frames(x5, w5, geometry, groups)
+    w4 = _stacked_weight(w5)
+    out = convolution(x4, w4, None, stride[1:], padding[1:], dilation[1:], False, [0, 0], groups)
+    n, o = x5.shape[0], w5.shape[0]
+    out = out.view(n, do, o, *out.shape[2:]).permute(0, 2, 1, 3, 4)
+    if bias is not None:
+        out = out + bias.view(1, -1, 1, 1, 1)
+    return out.contiguous()
+
+
+def _volume_backward(
+    grad_output: torch.Tensor,
+    x5: torch.Tensor,
+    w5: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> Any:
+    kd, sd, pd, dd, do = geometry = _depth_geometry(x5, w5, stride, padding, dilation)
+    n, c, d, h, w = x5.shape
+    o = w5.shape[0]
+    x4 = _stacked_frames(x5, w5, geometry, groups)
+    w4 = _stacked_weight(w5)
+    g4 = grad_output.permute(0, 2, 1, 3, 4).reshape(n * do, o, *grad_output.shape[3:])
+    st, pd2, dl = list(stride[1:]), list(padding[1:]), list(dilation[1:])
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        stacked = _input_gradient(g4, w4, tuple(x4.shape), st, pd2, dl, groups)
+        taps = stacked.view(n, do, groups, kd, c // groups, h, w).permute(0, 3, 2, 4, 1, 5, 6)
+        taps = taps.reshape(n, kd, c, do, h, w)
+        padded = x5.new_zeros(n, c, d + 2 * pd, h, w)
+        for z in range(kd):  # each tap's frames back where they were read from
+            padded[:, :, z * dd : z * dd + sd * (do - 1) + 1 : sd] += taps[:, z]
+        grad_input = padded[:, :, pd : pd + d].contiguous()
+    if output_mask[1]:
+        flat = _weight_gradient(g4, x4, w4, st, pd2, dl, groups)  # (O, kd·C/g·kh·kw)
+        kh, kw = w5.shape[3:]
+        grad_weight = flat.view(o, kd, c // groups, kh, kw).permute(0, 2, 1, 3, 4).contiguous()
+    if output_mask[2]:
+        grad_bias = grad_output.sum(dim=(0, 2, 3, 4))
+    return grad_input, grad_weight, grad_bias
 
 
 # ---- GEMMs with a scaled sum --------------------------------------------------------------

@@ -96,6 +96,11 @@ CONV_CASES = [
     (2, 1, 2, 1, 2, True, 5),
     (1, 1, 1, 1, 1, True, 3),
     (1, 2, 3, 2, 2, False, 3),
+    (3, 1, 1, 1, 1, True, 3),  # a 3-D U-Net's or a video network's convolution
+    (3, 2, 1, 1, 2, False, 3),
+    (3, (2, 1, 1), (0, 1, 1), (1, 2, 1), 1, True, 3),
+    (3, (1, 2, 2), (2, 0, 1), (2, 1, 1), 1, False, 3),
+    (3, 1, 0, 1, 1, False, 1),
 ]
 
 
@@ -110,7 +115,7 @@ def _conv_case(
     dtype: Any,
 ) -> tuple[Any, ...]:
     gen = torch.Generator().manual_seed(1)
-    spatial = (9, 11) if dims == 2 else (13,)
+    spatial = {1: (13,), 2: (9, 11), 3: (6, 7, 5)}[dims]
     x = torch.randn(3, 8, *spatial, generator=gen, dtype=dtype)
     w = torch.randn(16, 8 // groups, *((kernel,) * dims), generator=gen, dtype=dtype)
     b = torch.randn(16, generator=gen, dtype=dtype) if bias else None
@@ -201,7 +206,7 @@ def test_convolutions_without_a_useful_gemm_stay_as_they_are() -> None:
     assert lowering.convolution(x, weight, None, *dilated, True, (1, 1), 1) is NotImplemented
     x3, w3 = torch.randn(1, 8, 4, 4, 4), torch.randn(8, 8, 3, 3, 3)
     three = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
-    assert lowering.convolution(x3, w3, None, *three, False, (0, 0, 0), 1) is NotImplemented
+    assert lowering.convolution(x3, w3, None, *three, True, (0, 0, 0), 1) is NotImplemented
 
 
 def test_a_traced_cnn_step_has_no_convolution_left() -> None:

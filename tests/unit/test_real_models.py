@@ -120,7 +120,7 @@ def test_tally_describes_the_ops_kept_here() -> None:
         "convolution"
     ]
     assert describe(summary).startswith("workers computed 90.0% of this step's 0.00 GFLOP")
-    assert "convolution 10.00% (3-D, or fewer than 8 output channels" in describe(summary)
+    assert "convolution 10.00% (fewer than 8 output channels" in describe(summary)
 
 
 def _why_not_captured(job: Job) -> str:
