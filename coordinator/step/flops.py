@@ -152,11 +152,11 @@ KEPT_WHY = {
     ),
     "convolution": (
         "fewer than 8 output channels per group (an image's colours, a grouped"
-        " convolution's narrow groups), or 3-D and transposed: no GEMM lowering"
+        " convolution's narrow groups): no GEMM lowering"
     ),
     "convolution_backward": (
         "fewer than 8 output channels per group (an image's colours, a grouped"
-        " convolution's narrow groups), or 3-D and transposed: no GEMM lowering"
+        " convolution's narrow groups): no GEMM lowering"
     ),
 }
 _FUSED_RNN = (

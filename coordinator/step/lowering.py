@@ -26,7 +26,7 @@ plus cheap ops that stay at the coordinator:
 
 The table is keyed by aten overload and used as ``make_fx``'s decomposition table and by
 the eager fallback (``coordinator.step.eager``). A lowering returns ``NotImplemented`` for the
-cases it does not cover (3-D transposed convolutions, groups too narrow to make useful tiles,
+cases it does not cover (groups too narrow to make useful tiles,
 dropout inside the fused kernel); those ops then run at the coordinator as they are,
 and the FLOP accounting names them.
 """
@@ -232,8 +232,6 @@ def _lowerable(
         return False
     if not transposed:
         return True
-    if weight.dim() == 5:
-        return False  # a 3-D transposed convolution: no lowering yet
     # A transposed convolution's forward is a convolution's input gradient, whose GEMMs
     # are as wide as its own output channels; its input gradient a convolution, as wide
     # as its input channels (weight.shape[0] // groups, above). Extra output rows on a
@@ -258,6 +256,9 @@ def convolution(
         or input.dim() != weight.dim()
     ):
         return NotImplemented
+    if input.dim() == 5 and transposed:
+        args = (stride, padding, dilation, output_padding, groups)
+        return _volume_transposed(input, weight, bias, *args)
     if input.dim() == 5:
         return _volume(input, weight, bias, stride, padding, dilation, groups)
     one_d = input.dim() == 3
@@ -308,9 +309,8 @@ def convolution_backward(
     ):
         return NotImplemented
     if input.dim() == 5:
-        return _volume_backward(
-            grad_output, input, weight, stride, padding, dilation, groups, output_mask
-        )
+        geometry = (stride, padding, dilation, transposed, output_padding, groups)
+        return _volume_backward(grad_output, input, weight, *geometry, output_mask)
     one_d = input.dim() == 3
     x4, st, pd, dl = _as_2d(input, stride, padding, dilation)
     w4 = weight.unsqueeze(2) if one_d else weight
@@ -377,15 +377,27 @@ def _transposed(
     (channels (C_in, C_out/g) read as that convolution's (out, in/g)), at grad_out = x."""
     out_ch = w4.shape[1] * groups
     op = [0] * (2 - len(output_padding)) + [int(v) for v in output_padding]
-    size = [
-        (x4.shape[2 + i] - 1) * stride[i]
-        - 2 * padding[i]
-        + dilation[i] * (w4.shape[2 + i] - 1)
-        + op[i]
-        + 1
-        for i in range(2)
-    ]
+    size = _transposed_size(x4, w4, stride, padding, dilation, op)
     return _input_gradient(x4, w4, (x4.shape[0], out_ch, *size), stride, padding, dilation, groups)
+
+
+def _transposed_size(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    output_padding: Sequence[int],
+) -> list[int]:
+    """A transposed convolution's output size, per spatial dimension."""
+    return [
+        (x.shape[2 + i] - 1) * stride[i]
+        - 2 * padding[i]
+        + dilation[i] * (w.shape[2 + i] - 1)
+        + output_padding[i]
+        + 1
+        for i in range(x.dim() - 2)
+    ]
 
 
 def _input_gradient(
@@ -469,20 +481,19 @@ def _input_gradient_folded(
 
 
 def _depth_geometry(
-    x5: torch.Tensor,
+    depth: int,
     w5: torch.Tensor,
     stride: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
 ) -> tuple[int, int, int, int, int]:
-    """(kernel depth, depth stride, depth padding, depth dilation, output depth)."""
+    """(kernel depth, depth stride, depth padding, depth dilation, output depth) of a
+    convolution over an input `depth` frames deep."""
     kd, sd, pd, dd = w5.shape[2], int(stride[0]), int(padding[0]), int(dilation[0])
-    return kd, sd, pd, dd, (x5.shape[2] + 2 * pd - dd * (kd - 1) - 1) // sd + 1
+    return kd, sd, pd, dd, (depth + 2 * pd - dd * (kd - 1) - 1) // sd + 1
 
 
-def _stacked_frames(
-    x5: torch.Tensor, w5: torch.Tensor, geometry: tuple[int, ...], groups: int
-) -> torch.Tensor:
+def _stacked_frames(x5: torch.Tensor, geometry: tuple[int, ...], groups: int) -> torch.Tensor:
     """(N·D_out, kd·C, H, W): output frame t's input frames, each group's channels
     ordered (tap, channel) as `_stacked_weight` orders them."""
     kd, sd, pd, dd, do = geometry
@@ -499,6 +510,12 @@ def _stacked_weight(w5: torch.Tensor) -> torch.Tensor:
     return w5.permute(0, 2, 1, 3, 4).reshape(o, kd * cg, kh, kw)
 
 
+def _frames(g5: torch.Tensor) -> torch.Tensor:
+    """(N, O, D, H, W) as (N·D, O, H, W): a 2-D batch of frames."""
+    n, o, d = g5.shape[:3]
+    return g5.permute(0, 2, 1, 3, 4).reshape(n * d, o, *g5.shape[3:])
+
+
 def _volume(
     x5: torch.Tensor,
     w5: torch.Tensor,
@@ -507,10 +524,10 @@ def _volume(
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
-) -> Any:
-    geometry = _depth_geometry(x5, w5, stride, padding, dilation)
+) -> torch.Tensor:
+    geometry = _depth_geometry(x5.shape[2], w5, stride, padding, dilation)
     do = geometry[4]
-    x4 = _stacked_frames(x5, w5, geometry, groups)
+    x4 = _stacked_frames(x5, geometry, groups)
     w4 = _stacked_weight(w5)
     out = convolution(x4, w4, None, stride[1:], padding[1:], dilation[1:], False, [0, 0], groups)
     n, o = x5.shape[0], w5.shape[0]
@@ -520,6 +537,53 @@ def _volume(
     return out.contiguous()
 
 
+def _volume_input_gradient(
+    g5: torch.Tensor,
+    w5: torch.Tensor,
+    input_shape: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    n, c, d, h, w = input_shape
+    kd, sd, pd, dd, do = _depth_geometry(d, w5, stride, padding, dilation)
+    stacked_shape = (n * do, kd * c, h, w)
+    stacked = _input_gradient(
+        _frames(g5),
+        _stacked_weight(w5),
+        stacked_shape,
+        stride[1:],
+        padding[1:],
+        dilation[1:],
+        groups,
+    )
+    taps = stacked.view(n, do, groups, kd, c // groups, h, w).permute(0, 3, 2, 4, 1, 5, 6)
+    taps = taps.reshape(n, kd, c, do, h, w)
+    padded = g5.new_zeros(n, c, d + 2 * pd, h, w)
+    for z in range(kd):  # each tap's frames back where they were read from
+        padded[:, :, z * dd : z * dd + sd * (do - 1) + 1 : sd] += taps[:, z]
+    return padded[:, :, pd : pd + d].contiguous()
+
+
+def _volume_weight_gradient(
+    g5: torch.Tensor,
+    x5: torch.Tensor,
+    w5: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    geometry = _depth_geometry(x5.shape[2], w5, stride, padding, dilation)
+    x4 = _stacked_frames(x5, geometry, groups)
+    flat = _weight_gradient(
+        _frames(g5), x4, _stacked_weight(w5), stride[1:], padding[1:], dilation[1:], groups
+    )  # (O, kd·C/g·kh·kw)
+    o, cg, kd, kh, kw = w5.shape
+    return flat.view(o, kd, cg, kh, kw).permute(0, 2, 1, 3, 4).contiguous()
+
+
 def _volume_backward(
     grad_output: torch.Tensor,
     x5: torch.Tensor,
@@ -527,32 +591,48 @@ def _volume_backward(
     stride: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
     groups: int,
     output_mask: Sequence[bool],
 ) -> Any:
-    kd, sd, pd, dd, do = geometry = _depth_geometry(x5, w5, stride, padding, dilation)
-    n, c, d, h, w = x5.shape
-    o = w5.shape[0]
-    x4 = _stacked_frames(x5, w5, geometry, groups)
-    w4 = _stacked_weight(w5)
-    g4 = grad_output.permute(0, 2, 1, 3, 4).reshape(n * do, o, *grad_output.shape[3:])
-    st, pd2, dl = list(stride[1:]), list(padding[1:]), list(dilation[1:])
     grad_input = grad_weight = grad_bias = None
-    if output_mask[0]:
-        stacked = _input_gradient(g4, w4, tuple(x4.shape), st, pd2, dl, groups)
-        taps = stacked.view(n, do, groups, kd, c // groups, h, w).permute(0, 3, 2, 4, 1, 5, 6)
-        taps = taps.reshape(n, kd, c, do, h, w)
-        padded = x5.new_zeros(n, c, d + 2 * pd, h, w)
-        for z in range(kd):  # each tap's frames back where they were read from
-            padded[:, :, z * dd : z * dd + sd * (do - 1) + 1 : sd] += taps[:, z]
-        grad_input = padded[:, :, pd : pd + d].contiguous()
-    if output_mask[1]:
-        flat = _weight_gradient(g4, x4, w4, st, pd2, dl, groups)  # (O, kd·C/g·kh·kw)
-        kh, kw = w5.shape[3:]
-        grad_weight = flat.view(o, kd, c // groups, kh, kw).permute(0, 2, 1, 3, 4).contiguous()
+    geometry = (stride, padding, dilation)
+    if transposed:
+        # As for 2-D: the forward was the input gradient of the convolution with this
+        # weight; its input gradient is that convolution, its weight gradient that
+        # convolution's with image and output gradient swapped.
+        if output_mask[0]:
+            grad_input = _volume(grad_output, w5, None, *geometry, groups)
+        if output_mask[1]:
+            grad_weight = _volume_weight_gradient(x5, grad_output, w5, *geometry, groups)
+    else:
+        if output_mask[0]:
+            grad_input = _volume_input_gradient(grad_output, w5, x5.shape, *geometry, groups)
+        if output_mask[1]:
+            grad_weight = _volume_weight_gradient(grad_output, x5, w5, *geometry, groups)
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=(0, 2, 3, 4))
     return grad_input, grad_weight, grad_bias
+
+
+def _volume_transposed(
+    x5: torch.Tensor,
+    w5: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    output_padding: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    out_shape = (
+        x5.shape[0],
+        w5.shape[1] * groups,
+        *_transposed_size(x5, w5, stride, padding, dilation, output_padding),
+    )
+    out = _volume_input_gradient(x5, w5, out_shape, stride, padding, dilation, groups)
+    return out if bias is None else out + bias.view(1, -1, 1, 1, 1)
 
 
 # ---- GEMMs with a scaled sum --------------------------------------------------------------

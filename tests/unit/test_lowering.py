@@ -157,6 +157,9 @@ TRANSPOSED_CASES = [
     (2, 3, 2, 1, 2, 1, False, 3),
     (1, 4, 2, 1, 0, 1, True, 8),  # a vocoder's 1-D upsampling
     (1, 2, 1, 1, 1, 2, False, 3),
+    (3, 2, 0, 1, 0, 1, True, 2),  # a 3-D U-Net decoder's 2x2x2 up-convolution
+    (3, 2, 1, 1, 1, 2, False, 3),
+    (3, (1, 2, 2), (0, 1, 1), 1, (0, 1, 1), 1, True, 3),
 ]
 
 
@@ -167,7 +170,7 @@ def test_transposed_convolution_and_its_backward_match_torch(
 ) -> None:
     dims, stride, padding, dilation, output_padding, groups, bias, kernel = case
     gen = torch.Generator().manual_seed(2)
-    spatial = (7, 9) if dims == 2 else (13,)
+    spatial = {1: (13,), 2: (7, 9), 3: (3, 5, 4)}[dims]
     x = torch.randn(3, 16, *spatial, generator=gen, dtype=dtype)
     w = torch.randn(16, 16 // groups, *((kernel,) * dims), generator=gen, dtype=dtype)
     b = torch.randn(16, generator=gen, dtype=dtype) if bias else None
@@ -204,7 +207,7 @@ def test_convolutions_without_a_useful_gemm_stay_as_they_are() -> None:
     dilated = ((1, 1), (1, 1), (2, 2))
     weight = torch.randn(8, 8, 3, 3)
     assert lowering.convolution(x, weight, None, *dilated, True, (1, 1), 1) is NotImplemented
-    x3, w3 = torch.randn(1, 8, 4, 4, 4), torch.randn(8, 8, 3, 3, 3)
+    x3, w3 = torch.randn(1, 8, 4, 4, 4), torch.randn(8, 3, 3, 3, 3)
     three = ((1, 1, 1), (1, 1, 1), (1, 1, 1))
     assert lowering.convolution(x3, w3, None, *three, True, (0, 0, 0), 1) is NotImplemented
 
