@@ -34,6 +34,7 @@ from coordinator.step.flops import node_flops, node_label, op_name
 from coordinator.step.hooks import hooks_reason, untraced_hooks
 from coordinator.step.job import Job, JobError
 from coordinator.step.lowering import LOWERINGS, unfold_spec
+from coordinator.step.one_hot import GraphOneHot
 
 log = logging.getLogger("cleave.coordinator")
 aten = torch.ops.aten
@@ -316,7 +317,7 @@ def trace_step(job: Job, inputs: Any, targets: Any) -> TracedStep:
         # in-place updates to them are allowed under grad_and_value; gradients are taken
         # for p_ only.
         def loss_of(p_: dict[str, torch.Tensor], rest: dict[str, torch.Tensor]) -> torch.Tensor:
-            with job.autocast_context(), EagerDropout(), _compiling(compiling):
+            with job.autocast_context(), EagerDropout(), GraphOneHot(), _compiling(compiling):
                 args, kwargs = job.model_arguments(x)
                 return job.loss_of(functional_call(model, (p_, rest), args, kwargs), y)
 

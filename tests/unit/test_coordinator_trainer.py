@@ -668,6 +668,40 @@ class _DenseOnly(RecordingOffload):
         return super().start(name, op, a, b, *args)
 
 
+def _dice_job(bad_label_at: int | None = None) -> Job:
+    """A segmentation-style loss as people write it: a soft Dice loss over one-hot
+    targets (F.one_hot with the number of classes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(4)
+    ]
+    if bad_label_at is not None:
+        data[bad_label_at][1][3] = 7
+
+    def dice(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        probs, target = logits.softmax(-1), F.one_hot(labels, 4).float()
+        overlap = (probs * target).sum(0)
+        return 1 - (2 * overlap / (probs.sum(0) + target.sum(0) + 1e-6)).mean()
+
+    return Job(model, dice, torch.optim.SGD(model.parameters(), lr=0.5), data)
+
+
+def test_one_hot_with_a_number_of_classes_is_captured() -> None:
+    want = train_locally(_dice_job(), 4)
+    trainer = Trainer(_dice_job(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(4)], want, rel=1e-6)
+    assert not trainer.tracer.failures
+    # A class index out of range fails at the step that holds it, as in local torch.
+    with pytest.raises(RuntimeError, match="smaller than num_classes"):
+        train_locally(_dice_job(bad_label_at=2), 4)
+    trainer = Trainer(_dice_job(bad_label_at=2), InThreadOffload())
+    with pytest.raises(RuntimeError, match="smaller than num_classes"):
+        trainer.run(4)
+    assert trainer.step == 2  # the two steps before it completed
+
+
 class _PythonDecides(nn.Module):
     """Layer drop decided with Python's random module, or a scale that a Python counter
     changes after the first step: decisions a trace would keep from the traced step."""
