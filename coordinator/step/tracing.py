@@ -154,11 +154,11 @@ def _user_frame(exc: BaseException) -> str:
     return where
 
 
-def _in_checkpoint(exc: BaseException) -> bool:
-    """Whether the traceback passes through ``torch.utils.checkpoint``."""
+def _passes_through(exc: BaseException, *parts: str) -> bool:
+    """Whether the traceback passes through a file whose path ends in ``parts``."""
     tb = exc.__traceback__
     while tb is not None:
-        if Path(tb.tb_frame.f_code.co_filename).parts[-3:] == ("torch", "utils", "checkpoint.py"):
+        if Path(tb.tb_frame.f_code.co_filename).parts[-len(parts) :] == parts:
             return True
         tb = tb.tb_next
     return False
@@ -169,7 +169,7 @@ def capture_reason(exc: BaseException) -> str:
     where = _user_frame(exc)
     at = f" (at {where})" if where else ""
     text = str(exc)
-    if _in_checkpoint(exc):
+    if _passes_through(exc, "torch", "utils", "checkpoint.py"):
         # torch.func refuses checkpointing's saved-tensor hooks (and the reentrant kind's
         # autograd.Function), and its own words point at neither.
         return (
@@ -178,7 +178,17 @@ def capture_reason(exc: BaseException) -> str:
             "capture the whole step, turn it off: here it only saves the coordinator "
             "memory, by computing the forward twice (its GEMMs go to workers twice)"
         )
-    if "_local_scalar_dense" in text or "data-dependent" in text or "data dependent" in text:
+    data_dependent = any(
+        w in text for w in ("_local_scalar_dense", "data-dependent", "data dependent")
+    )
+    if data_dependent and _passes_through(exc, "torch", "distributions", "distribution.py"):
+        return (
+            f"a torch.distributions object checks its arguments' values in Python{at}, "
+            "a question one graph cannot hold. To capture the whole step, create it with "
+            "validate_args=False, or call "
+            "torch.distributions.Distribution.set_default_validate_args(False) once"
+        )
+    if data_dependent:
         return (
             f"the model or loss reads a tensor's value in Python{at}: .item(), .tolist(), "
             "`if tensor:`, .any()/.all() in a condition, or a shape taken from data "

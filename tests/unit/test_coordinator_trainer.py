@@ -702,6 +702,47 @@ def test_one_hot_with_a_number_of_classes_is_captured() -> None:
     assert trainer.step == 2  # the two steps before it completed
 
 
+class _VariationalAutoencoder(nn.Module):
+    def __init__(self, validate: bool) -> None:
+        super().__init__()
+        self.encode, self.decode = nn.Linear(16, 8), nn.Linear(4, 16)
+        self.validate = validate
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, log_var = self.encode(x).chunk(2, dim=1)
+        posterior = torch.distributions.Normal(
+            mu, (0.5 * log_var).exp(), validate_args=self.validate
+        )
+        prior = torch.distributions.Normal(
+            torch.zeros_like(mu), torch.ones_like(mu), validate_args=self.validate
+        )
+        kl = torch.distributions.kl_divergence(posterior, prior).sum(1).mean()
+        return self.decode(posterior.rsample()), kl
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_torch_distributions_say_how_to_be_captured(validate: bool) -> None:
+    def make() -> Job:
+        torch.manual_seed(0)
+        model = _VariationalAutoencoder(validate)
+        g = torch.Generator().manual_seed(1)
+        data = [(x, x) for x in torch.randn(4, 8, 16, generator=g)]
+
+        def loss(out: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(out[0], x) + 0.1 * out[1]
+
+        return Job(model, loss, torch.optim.Adam(model.parameters(), lr=1e-2), data)
+
+    want = train_locally(make(), 4)
+    trainer = Trainer(make(), InThreadOffload())
+    assert_losses_match([r.loss for r in trainer.run(4)], want, rel=1e-6)
+    if validate:
+        (failure,) = trainer.tracer.failures.values()
+        assert "validate_args=False" in failure.reason
+    else:
+        assert not trainer.tracer.failures
+
+
 class _PythonDecides(nn.Module):
     """Layer drop decided with Python's random module, or a scale that a Python counter
     changes after the first step: decisions a trace would keep from the traced step."""
