@@ -212,13 +212,11 @@ def unfold_spec(
     return Unfold(operand, pair(kernel), pair(stride), pair(padding), pair(dilation))
 
 
-def _as_2d(
-    x: torch.Tensor, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
-) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
-    """A 1-D convolution is a 2-D one over a height of 1."""
-    if x.dim() == 3:
-        return x.unsqueeze(2), [1, *stride], [0, *padding], [1, *dilation]
-    return x, list(stride), list(padding), list(dilation)
+def _with_height(
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """A 1-D convolution is a 2-D one over a height of 1: its geometry with that height."""
+    return [1, *stride], [0, *padding], [1, *dilation]
 
 
 def _lowerable(
@@ -256,38 +254,18 @@ def convolution(
         or input.dim() != weight.dim()
     ):
         return NotImplemented
-    if input.dim() == 5 and transposed:
-        args = (stride, padding, dilation, output_padding, groups)
-        return _volume_transposed(input, weight, bias, *args)
-    if input.dim() == 5:
-        return _volume(input, weight, bias, stride, padding, dilation, groups)
-    one_d = input.dim() == 3
-    x4, st, pd, dl = _as_2d(input, stride, padding, dilation)
-    w4 = weight.unsqueeze(2) if one_d else weight
+    geometry = (stride, padding, dilation, groups)
     if transposed:
-        out = _transposed(x4, w4, st, pd, dl, output_padding, groups)
-        if bias is not None:
-            out = out + bias.view(1, -1, 1, 1)
-        return out.squeeze(2) if one_d else out
-    out_ch, kernel = w4.shape[0], tuple(w4.shape[2:])
-    n, h, w = x4.shape[0], x4.shape[2], x4.shape[3]
-    ho = (h + 2 * pd[0] - dl[0] * (kernel[0] - 1) - 1) // st[0] + 1
-    wo = (w + 2 * pd[1] - dl[1] * (kernel[1] - 1) - 1) // st[1] + 1
-    og = out_ch // groups
-    cg = x4.shape[1] // groups
-    w_groups = w4.reshape(groups, og, -1)  # (groups, O/g, C/g·kk)
-    geometry = (list(kernel), st, pd, dl)
-    outs = [
-        # (N·positions, C/g·kk) @ (C/g·kk, O/g), the patches unfolded from the image.
-        torch.ops.cleave.unfold_mm(x4[:, g * cg : (g + 1) * cg], w_groups[g].t(), "a", *geometry)
-        for g in range(groups)
-    ]
-    out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
-    out = out.view(n, ho, wo, out_ch).permute(0, 3, 1, 2)
+        # The input gradient of the convolution with this weight (channels (C_in,
+        # C_out/g) read as that convolution's (out, in/g)), at grad_out = input.
+        size = _transposed_size(input, weight, stride, padding, dilation, output_padding)
+        out_shape = (input.shape[0], weight.shape[1] * groups, *size)
+        out = _input_grad(input, weight, out_shape, *geometry)
+    else:
+        out = _forward(input, weight, *geometry)
     if bias is not None:
-        out = out + bias.view(1, -1, 1, 1)
-    out = out.contiguous()
-    return out.squeeze(2) if one_d else out
+        out = out + bias.view(1, -1, *[1] * (out.dim() - 2))
+    return out
 
 
 def convolution_backward(
@@ -308,34 +286,108 @@ def convolution_backward(
         or input.dim() != weight.dim()
     ):
         return NotImplemented
-    if input.dim() == 5:
-        geometry = (stride, padding, dilation, transposed, output_padding, groups)
-        return _volume_backward(grad_output, input, weight, *geometry, output_mask)
-    one_d = input.dim() == 3
-    x4, st, pd, dl = _as_2d(input, stride, padding, dilation)
-    w4 = weight.unsqueeze(2) if one_d else weight
-    g4 = grad_output.unsqueeze(2) if one_d else grad_output
+    geometry = (stride, padding, dilation, groups)
     grad_input = grad_weight = grad_bias = None
     if transposed:
         # The convolution whose input gradient the forward was, run forward on grad_out,
         # is the input gradient; the weight gradient is that convolution's, with the
         # roles of image and output gradient swapped.
         if output_mask[0]:
-            no_padding = [0] * len(output_padding)
-            grad_input = convolution(
-                grad_output, weight, None, stride, padding, dilation, False, no_padding, groups
-            )
+            grad_input = _forward(grad_output, weight, *geometry)
         if output_mask[1]:
-            grad_weight = _weight_gradient(x4, g4, w4, st, pd, dl, groups).view(weight.shape)
+            grad_weight = _weight_grad(input, grad_output, weight, *geometry)
     else:
         if output_mask[0]:
-            grad_input = _input_gradient(g4, w4, tuple(x4.shape), st, pd, dl, groups)
-            grad_input = grad_input.squeeze(2) if one_d else grad_input
+            grad_input = _input_grad(grad_output, weight, tuple(input.shape), *geometry)
         if output_mask[1]:
-            grad_weight = _weight_gradient(g4, x4, w4, st, pd, dl, groups).view(weight.shape)
+            grad_weight = _weight_grad(grad_output, input, weight, *geometry)
     if output_mask[2]:
-        grad_bias = g4.sum(dim=(0, 2, 3))
+        grad_bias = grad_output.sum(dim=[0, *range(2, grad_output.dim())])
     return grad_input, grad_weight, grad_bias
+
+
+# A convolution's three products, for 1-D (a 2-D one over a height of 1), 2-D and 3-D
+# (`_volume*` below) images.
+
+
+def _forward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    if x.dim() == 5:
+        return _volume(x, w, stride, padding, dilation, groups)
+    if x.dim() == 3:
+        planar = _with_height(stride, padding, dilation)
+        return _forward_2d(x.unsqueeze(2), w.unsqueeze(2), *planar, groups).squeeze(2)
+    return _forward_2d(x, w, stride, padding, dilation, groups)
+
+
+def _input_grad(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    input_shape: tuple[int, ...],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    if g.dim() == 5:
+        return _volume_input_gradient(g, w, input_shape, stride, padding, dilation, groups)
+    if g.dim() == 3:
+        planar = _with_height(stride, padding, dilation)
+        shape = (input_shape[0], input_shape[1], 1, input_shape[2])
+        return _input_gradient(g.unsqueeze(2), w.unsqueeze(2), shape, *planar, groups).squeeze(2)
+    return _input_gradient(g, w, input_shape, stride, padding, dilation, groups)
+
+
+def _weight_grad(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    if g.dim() == 5:
+        return _volume_weight_gradient(g, x, w, stride, padding, dilation, groups)
+    if g.dim() == 3:
+        planar = _with_height(stride, padding, dilation)
+        flat = _weight_gradient(g.unsqueeze(2), x.unsqueeze(2), w.unsqueeze(2), *planar, groups)
+    else:
+        flat = _weight_gradient(g, x, w, stride, padding, dilation, groups)
+    return flat.view(w.shape)
+
+
+def _forward_2d(
+    x4: torch.Tensor,
+    w4: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """``patches(x) @ weightᵀ`` per group, the patches unfolded from the image."""
+    st, pd, dl = list(stride), list(padding), list(dilation)
+    out_ch, kernel = w4.shape[0], tuple(w4.shape[2:])
+    n, h, w = x4.shape[0], x4.shape[2], x4.shape[3]
+    ho = (h + 2 * pd[0] - dl[0] * (kernel[0] - 1) - 1) // st[0] + 1
+    wo = (w + 2 * pd[1] - dl[1] * (kernel[1] - 1) - 1) // st[1] + 1
+    og = out_ch // groups
+    cg = x4.shape[1] // groups
+    w_groups = w4.reshape(groups, og, -1)  # (groups, O/g, C/g·kk)
+    geometry = (list(kernel), st, pd, dl)
+    outs = [
+        # (N·positions, C/g·kk) @ (C/g·kk, O/g), the patches unfolded from the image.
+        torch.ops.cleave.unfold_mm(x4[:, g * cg : (g + 1) * cg], w_groups[g].t(), "a", *geometry)
+        for g in range(groups)
+    ]
+    out = outs[0] if groups == 1 else torch.cat(outs, dim=1)
+    return out.view(n, ho, wo, out_ch).permute(0, 3, 1, 2).contiguous()
 
 
 def _weight_gradient(
@@ -362,23 +414,6 @@ def _weight_gradient(
         for g in range(groups)
     ]
     return grads[0] if groups == 1 else torch.cat(grads, dim=0)
-
-
-def _transposed(
-    x4: torch.Tensor,
-    w4: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    output_padding: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
-    """A transposed convolution is the input gradient of the convolution with its weight
-    (channels (C_in, C_out/g) read as that convolution's (out, in/g)), at grad_out = x."""
-    out_ch = w4.shape[1] * groups
-    op = [0] * (2 - len(output_padding)) + [int(v) for v in output_padding]
-    size = _transposed_size(x4, w4, stride, padding, dilation, op)
-    return _input_gradient(x4, w4, (x4.shape[0], out_ch, *size), stride, padding, dilation, groups)
 
 
 def _transposed_size(
@@ -519,22 +554,16 @@ def _frames(g5: torch.Tensor) -> torch.Tensor:
 def _volume(
     x5: torch.Tensor,
     w5: torch.Tensor,
-    bias: torch.Tensor | None,
     stride: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
 ) -> torch.Tensor:
     geometry = _depth_geometry(x5.shape[2], w5, stride, padding, dilation)
-    do = geometry[4]
     x4 = _stacked_frames(x5, geometry, groups)
-    w4 = _stacked_weight(w5)
-    out = convolution(x4, w4, None, stride[1:], padding[1:], dilation[1:], False, [0, 0], groups)
-    n, o = x5.shape[0], w5.shape[0]
-    out = out.view(n, do, o, *out.shape[2:]).permute(0, 2, 1, 3, 4)
-    if bias is not None:
-        out = out + bias.view(1, -1, 1, 1, 1)
-    return out.contiguous()
+    out = _forward_2d(x4, _stacked_weight(w5), stride[1:], padding[1:], dilation[1:], groups)
+    n, o, do = x5.shape[0], w5.shape[0], geometry[4]
+    return out.view(n, do, o, *out.shape[2:]).permute(0, 2, 1, 3, 4).contiguous()
 
 
 def _volume_input_gradient(
@@ -582,57 +611,6 @@ def _volume_weight_gradient(
     )  # (O, kd·C/g·kh·kw)
     o, cg, kd, kh, kw = w5.shape
     return flat.view(o, kd, cg, kh, kw).permute(0, 2, 1, 3, 4).contiguous()
-
-
-def _volume_backward(
-    grad_output: torch.Tensor,
-    x5: torch.Tensor,
-    w5: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    transposed: bool,
-    output_padding: Sequence[int],
-    groups: int,
-    output_mask: Sequence[bool],
-) -> Any:
-    grad_input = grad_weight = grad_bias = None
-    geometry = (stride, padding, dilation)
-    if transposed:
-        # As for 2-D: the forward was the input gradient of the convolution with this
-        # weight; its input gradient is that convolution, its weight gradient that
-        # convolution's with image and output gradient swapped.
-        if output_mask[0]:
-            grad_input = _volume(grad_output, w5, None, *geometry, groups)
-        if output_mask[1]:
-            grad_weight = _volume_weight_gradient(x5, grad_output, w5, *geometry, groups)
-    else:
-        if output_mask[0]:
-            grad_input = _volume_input_gradient(grad_output, w5, x5.shape, *geometry, groups)
-        if output_mask[1]:
-            grad_weight = _volume_weight_gradient(grad_output, x5, w5, *geometry, groups)
-    if output_mask[2]:
-        grad_bias = grad_output.sum(dim=(0, 2, 3, 4))
-    return grad_input, grad_weight, grad_bias
-
-
-def _volume_transposed(
-    x5: torch.Tensor,
-    w5: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    output_padding: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
-    out_shape = (
-        x5.shape[0],
-        w5.shape[1] * groups,
-        *_transposed_size(x5, w5, stride, padding, dilation, output_padding),
-    )
-    out = _volume_input_gradient(x5, w5, out_shape, stride, padding, dilation, groups)
-    return out if bias is None else out + bias.view(1, -1, 1, 1, 1)
 
 
 # ---- GEMMs with a scaled sum --------------------------------------------------------------
