@@ -136,6 +136,10 @@ _PLANNER = (
     "the planner kept it here: too small to tile, too few FLOPs per byte to be worth"
     " handing out, or faster here than as tiles"
 )
+_NARROW_CONVOLUTION = (
+    "fewer than 8 output channels per group (an image's colours, a grouped convolution's"
+    " narrow groups): no GEMM lowering"
+)
 KEPT_WHY = {
     "mm": _PLANNER,
     "addmm": _PLANNER,
@@ -150,14 +154,8 @@ KEPT_WHY = {
         " cheaper than computing it, so sending it out would cost the coordinator about as"
         " much as computing it here (bench/bench_depthwise.py)"
     ),
-    "convolution": (
-        "fewer than 8 output channels per group (an image's colours, a grouped"
-        " convolution's narrow groups): no GEMM lowering"
-    ),
-    "convolution_backward": (
-        "fewer than 8 output channels per group (an image's colours, a grouped"
-        " convolution's narrow groups): no GEMM lowering"
-    ),
+    "convolution": _NARROW_CONVOLUTION,
+    "convolution_backward": _NARROW_CONVOLUTION,
 }
 _FUSED_RNN = (
     "a recurrent layer oneDNN runs as one fused op (nn.LSTM on a CPU): its GEMMs cannot be"

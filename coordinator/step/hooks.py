@@ -2,8 +2,8 @@
 
 A trace runs the model's Python once; later steps run the graph. A hook's effect on the
 tensors is in the graph, but what else it does (append an activation to a list, count,
-log) would happen once, during the trace, and with the trace's placeholder tensors: a
-list of activations would hold objects that fail when read. Gradient hooks on
+log) would happen once, during the trace, and with the trace's fake tensors (shapes, no
+data): a list of activations would hold objects that fail when read. Gradient hooks on
 parameters would not run at all, as the trace computes gradients apart from the
 parameters. Eagerly, every hook runs each step, as in local torch.
 

@@ -260,7 +260,7 @@ def convolution(
         # C_out/g) read as that convolution's (out, in/g)), at grad_out = input.
         size = _transposed_size(input, weight, stride, padding, dilation, output_padding)
         out_shape = (input.shape[0], weight.shape[1] * groups, *size)
-        out = _input_grad(input, weight, out_shape, *geometry)
+        out = _input_gradient(input, weight, out_shape, *geometry)
     else:
         out = _forward(input, weight, *geometry)
     if bias is not None:
@@ -295,12 +295,12 @@ def convolution_backward(
         if output_mask[0]:
             grad_input = _forward(grad_output, weight, *geometry)
         if output_mask[1]:
-            grad_weight = _weight_grad(input, grad_output, weight, *geometry)
+            grad_weight = _weight_gradient(input, grad_output, weight, *geometry)
     else:
         if output_mask[0]:
-            grad_input = _input_grad(grad_output, weight, tuple(input.shape), *geometry)
+            grad_input = _input_gradient(grad_output, weight, tuple(input.shape), *geometry)
         if output_mask[1]:
-            grad_weight = _weight_grad(grad_output, input, weight, *geometry)
+            grad_weight = _weight_gradient(grad_output, input, weight, *geometry)
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *range(2, grad_output.dim())])
     return grad_input, grad_weight, grad_bias
@@ -326,7 +326,7 @@ def _forward(
     return _forward_2d(x, w, stride, padding, dilation, groups)
 
 
-def _input_grad(
+def _input_gradient(
     g: torch.Tensor,
     w: torch.Tensor,
     input_shape: tuple[int, ...],
@@ -340,11 +340,11 @@ def _input_grad(
     if g.dim() == 3:
         planar = _with_height(stride, padding, dilation)
         shape = (input_shape[0], input_shape[1], 1, input_shape[2])
-        return _input_gradient(g.unsqueeze(2), w.unsqueeze(2), shape, *planar, groups).squeeze(2)
-    return _input_gradient(g, w, input_shape, stride, padding, dilation, groups)
+        return _input_gradient_2d(g.unsqueeze(2), w.unsqueeze(2), shape, *planar, groups).squeeze(2)
+    return _input_gradient_2d(g, w, input_shape, stride, padding, dilation, groups)
 
 
-def _weight_grad(
+def _weight_gradient(
     g: torch.Tensor,
     x: torch.Tensor,
     w: torch.Tensor,
@@ -357,9 +357,9 @@ def _weight_grad(
         return _volume_weight_gradient(g, x, w, stride, padding, dilation, groups)
     if g.dim() == 3:
         planar = _with_height(stride, padding, dilation)
-        flat = _weight_gradient(g.unsqueeze(2), x.unsqueeze(2), w.unsqueeze(2), *planar, groups)
+        flat = _weight_gradient_2d(g.unsqueeze(2), x.unsqueeze(2), w.unsqueeze(2), *planar, groups)
     else:
-        flat = _weight_gradient(g, x, w, stride, padding, dilation, groups)
+        flat = _weight_gradient_2d(g, x, w, stride, padding, dilation, groups)
     return flat.view(w.shape)
 
 
@@ -390,7 +390,7 @@ def _forward_2d(
     return out.view(n, ho, wo, out_ch).permute(0, 3, 1, 2).contiguous()
 
 
-def _weight_gradient(
+def _weight_gradient_2d(
     g4: torch.Tensor,
     x4: torch.Tensor,
     w4: torch.Tensor,
@@ -435,7 +435,7 @@ def _transposed_size(
     ]
 
 
-def _input_gradient(
+def _input_gradient_2d(
     g4: torch.Tensor,
     w4: torch.Tensor,
     input_shape: tuple[int, ...],
@@ -455,7 +455,7 @@ def _input_gradient(
     og = out_ch // groups
     kernel = tuple(w4.shape[2:])
     if any(s > 1 for s in stride):
-        return _input_gradient_folded(g4, w4, input_shape, stride, padding, dilation, groups)
+        return _input_gradient_folded_2d(g4, w4, input_shape, stride, padding, dilation, groups)
     reach = [dilation[i] * (kernel[i] - 1) for i in range(2)]
     image = g4
     conv_padding = [reach[i] - padding[i] for i in range(2)]
@@ -477,7 +477,7 @@ def _input_gradient(
     return grad.view(n, h, w, c).permute(0, 3, 1, 2).contiguous()
 
 
-def _input_gradient_folded(
+def _input_gradient_folded_2d(
     g4: torch.Tensor,
     w4: torch.Tensor,
     input_shape: tuple[int, ...],
@@ -578,7 +578,7 @@ def _volume_input_gradient(
     n, c, d, h, w = input_shape
     kd, sd, pd, dd, do = _depth_geometry(d, w5, stride, padding, dilation)
     stacked_shape = (n * do, kd * c, h, w)
-    stacked = _input_gradient(
+    stacked = _input_gradient_2d(
         _frames(g5),
         _stacked_weight(w5),
         stacked_shape,
@@ -606,7 +606,7 @@ def _volume_weight_gradient(
 ) -> torch.Tensor:
     geometry = _depth_geometry(x5.shape[2], w5, stride, padding, dilation)
     x4 = _stacked_frames(x5, geometry, groups)
-    flat = _weight_gradient(
+    flat = _weight_gradient_2d(
         _frames(g5), x4, _stacked_weight(w5), stride[1:], padding[1:], dilation[1:], groups
     )  # (O, kd·C/g·kh·kw)
     o, cg, kd, kh, kw = w5.shape
