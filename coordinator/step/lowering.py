@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -212,11 +212,23 @@ def unfold_spec(
     return Unfold(operand, pair(kernel), pair(stride), pair(padding), pair(dilation))
 
 
-def _with_height(
-    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
-) -> tuple[list[int], list[int], list[int]]:
-    """A 1-D convolution is a 2-D one over a height of 1: its geometry with that height."""
-    return [1, *stride], [0, *padding], [1, *dilation]
+class _Geometry(NamedTuple):
+    """A convolution's stride, padding and dilation per spatial dimension, and groups."""
+
+    stride: Sequence[int]
+    padding: Sequence[int]
+    dilation: Sequence[int]
+    groups: int
+
+    def planar(self) -> _Geometry:
+        """A 1-D convolution's, as a 2-D one over a height of 1."""
+        s, p, d, g = self
+        return _Geometry([1, *s], [0, *p], [1, *d], g)
+
+    def frames(self) -> _Geometry:
+        """A 3-D convolution's without its depth: its 2-D one over depth-stacked frames."""
+        s, p, d, g = self
+        return _Geometry(s[1:], p[1:], d[1:], g)
 
 
 def _lowerable(
@@ -254,15 +266,15 @@ def convolution(
         or input.dim() != weight.dim()
     ):
         return NotImplemented
-    geometry = (stride, padding, dilation, groups)
+    geo = _Geometry(stride, padding, dilation, groups)
     if transposed:
         # The input gradient of the convolution with this weight (channels (C_in,
         # C_out/g) read as that convolution's (out, in/g)), at grad_out = input.
-        size = _transposed_size(input, weight, stride, padding, dilation, output_padding)
+        size = _transposed_size(input, weight, geo, output_padding)
         out_shape = (input.shape[0], weight.shape[1] * groups, *size)
-        out = _input_gradient(input, weight, out_shape, *geometry)
+        out = _input_gradient(input, weight, out_shape, geo)
     else:
-        out = _forward(input, weight, *geometry)
+        out = _forward(input, weight, geo)
     if bias is not None:
         out = out + bias.view(1, -1, *[1] * (out.dim() - 2))
     return out
@@ -286,21 +298,21 @@ def convolution_backward(
         or input.dim() != weight.dim()
     ):
         return NotImplemented
-    geometry = (stride, padding, dilation, groups)
+    geo = _Geometry(stride, padding, dilation, groups)
     grad_input = grad_weight = grad_bias = None
     if transposed:
         # The convolution whose input gradient the forward was, run forward on grad_out,
         # is the input gradient; the weight gradient is that convolution's, with the
         # roles of image and output gradient swapped.
         if output_mask[0]:
-            grad_input = _forward(grad_output, weight, *geometry)
+            grad_input = _forward(grad_output, weight, geo)
         if output_mask[1]:
-            grad_weight = _weight_gradient(input, grad_output, weight, *geometry)
+            grad_weight = _weight_gradient(input, grad_output, weight, geo)
     else:
         if output_mask[0]:
-            grad_input = _input_gradient(grad_output, weight, tuple(input.shape), *geometry)
+            grad_input = _input_gradient(grad_output, weight, tuple(input.shape), geo)
         if output_mask[1]:
-            grad_weight = _weight_gradient(grad_output, input, weight, *geometry)
+            grad_weight = _weight_gradient(grad_output, input, weight, geo)
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *range(2, grad_output.dim())])
     return grad_input, grad_weight, grad_bias
@@ -310,69 +322,41 @@ def convolution_backward(
 # (`_volume*` below) images.
 
 
-def _forward(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
+def _forward(x: torch.Tensor, w: torch.Tensor, geo: _Geometry) -> torch.Tensor:
     if x.dim() == 5:
-        return _volume(x, w, stride, padding, dilation, groups)
+        return _volume(x, w, geo)
     if x.dim() == 3:
-        planar = _with_height(stride, padding, dilation)
-        return _forward_2d(x.unsqueeze(2), w.unsqueeze(2), *planar, groups).squeeze(2)
-    return _forward_2d(x, w, stride, padding, dilation, groups)
+        return _forward_2d(x.unsqueeze(2), w.unsqueeze(2), geo.planar()).squeeze(2)
+    return _forward_2d(x, w, geo)
 
 
 def _input_gradient(
-    g: torch.Tensor,
-    w: torch.Tensor,
-    input_shape: tuple[int, ...],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    g: torch.Tensor, w: torch.Tensor, input_shape: Sequence[int], geo: _Geometry
 ) -> torch.Tensor:
     if g.dim() == 5:
-        return _volume_input_gradient(g, w, input_shape, stride, padding, dilation, groups)
+        return _volume_input_gradient(g, w, input_shape, geo)
     if g.dim() == 3:
-        planar = _with_height(stride, padding, dilation)
         shape = (input_shape[0], input_shape[1], 1, input_shape[2])
-        return _input_gradient_2d(g.unsqueeze(2), w.unsqueeze(2), shape, *planar, groups).squeeze(2)
-    return _input_gradient_2d(g, w, input_shape, stride, padding, dilation, groups)
+        return _input_gradient_2d(g.unsqueeze(2), w.unsqueeze(2), shape, geo.planar()).squeeze(2)
+    return _input_gradient_2d(g, w, input_shape, geo)
 
 
 def _weight_gradient(
-    g: torch.Tensor,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, geo: _Geometry
 ) -> torch.Tensor:
     if g.dim() == 5:
-        return _volume_weight_gradient(g, x, w, stride, padding, dilation, groups)
+        return _volume_weight_gradient(g, x, w, geo)
     if g.dim() == 3:
-        planar = _with_height(stride, padding, dilation)
-        flat = _weight_gradient_2d(g.unsqueeze(2), x.unsqueeze(2), w.unsqueeze(2), *planar, groups)
+        planar = geo.planar()
+        flat = _weight_gradient_2d(g.unsqueeze(2), x.unsqueeze(2), w.unsqueeze(2), planar)
     else:
-        flat = _weight_gradient_2d(g, x, w, stride, padding, dilation, groups)
+        flat = _weight_gradient_2d(g, x, w, geo)
     return flat.view(w.shape)
 
 
-def _forward_2d(
-    x4: torch.Tensor,
-    w4: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
+def _forward_2d(x4: torch.Tensor, w4: torch.Tensor, geo: _Geometry) -> torch.Tensor:
     """``patches(x) @ weightᵀ`` per group, the patches unfolded from the image."""
-    st, pd, dl = list(stride), list(padding), list(dilation)
+    st, pd, dl, groups = list(geo.stride), list(geo.padding), list(geo.dilation), geo.groups
     out_ch, kernel = w4.shape[0], tuple(w4.shape[2:])
     n, h, w = x4.shape[0], x4.shape[2], x4.shape[3]
     ho = (h + 2 * pd[0] - dl[0] * (kernel[0] - 1) - 1) // st[0] + 1
@@ -391,16 +375,11 @@ def _forward_2d(
 
 
 def _weight_gradient_2d(
-    g4: torch.Tensor,
-    x4: torch.Tensor,
-    w4: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    g4: torch.Tensor, x4: torch.Tensor, w4: torch.Tensor, geo: _Geometry
 ) -> torch.Tensor:
     """A convolution's weight gradient from its output gradient ``g4`` and its input
     image ``x4``: (O, C/g·kk), one row block per group."""
+    stride, padding, dilation, groups = geo
     out_ch, kernel = w4.shape[0], tuple(w4.shape[2:])
     og, cg = out_ch // groups, x4.shape[1] // groups
     # grad_out as the GEMMs see it: (N·positions, O), one column block per group.
@@ -417,14 +396,10 @@ def _weight_gradient_2d(
 
 
 def _transposed_size(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    output_padding: Sequence[int],
+    x: torch.Tensor, w: torch.Tensor, geo: _Geometry, output_padding: Sequence[int]
 ) -> list[int]:
     """A transposed convolution's output size, per spatial dimension."""
+    stride, padding, dilation, _ = geo
     return [
         (x.shape[2 + i] - 1) * stride[i]
         - 2 * padding[i]
@@ -436,13 +411,7 @@ def _transposed_size(
 
 
 def _input_gradient_2d(
-    g4: torch.Tensor,
-    w4: torch.Tensor,
-    input_shape: tuple[int, ...],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    g4: torch.Tensor, w4: torch.Tensor, input_shape: Sequence[int], geo: _Geometry
 ) -> torch.Tensor:
     """The input gradient as a convolution of grad_out with the flipped, channel-swapped
     weight (a stride-1 transposed convolution is one): its GEMM is over grad_out's
@@ -450,12 +419,13 @@ def _input_gradient_2d(
     itself, not the kernel-size-times larger patch gradient that col2im folds. Strided
     convolutions fold: as a convolution their gradient would multiply the zeros that
     stride inserts between grad_out's entries."""
+    stride, padding, dilation, groups = geo
     n, c, h, w = input_shape
     out_ch, cg = w4.shape[0], w4.shape[1]
     og = out_ch // groups
     kernel = tuple(w4.shape[2:])
     if any(s > 1 for s in stride):
-        return _input_gradient_folded_2d(g4, w4, input_shape, stride, padding, dilation, groups)
+        return _input_gradient_folded_2d(g4, w4, input_shape, geo)
     reach = [dilation[i] * (kernel[i] - 1) for i in range(2)]
     image = g4
     conv_padding = [reach[i] - padding[i] for i in range(2)]
@@ -478,15 +448,10 @@ def _input_gradient_2d(
 
 
 def _input_gradient_folded_2d(
-    g4: torch.Tensor,
-    w4: torch.Tensor,
-    input_shape: tuple[int, ...],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    g4: torch.Tensor, w4: torch.Tensor, input_shape: Sequence[int], geo: _Geometry
 ) -> torch.Tensor:
     """grad_out @ weight per group, the patch gradients folded back here (col2im)."""
+    stride, padding, dilation, groups = geo
     n, out_ch = g4.shape[0], g4.shape[1]
     og, positions = out_ch // groups, g4.shape[2] * g4.shape[3]
     go = g4.permute(0, 2, 3, 1).reshape(-1, out_ch)
@@ -515,16 +480,10 @@ def _input_gradient_folded_2d(
 # frames are done here.
 
 
-def _depth_geometry(
-    depth: int,
-    w5: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-) -> tuple[int, int, int, int, int]:
+def _depth_geometry(depth: int, w5: torch.Tensor, geo: _Geometry) -> tuple[int, int, int, int, int]:
     """(kernel depth, depth stride, depth padding, depth dilation, output depth) of a
     convolution over an input `depth` frames deep."""
-    kd, sd, pd, dd = w5.shape[2], int(stride[0]), int(padding[0]), int(dilation[0])
+    kd, sd, pd, dd = w5.shape[2], int(geo.stride[0]), int(geo.padding[0]), int(geo.dilation[0])
     return kd, sd, pd, dd, (depth + 2 * pd - dd * (kd - 1) - 1) // sd + 1
 
 
@@ -551,42 +510,22 @@ def _frames(g5: torch.Tensor) -> torch.Tensor:
     return g5.permute(0, 2, 1, 3, 4).reshape(n * d, o, *g5.shape[3:])
 
 
-def _volume(
-    x5: torch.Tensor,
-    w5: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> torch.Tensor:
-    geometry = _depth_geometry(x5.shape[2], w5, stride, padding, dilation)
-    x4 = _stacked_frames(x5, geometry, groups)
-    out = _forward_2d(x4, _stacked_weight(w5), stride[1:], padding[1:], dilation[1:], groups)
+def _volume(x5: torch.Tensor, w5: torch.Tensor, geo: _Geometry) -> torch.Tensor:
+    geometry = _depth_geometry(x5.shape[2], w5, geo)
+    x4 = _stacked_frames(x5, geometry, geo.groups)
+    out = _forward_2d(x4, _stacked_weight(w5), geo.frames())
     n, o, do = x5.shape[0], w5.shape[0], geometry[4]
     return out.view(n, do, o, *out.shape[2:]).permute(0, 2, 1, 3, 4).contiguous()
 
 
 def _volume_input_gradient(
-    g5: torch.Tensor,
-    w5: torch.Tensor,
-    input_shape: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    g5: torch.Tensor, w5: torch.Tensor, input_shape: Sequence[int], geo: _Geometry
 ) -> torch.Tensor:
     n, c, d, h, w = input_shape
-    kd, sd, pd, dd, do = _depth_geometry(d, w5, stride, padding, dilation)
+    kd, sd, pd, dd, do = _depth_geometry(d, w5, geo)
     stacked_shape = (n * do, kd * c, h, w)
-    stacked = _input_gradient_2d(
-        _frames(g5),
-        _stacked_weight(w5),
-        stacked_shape,
-        stride[1:],
-        padding[1:],
-        dilation[1:],
-        groups,
-    )
+    stacked = _input_gradient_2d(_frames(g5), _stacked_weight(w5), stacked_shape, geo.frames())
+    groups = geo.groups
     taps = stacked.view(n, do, groups, kd, c // groups, h, w).permute(0, 3, 2, 4, 1, 5, 6)
     taps = taps.reshape(n, kd, c, do, h, w)
     padded = g5.new_zeros(n, c, d + 2 * pd, h, w)
@@ -596,19 +535,11 @@ def _volume_input_gradient(
 
 
 def _volume_weight_gradient(
-    g5: torch.Tensor,
-    x5: torch.Tensor,
-    w5: torch.Tensor,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
+    g5: torch.Tensor, x5: torch.Tensor, w5: torch.Tensor, geo: _Geometry
 ) -> torch.Tensor:
-    geometry = _depth_geometry(x5.shape[2], w5, stride, padding, dilation)
-    x4 = _stacked_frames(x5, geometry, groups)
-    flat = _weight_gradient_2d(
-        _frames(g5), x4, _stacked_weight(w5), stride[1:], padding[1:], dilation[1:], groups
-    )  # (O, kd·C/g·kh·kw)
+    x4 = _stacked_frames(x5, _depth_geometry(x5.shape[2], w5, geo), geo.groups)
+    flat = _weight_gradient_2d(_frames(g5), x4, _stacked_weight(w5), geo.frames())
+    # flat: (O, kd·C/g·kh·kw)
     o, cg, kd, kh, kw = w5.shape
     return flat.view(o, kd, cg, kh, kw).permute(0, 2, 1, 3, 4).contiguous()
 
