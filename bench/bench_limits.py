@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-from test_worker_loopback import PROFILE, FakeCoordinator, Link, stop  # noqa: E402
+from support.fake_coordinator import PROFILE, FakeCoordinator, Link, stop  # noqa: E402
 
 from client_app.bandwidth import BYTES_PER_KB, TokenBucket  # noqa: E402
 from client_app.compute import TileComputer  # noqa: E402

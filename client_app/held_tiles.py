@@ -1,9 +1,10 @@
-"""The tiles a worker holds for its current connection: queued in arrival order, and the
-one on the compute thread.
+"""The tiles a worker holds for its current connection: queued in arrival order, and
+those handed to the compute thread (the one it multiplies, and any queued there behind it).
 
-A GEMM in progress cannot be interrupted, so cancelling (or pausing on) the computing
-tile marks its result to be discarded when it ends; from then on the tile is no longer
-held, and the coordinator may hand it out again while it still runs.
+A GEMM handed to the compute thread cannot be recalled, so cancelling (or pausing on) a
+computing tile marks its result to be discarded when it ends; from then on the tile is
+no longer held, and the coordinator may hand it out again while it still runs (the
+compute thread skips one it has not started: ``wanted``).
 """
 
 from __future__ import annotations
@@ -25,66 +26,79 @@ class Finished(enum.Enum):
 class HeldTiles:
     def __init__(self) -> None:
         self._queue: OrderedDict[str, TileJob] = OrderedDict()
-        self.computing: TileJob | None = None
-        self._discard_computing = False
+        # On the compute thread, in the order they run: the one multiplying, then those
+        # queued behind it there (so that the next GEMM starts without waiting for the
+        # event loop), each until its result is booked.
+        self._computing: list[TileJob] = []
+        self._discarded: set[int] = set()  # id() of computing tiles whose result goes
 
     def __len__(self) -> int:
-        """Tiles held: queued + computing (unless its result will be discarded)."""
-        return len(self._queue) + int(bool(self._live_computing_id()))
+        """Tiles held: queued + computing (but those whose result will be discarded)."""
+        return len(self._queue) + len(self._live_computing())
+
+    @property
+    def computing(self) -> TileJob | None:
+        """The computing tile that runs first (None if none)."""
+        return self._computing[0] if self._computing else None
 
     def holds(self, tile_id: str) -> bool:
-        return tile_id in self._queue or tile_id == self._live_computing_id()
+        return tile_id in self._queue or any(j.tile_id == tile_id for j in self._live_computing())
+
+    def wanted(self, job: TileJob) -> bool:
+        """Whether ``job``, handed to the compute thread, still has a result to send."""
+        return any(j is job for j in self._computing) and id(job) not in self._discarded
 
     def add(self, job: TileJob) -> None:
         self._queue[job.tile_id] = job
 
-    def take_next(self) -> TileJob | None:
-        """The oldest queued tile, now computing; None if none or one is computing."""
-        if self.computing is not None or not self._queue:
+    def take_next(self, depth: int = 1) -> TileJob | None:
+        """The oldest queued tile, now computing; None if none, or if ``depth`` tiles
+        are computing already."""
+        if len(self._computing) >= depth or not self._queue:
             return None
         _, job = self._queue.popitem(last=False)
-        self.computing = job
-        self._discard_computing = False
+        self._computing.append(job)
         return job
 
     def finish(self, job: TileJob) -> Finished:
-        if job is not self.computing:
-            return Finished.GONE
-        self.computing = None
-        if self._discard_computing:
-            self._discard_computing = False
-            return Finished.DISCARDED
-        return Finished.WANTED
+        for i, computing in enumerate(self._computing):
+            if computing is job:
+                del self._computing[i]
+                if id(job) in self._discarded:
+                    self._discarded.discard(id(job))
+                    return Finished.DISCARDED
+                return Finished.WANTED
+        return Finished.GONE
 
     def cancel_queued(self, tile_id: str) -> bool:
         """Drop ``tile_id`` if it is queued; False if it is not."""
         return self._queue.pop(tile_id, None) is not None
 
     def discard_computing(self, tile_id: str) -> bool:
-        """Mark the computing tile's result to be discarded if it is ``tile_id``."""
-        if self.computing is None or self.computing.tile_id != tile_id:
-            return False
-        self._discard_computing = True
-        return True
+        """Mark the result of the computing tile ``tile_id`` to be discarded; False if no
+        computing tile (whose result is still wanted) is ``tile_id``."""
+        for job in self._live_computing():
+            if job.tile_id == tile_id:
+                self._discarded.add(id(job))
+                return True
+        return False
 
     def drop_all(self) -> tuple[str, ...]:
-        """Drop every tile (the computing one's result is discarded); their ids."""
+        """Drop every tile (the computing ones' results are discarded); their ids."""
         dropped = tuple(self._queue)
-        if self.computing is not None:
-            self._discard_computing = True
-            dropped += (self.computing.tile_id,)
+        live = self._live_computing()
+        self._discarded.update(id(job) for job in live)
+        dropped += tuple(job.tile_id for job in live)
         self._queue.clear()
         return dropped
 
     def clear(self) -> None:
-        """Forget every tile, the computing one too: finishing it later is GONE."""
+        """Forget every tile, the computing ones too: finishing them later is GONE."""
         self._queue.clear()
-        self.computing = None
-        self._discard_computing = False
+        self._computing.clear()
+        self._discarded.clear()
 
-    def _live_computing_id(self) -> str:
+    def _live_computing(self) -> list[TileJob]:
         # A computing tile whose result will be discarded is no longer held: the
         # coordinator may already have handed the same tile back (after a resume).
-        if self.computing is None or self._discard_computing:
-            return ""
-        return self.computing.tile_id
+        return [job for job in self._computing if id(job) not in self._discarded]

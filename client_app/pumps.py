@@ -3,7 +3,8 @@
 A receive loop feeds the session; a heartbeat loop keeps the coordinator informed (and
 drops one that never welcomes); a compute loop hands verified tiles, in order, to one
 dedicated thread (torch work never runs on the event loop, so heartbeats and cancels
-keep flowing while a GEMM runs); a send loop encodes and sends each finished tile's
+keep flowing while a GEMM runs), the next one queued there before the last ends, so
+that GEMMs run back to back; a send loop encodes and sends each finished tile's
 result while the next one computes. The owner's CPU-time and bandwidth limits are waits
 here (``client_app.pacing``): a rest between tiles, a wait after each frame received and
 before each result sent; heartbeats are never held back. The first task to end ends
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from websockets.asyncio.client import ClientConnection
 
-from client_app.charging import TileCharger
+from client_app.charging import ChargedTile, TileCharger
 from client_app.connection import send_frames
 from client_app.pacing import Pacer
 from client_app.session import TileJob, WorkerSession
@@ -76,6 +79,9 @@ class ConnectionPumps:
         self._welcome_timeout_s = welcome_timeout_s
         self._publish = publish
         self._move_to = move_to
+        # Tiles handed to the compute thread, in the order it runs them: each with when
+        # it was handed over and its future.
+        self._running: deque[tuple[TileJob, float, asyncio.Future[ChargedTile | None]]] = deque()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until a task ends, or ``stop`` is set; what a task raised is raised here
@@ -115,6 +121,8 @@ class ConnectionPumps:
                 raise Refused(actions.refusal)
             if actions.compute:
                 work.set()
+                if self._depth() > 1:  # else the compute loop stages, after its rest
+                    self._stage()
             if actions.cancel:
                 log.debug("cancelled tiles %s", ", ".join(actions.cancel))
             self._publish()
@@ -161,24 +169,58 @@ class ConnectionPumps:
             await asyncio.sleep(max(0.0, self.session.next_heartbeat_at - self._clock()))
 
     async def _compute_loop(self, work: asyncio.Event, outbox: asyncio.Queue[Outgoing]) -> None:
+        running = self._running
+        done_at = -math.inf  # when the compute thread finished its last tile
         while True:
-            job = self.session.next_tile()
-            if job is None:
-                # No await between next_tile() and clear(): no wake-up can be lost.
+            self._stage()
+            if not running:
+                # No await between _stage() and clear(): no wake-up can be lost.
                 work.clear()
                 await work.wait()
-                # Whatever ran while there was no work (heartbeats) is not owed by
-                # the next tile: charging starts afresh.
-                self._charger.start_afresh()
                 continue
+            job, submitted_at, future = running[0]
             self._publish()
-            start = self._clock()
-            outgoing, cost = await self._compute_tile(job)
-            end = self._clock()
+            outgoing: Outgoing | None
+            try:
+                charged = await future
+            except (RuntimeError, ValueError, MemoryError) as exc:
+                # A tile that failed is not charged: its cost is unknown.
+                running.popleft()
+                outgoing, cost = self.session.tile_failed(job, exc), 0.0
+            else:
+                running.popleft()
+                outgoing, cost = self._finished(job, charged)
+            # A tile queued on the compute thread started when the one before it ended.
+            start, done_at = max(submitted_at, done_at), self._clock()
             if outgoing is not None:
-                await outbox.put(outgoing)  # the next tile starts while this one goes
+                await outbox.put(outgoing)  # the next tile computes while this one goes
             self._publish()
-            await self._pacer.rest_after_tile(start, end, cost)
+            await self._pacer.rest_after_tile(start, done_at, cost)
+
+    def _depth(self) -> int:
+        """Tiles the compute thread may hold: two where no rest is owed between tiles,
+        so that the next GEMM starts the moment one ends instead of when the event loop,
+        busy receiving and checking the tile after, gets round to it; one under a
+        CPU-time limit, whose rest falls between tiles."""
+        return 2 if self._pacer.cpu_percent >= 100 else 1
+
+    def _stage(self) -> None:
+        """Hand the compute thread the tiles it may take (``_depth``)."""
+        loop = asyncio.get_running_loop()
+        while (job := self.session.next_tile(self._depth())) is not None:
+            if not self._running:
+                # Whatever ran while there was no work (heartbeats) is not owed by the
+                # next tile: charging starts afresh (the compute thread is idle).
+                self._charger.start_afresh()
+            future = loop.run_in_executor(self._executor, self._compute, job)
+            self._running.append((job, self._clock(), future))
+
+    def _compute(self, job: TileJob) -> ChargedTile | None:
+        """On the compute thread: ``job``'s product, unless its result stopped being
+        wanted while it waited there (cancelled, paused on: None)."""
+        if not self.session.wanted(job):
+            return None
+        return self._charger.compute(job.op, job.a, job.b)
 
     async def _send_loop(self, outbox: asyncio.Queue[Outgoing]) -> None:
         """Encode and send the finished tiles' frames, while the compute thread is
@@ -201,16 +243,11 @@ class ConnectionPumps:
             self._summary.after_tile(session.stats, self._clock())
             self._publish()
 
-    async def _compute_tile(self, job: TileJob) -> tuple[Outgoing | None, float]:
+    def _finished(self, job: TileJob, charged: ChargedTile | None) -> tuple[Outgoing | None, float]:
         """What to send for ``job`` (None if not wanted any more) and its cost."""
-        loop = asyncio.get_running_loop()
-        try:
-            charged = await loop.run_in_executor(
-                self._executor, self._charger.compute, job.op, job.a, job.b
-            )
-        except (RuntimeError, ValueError, MemoryError) as exc:
-            # A tile that failed is not charged: its cost is unknown.
-            return self.session.tile_failed(job, exc), 0.0
+        if charged is None:  # skipped on the compute thread: its result was not wanted
+            self.session.tile_done(job, 0.0)  # books it as cancelled
+            return None, 0.0
         result = self.session.tile_done(job, charged.seconds)
         if result is None:
             return None, charged.cost

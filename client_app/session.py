@@ -371,9 +371,15 @@ class WorkerSession:
 
     # ---- the compute thread's side ------------------------------------------------
 
-    def next_tile(self) -> TileJob | None:
-        """The oldest queued tile, now marked as computing; None if none or busy."""
-        return self._tiles.take_next() if self.phase == Phase.READY else None
+    def next_tile(self, depth: int = 1) -> TileJob | None:
+        """The oldest queued tile, now marked as computing; None if none, or if ``depth``
+        tiles are computing already (the compute thread's own queue)."""
+        return self._tiles.take_next(depth) if self.phase == Phase.READY else None
+
+    def wanted(self, job: TileJob) -> bool:
+        """Whether ``job``'s result is still wanted (not cancelled, paused on or gone).
+        Read-only: the compute thread asks it before it starts a tile queued there."""
+        return self._tiles.wanted(job)
 
     @property
     def current_tile(self) -> str:
@@ -413,6 +419,11 @@ class WorkerSession:
         if finished is Finished.DISCARDED:
             self.stats.tiles_cancelled += 1
         return finished is Finished.WANTED
+
+    def holds(self, tile_id: str) -> bool:
+        """Whether ``tile_id`` is held for the current connection: queued, or computing
+        with its result still wanted."""
+        return self._tiles.holds(tile_id)
 
     @property
     def in_flight(self) -> int:

@@ -173,8 +173,10 @@ class HeldComputer(TileComputer):
         super().__init__(1, use_gpu=False)
         self.started = threading.Event()
         self.release = threading.Event()
+        self.computed = 0  # tiles multiplied
 
     def compute(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self.computed += 1
         if not self.started.is_set():
             self.started.set()
             self.release.wait(30)

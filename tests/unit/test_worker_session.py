@@ -228,6 +228,52 @@ def test_tiles_are_computed_one_at_a_time_in_arrival_order(
     assert order == ["t-2", "t-3"]
 
 
+def test_two_tiles_may_be_on_the_compute_thread_and_are_booked_in_order(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    for tile_id in ("t-1", "t-2", "t-3"):
+        session.receive(task(key, tile_id)[0], 1.0)
+    first, second = session.next_tile(2), session.next_tile(2)
+    assert first is not None and second is not None
+    assert (first.tile_id, second.tile_id) == ("t-1", "t-2")
+    assert session.next_tile(2) is None  # two on the compute thread already
+    assert session.in_flight == 3 and session.current_tile == "t-1"
+    assert session.wanted(first) and session.wanted(second)
+    assert session.tile_done(first, 0.1) is not None
+    assert session.current_tile == "t-2"
+    third = session.next_tile(2)
+    assert third is not None and third.tile_id == "t-3"
+    assert session.tile_done(second, 0.1) is not None
+    assert session.tile_done(third, 0.1) is not None
+    assert session.stats.tiles_done == 3 and session.in_flight == 0
+
+
+def test_a_tile_cancelled_behind_the_computing_one_is_not_wanted(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session = welcomed(pins, key)
+    for tile_id in ("t-1", "t-2", "t-3"):
+        session.receive(task(key, tile_id)[0], 1.0)
+    first, second = session.next_tile(2), session.next_tile(2)
+    assert first is not None and second is not None
+    assert session.receive(encode_message(Cancel("t-2")), 1.1).cancel == ("t-2",)
+    assert session.wanted(first) and not session.wanted(second)
+    assert session.holds("t-1") and not session.holds("t-2") and session.holds("t-3")
+    assert session.in_flight == 2
+    # Its slot on the compute thread is taken until it is booked (skipped or done).
+    assert session.next_tile(2) is None
+    assert session.tile_done(second, 0.0) is None
+    assert session.tile_done(first, 0.1) is not None
+    assert session.stats.tiles_cancelled == 1 and session.stats.tiles_done == 1
+    # A pause drops what is left, on the compute thread too.
+    third = session.next_tile(2)
+    assert third is not None
+    assert set(session.pause("on battery").cancel) == {"t-3"}
+    assert not session.wanted(third) and session.tile_done(third, 0.0) is None
+    assert session.stats.tiles_cancelled == 2
+
+
 def flip_payload_byte(frame: bytes) -> bytes:
     parsed = decode_frame(frame)
     payload = bytearray(parsed.payload)
