@@ -32,6 +32,7 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python bench/bench_tile.py
+	$(BIN)/python bench/bench_worker.py
 	$(BIN)/python bench/bench_wire.py
 	$(BIN)/python bench/bench_egress.py
 	$(BIN)/python bench/bench_ingress.py
