@@ -30,7 +30,10 @@ class HeldTiles:
         # queued behind it there (so that the next GEMM starts without waiting for the
         # event loop), each until its result is booked.
         self._computing: list[TileJob] = []
-        self._discarded: set[int] = set()  # id() of computing tiles whose result goes
+        # id() of the computing tiles, and of those whose result will be discarded: sets,
+        # so that the compute thread's ``wanted`` is one atomic look-up in each.
+        self._computing_ids: set[int] = set()
+        self._discarded: set[int] = set()
 
     def __len__(self) -> int:
         """Tiles held: queued + computing (but those whose result will be discarded)."""
@@ -45,8 +48,9 @@ class HeldTiles:
         return tile_id in self._queue or any(j.tile_id == tile_id for j in self._live_computing())
 
     def wanted(self, job: TileJob) -> bool:
-        """Whether ``job``, handed to the compute thread, still has a result to send."""
-        return any(j is job for j in self._computing) and id(job) not in self._discarded
+        """Whether ``job``, handed to the compute thread, still has a result to send.
+        Safe from the compute thread: a tile only ever goes from wanted to not wanted."""
+        return id(job) in self._computing_ids and id(job) not in self._discarded
 
     def add(self, job: TileJob) -> None:
         self._queue[job.tile_id] = job
@@ -58,12 +62,14 @@ class HeldTiles:
             return None
         _, job = self._queue.popitem(last=False)
         self._computing.append(job)
+        self._computing_ids.add(id(job))
         return job
 
     def finish(self, job: TileJob) -> Finished:
         for i, computing in enumerate(self._computing):
             if computing is job:
                 del self._computing[i]
+                self._computing_ids.discard(id(job))
                 if id(job) in self._discarded:
                     self._discarded.discard(id(job))
                     return Finished.DISCARDED
@@ -96,6 +102,7 @@ class HeldTiles:
         """Forget every tile, the computing ones too: finishing them later is GONE."""
         self._queue.clear()
         self._computing.clear()
+        self._computing_ids.clear()
         self._discarded.clear()
 
     def _live_computing(self) -> list[TileJob]:
