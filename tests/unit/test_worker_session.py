@@ -28,6 +28,7 @@ from support.worker_sessions import (
 
 from client_app.config import PinStore
 from client_app.session import Actions, Phase, WorkerSession
+from client_app.session_types import TileJob
 from common import PROTOCOL_VERSION
 from common.auth import check_hello, make_welcome
 from common.batches import batch_frame
@@ -228,14 +229,22 @@ def test_tiles_are_computed_one_at_a_time_in_arrival_order(
     assert order == ["t-2", "t-3"]
 
 
-def test_two_tiles_may_be_on_the_compute_thread_and_are_booked_in_order(
+def two_on_the_compute_thread(
     pins: PinStore, key: Ed25519PrivateKey
-) -> None:
+) -> tuple[WorkerSession, TileJob, TileJob]:
+    """A session holding t-1, t-2 and t-3, the first two taken for the compute thread."""
     session = welcomed(pins, key)
     for tile_id in ("t-1", "t-2", "t-3"):
         session.receive(task(key, tile_id)[0], 1.0)
     first, second = session.next_tile(2), session.next_tile(2)
     assert first is not None and second is not None
+    return session, first, second
+
+
+def test_two_tiles_may_be_on_the_compute_thread_and_are_booked_in_order(
+    pins: PinStore, key: Ed25519PrivateKey
+) -> None:
+    session, first, second = two_on_the_compute_thread(pins, key)
     assert (first.tile_id, second.tile_id) == ("t-1", "t-2")
     assert session.next_tile(2) is None  # two on the compute thread already
     assert session.in_flight == 3 and session.current_tile == "t-1"
@@ -252,11 +261,7 @@ def test_two_tiles_may_be_on_the_compute_thread_and_are_booked_in_order(
 def test_a_tile_cancelled_behind_the_computing_one_is_not_wanted(
     pins: PinStore, key: Ed25519PrivateKey
 ) -> None:
-    session = welcomed(pins, key)
-    for tile_id in ("t-1", "t-2", "t-3"):
-        session.receive(task(key, tile_id)[0], 1.0)
-    first, second = session.next_tile(2), session.next_tile(2)
-    assert first is not None and second is not None
+    session, first, second = two_on_the_compute_thread(pins, key)
     assert session.receive(encode_message(Cancel("t-2")), 1.1).cancel == ("t-2",)
     assert session.wanted(first) and not session.wanted(second)
     assert session.holds("t-1") and not session.holds("t-2") and session.holds("t-3")
