@@ -212,8 +212,9 @@ class ConnectionPumps:
                 # Whatever ran while there was no work (heartbeats) is not owed by the
                 # next tile: charging starts afresh (the compute thread is idle).
                 self._charger.start_afresh()
+            handed_at = self._clock()  # before: the thread may start (and end) it at once
             future = loop.run_in_executor(self._executor, self._compute, job)
-            self._running.append((job, self._clock(), future))
+            self._running.append((job, handed_at, future))
 
     def _compute(self, job: TileJob) -> ChargedTile | None:
         """On the compute thread: ``job``'s product, unless its result stopped being
