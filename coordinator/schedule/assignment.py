@@ -7,7 +7,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import operator
 from collections import deque
 from collections.abc import Callable
 
@@ -20,8 +19,6 @@ PREFERENCE_LOOKAHEAD = 16  # workers in turn checked for a preference: O(1) per 
 # block already; the download shares the coordinator's uplink), so on fast links a steal
 # on any predicted gain makes a GEMM slower than no steal at all (the simulator shows it).
 STEAL_MARGIN = 1.5
-
-_WORKER_ID = operator.attrgetter("worker_id")
 
 Prefers = Callable[[str, TileTicket], bool]
 Keeps = Callable[[str], bool]
@@ -39,22 +36,22 @@ def assign_tiles(
     run_time: RunTime | None = None,
     busy_time: RunTime | None = None,
 ) -> list[Assignment]:
-    """What `Scheduler.assign` hands out; it documents the arguments."""
+    """What `Scheduler.assign` hands out; it documents the arguments. Costs what it
+    hands out (and the predictions), not the number of workers free to take it: the
+    turn order is `state.ring`, kept from call to call."""
     if state.queued == 0 or not state.ready:
         return []
     assignments: list[Assignment] = []
-    ring = deque(map(state.workers.__getitem__, state.ready))
     if state.planned:
-        for worker in ring:
-            assignments.extend(_take_planned(state, worker, now))
-        ring = deque(worker for worker in ring if worker.has_room())
-    if state.queue and ring:
-        assignments.extend(_assign_common(state, ring, now, prefers, keeps, finish_at, run_time))
-    if state.planned and ring:
+        for owner in list(state.planned):
+            worker = state.workers.get(owner)
+            if worker is not None and worker.turn:
+                assignments.extend(_take_planned(state, worker, now))
+    if state.queue and state.ready:
+        assignments.extend(_assign_common(state, now, prefers, keeps, finish_at, run_time))
+    if state.planned and state.ready:
         costs = _StealCosts(state, now, finish_at, run_time, busy_time)
-        assignments.extend(_steal(state, ring, now, costs))
-    # Workers still in the ring keep their turn order for the next call.
-    state.ready = dict.fromkeys(map(_WORKER_ID, ring))
+        assignments.extend(_steal(state, now, costs))
     return assignments
 
 
@@ -68,19 +65,20 @@ def _take_planned(state: SchedulerState, worker: WorkerRecord, now: float) -> li
             assignments.append(state.dequeue_to(tile, worker, now))
     if queue is not None and not queue:
         del state.planned[worker.worker_id]
+    if not worker.has_room():
+        state.unready(worker)
     return assignments
 
 
 def _assign_common(
     state: SchedulerState,
-    ring: deque[WorkerRecord],
     now: float,
     prefers: Prefers | None,
     keeps: Keeps | None,
     finish_at: FinishAt | None,
     run_time: RunTime | None,
 ) -> list[Assignment]:
-    """The common queue, FIFO; rotates `ring` and drops the workers it fills. A lone free
+    """The common queue, FIFO, to the workers in turn (`_next_taker`). A lone free
     worker that `keeps` blocks takes a tile of the head's GEMM it `prefers` from among
     the next few instead of the head: the caller's mirror of its blocks knows what it
     holds, and with one worker to serve there is no other to prefer."""
@@ -89,16 +87,18 @@ def _assign_common(
     assignments: list[Assignment] = []
     passed_over: list[QueueEntry] = []
     turns: dict[str, int] = {}  # tiles taken so far in the turn of the worker at the front
-    while ring and state.queue:
+    while state.ready and state.queue:
         entry = state.queue.popleft()
         tile = state.live_queue_entry(entry)
         if tile is None:
             continue
-        if prefers and keeps and len(ring) == 1 and keeps(ring[0].worker_id):
-            entry, tile = _preferred_ahead(state, ring[0], entry, tile, prefers)
+        if prefers and keeps and len(state.ready) == 1:
+            lone = state.workers[next(iter(state.ready))]
+            if keeps(lone.worker_id):
+                entry, tile = _preferred_ahead(state, lone, entry, tile, prefers)
         worker = None
         if largest_cap is None or tile.ticket.wire_bytes <= largest_cap:
-            worker = _next_taker(ring, tile, prefers, slower, turns)
+            worker = _next_taker(state, tile, prefers, slower, turns)
         if worker is None:
             passed_over.append(entry)
             continue
@@ -235,19 +235,16 @@ class _StealCosts:
         )
 
 
-def _steal(
-    state: SchedulerState, ring: deque[WorkerRecord], now: float, costs: _StealCosts
-) -> list[Assignment]:
-    """Workers in `ring` with free slots take planned tiles of others, from the back
-    of the queue whose last tile would be back latest, while they would return it
-    sooner than its planned worker. Without predictions: from the longest queue.
-    Drops the workers it fills from `ring`. O(owners + steals x log owners), plus
-    the predictions."""
+def _steal(state: SchedulerState, now: float, costs: _StealCosts) -> list[Assignment]:
+    """The ready workers, in turn, take planned tiles of others, from the back of the
+    queue whose last tile would be back latest, while they would return it sooner than
+    its planned worker. Without predictions: from the longest queue. O(owners + steals
+    x log owners), plus the predictions."""
     heap = costs.planned_ends()
     assignments: list[Assignment] = []
-    takers = deque(ring)
-    while takers and heap:
-        worker = takers[0]
+    takers = (worker for _, worker in state.live_turns())
+    worker = next(takers, None)
+    while worker is not None and heap:
         neg_end, owner = heap[0]
         queue = state.planned[owner]
         if not queue:
@@ -265,12 +262,10 @@ def _steal(
                 costs.free[worker.worker_id] = mine
                 heapq.heapreplace(heap, (costs.added(owner, tile.ticket) - theirs, owner))
                 took = True
-        if not took or not worker.has_room():
-            takers.popleft()
-    if assignments:
-        full = [worker for worker in ring if not worker.has_room()]
-        for worker in full:
-            ring.remove(worker)
+        if not worker.has_room():
+            state.unready(worker)  # (the generator skips its entry: no longer live)
+        if not took or not worker.turn:
+            worker = next(takers, None)
     return assignments
 
 
@@ -283,7 +278,7 @@ def _may_take(worker: WorkerRecord, tile: TileRecord) -> bool:
 
 
 def _next_taker(
-    ring: deque[WorkerRecord],
+    state: SchedulerState,
     tile: TileRecord,
     prefers: Prefers | None = None,
     slower: Callable[[WorkerRecord, TileRecord], bool] | None = None,
@@ -291,34 +286,43 @@ def _next_taker(
 ) -> WorkerRecord | None:
     """The next worker in turn that may take the tile (or a preferred one among the next
     few), unless `slower` says another would return it much sooner; rotates the ring
-    past it. A worker that fills its window leaves the ring."""
+    past it. A worker that fills its window is no longer ready."""
 
     def may(worker: WorkerRecord) -> bool:
         return _may_take(worker, tile) and (slower is None or not slower(worker, tile))
 
+    ring = state.ring
     turns = turns if turns is not None else {}
-
     if prefers is not None:
-        for i, worker in enumerate(itertools.islice(ring, PREFERENCE_LOOKAHEAD)):
-            if prefers(worker.worker_id, tile.ticket) and may(worker):
+        state.drop_stale_turns()
+        for i, entry in enumerate(itertools.islice(ring, PREFERENCE_LOOKAHEAD)):
+            turn, worker = entry
+            if turn == worker.turn and prefers(worker.worker_id, tile.ticket) and may(worker):
                 del ring[i]
                 if worker.room_after(tile.ticket):
-                    ring.append(worker)
+                    ring.append(entry)
+                else:
+                    state.unready(worker)
                 return worker
     for _ in range(len(ring)):
-        worker = ring.popleft()
+        entry = ring.popleft()
+        turn, worker = entry
+        if turn != worker.turn:
+            continue  # stale: it is not ready any more
         if not may(worker):
-            ring.append(worker)
+            ring.append(entry)
             continue
-        if worker.room_after(tile.ticket):
-            # A turn is a refill's worth of tiles (one, unless small tiles share slots:
-            # then they go out together).
-            taken = turns.get(worker.worker_id, 0) + 1
-            if taken < worker.refill_tiles:
-                turns[worker.worker_id] = taken
-                ring.appendleft(worker)
-            else:
-                turns.pop(worker.worker_id, None)
-                ring.append(worker)
+        if not worker.room_after(tile.ticket):
+            state.unready(worker)
+            return worker
+        # A turn is a refill's worth of tiles (one, unless small tiles share slots:
+        # then they go out together).
+        taken = turns.get(worker.worker_id, 0) + 1
+        if taken < worker.refill_tiles:
+            turns[worker.worker_id] = taken
+            ring.appendleft(entry)
+        else:
+            turns.pop(worker.worker_id, None)
+            ring.append(entry)
         return worker
     return None

@@ -138,6 +138,8 @@ class WorkerRecord:
     # Tiles recently cancelled for this worker: a result that crossed the cancel is a
     # harmless duplicate even after the tile's GEMM has been forgotten.
     cancelled: dict[str, None] = field(default_factory=dict)
+    # Its live entry in the scheduler's turn ring while it is ready (0: not ready).
+    turn: int = 0
 
     def __post_init__(self) -> None:
         self.capacity = self.window * (self.slot_flops or 1)

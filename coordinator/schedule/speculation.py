@@ -20,11 +20,7 @@ def speculative_copies(
     ratio = state.config.speculate_after
     if ratio is None:
         return []
-    idle = [
-        state.workers[worker_id]
-        for worker_id in state.ready
-        if not state.workers[worker_id].in_flight
-    ]
+    idle = [worker for _, worker in state.live_turns() if not worker.in_flight]
     if not idle:
         return []
     copies: list[Assignment] = []

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 
 from coordinator.schedule.records import (
     STAT_NAMES,
@@ -23,6 +23,8 @@ from coordinator.schedule.records import (
 
 # A queue entry is (tile_id, token); it is live while the token matches the tile's.
 QueueEntry = tuple[str, int]
+# A ring entry is (turn, worker); it is live while the turn matches the worker's.
+RingEntry = tuple[int, WorkerRecord]
 
 
 class SchedulerState:
@@ -31,8 +33,13 @@ class SchedulerState:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.workers: dict[str, WorkerRecord] = {}
-        # Unpaused workers with a free slot, in the order they are served next.
+        # Unpaused workers with a free slot, and the order they are served in: a ring of
+        # (turn, worker) entries, live while the turn is the worker's own. A worker that
+        # stops being ready where it is not at the front leaves a stale entry behind,
+        # dropped when it comes round (or the ring is compacted): handing out a tile
+        # then costs the same whether ten workers are free or ten thousand.
         self.ready: dict[str, None] = {}
+        self.ring: deque[RingEntry] = deque()
         self.tiles: dict[str, TileRecord] = {}  # submitted and not done
         self.tiles_by_gemm: dict[str, dict[str, None]] = {}
         self.done: dict[str, str] = {}  # tile_id -> gemm_id, until the GEMM is forgotten
@@ -138,9 +145,35 @@ class SchedulerState:
     def refresh_ready(self, worker: WorkerRecord) -> None:
         # A worker part-way through a refill (the tiles ran out) keeps its turn.
         if worker.paused or not worker.has_room():
-            self.ready.pop(worker.worker_id, None)
+            self.unready(worker)
         elif worker.wants_refill():
-            self.ready.setdefault(worker.worker_id, None)
+            self.make_ready(worker)
+
+    def make_ready(self, worker: WorkerRecord) -> None:
+        """A worker that was not ready is served after every ready one."""
+        if worker.turn:
+            return
+        worker.turn = self.next_seq()
+        self.ready[worker.worker_id] = None
+        self.ring.append((worker.turn, worker))
+        if len(self.ring) > 2 * len(self.ready) + 64:
+            self.ring = deque(self.live_turns())
+
+    def unready(self, worker: WorkerRecord) -> None:
+        """The worker is full, paused or gone: its ring entry, wherever it is, is stale."""
+        if worker.turn:
+            worker.turn = 0
+            del self.ready[worker.worker_id]
+
+    def live_turns(self) -> Iterator[RingEntry]:
+        """The ready workers' ring entries, in turn order."""
+        return (entry for entry in self.ring if entry[0] == entry[1].turn)
+
+    def drop_stale_turns(self) -> None:
+        """Stale entries off the front of the ring, so that its head is live."""
+        ring = self.ring
+        while ring and ring[0][0] != ring[0][1].turn:
+            ring.popleft()
 
     def needs_requeue(self, tile: TileRecord, now: float) -> bool:
         return tile.queue_token is None and not tile.has_live_holder(now)
@@ -235,7 +268,7 @@ class SchedulerState:
         worker_id = worker.worker_id
         del self.workers[worker_id]
         self.caps_changed()
-        self.ready.pop(worker_id, None)
+        self.unready(worker)
         self.window_total -= worker.window
         lost: list[str] = []
         for tile_id in worker.in_flight:
@@ -256,6 +289,9 @@ class SchedulerState:
         yield from self._tile_problems()
 
     def _worker_problems(self) -> Iterable[str]:
+        live_turns = Counter(worker.worker_id for _, worker in self.live_turns())
+        if any(worker is not self.workers.get(worker.worker_id) for _, worker in self.live_turns()):
+            yield "a worker no longer registered has a live turn"
         for worker_id, worker in self.workers.items():
             # Its last tile may take it past its window by less than a slot's worth.
             over = worker.held >= worker.capacity + (worker.slot_flops or 1)
@@ -266,6 +302,8 @@ class SchedulerState:
             if worker.paused and worker.in_flight:
                 yield f"paused {worker_id} holds tiles"
             ready = worker_id in self.ready
+            if ready != bool(worker.turn) or live_turns[worker_id] != ready:
+                yield f"{worker_id}'s turn in the ring does not match its being ready"
             if ready and (worker.paused or not worker.has_room()):
                 yield f"{worker_id} is ready without room"
             if not ready and not worker.paused and worker.wants_refill():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+import tracemalloc
 from collections import Counter, defaultdict
 
 import pytest
@@ -546,6 +547,37 @@ def test_assign_scales_to_a_thousand_workers() -> None:
     assert len(s.assign(now=2.0)) == 10_000
     assert s.expire(now=3.0) == Expiry()
     assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize("preferences", [False, True])
+def test_a_tile_goes_out_without_a_walk_over_every_free_worker(preferences: bool) -> None:
+    # A large pool has more free slots than queued tiles: each verified result frees a
+    # slot and the next tile goes out, one assign call per result. A call that walks
+    # every free worker costs the coordinator more per tile the more volunteers join;
+    # such a walk shows as memory allocated in proportion to them.
+    s = Scheduler(CONFIG)
+    for i in range(20_000):
+        s.add_worker(f"w{i}", window=2, now=0.0)
+    table = Table(holds=(lambda worker_id, t: False) if preferences else None)
+    s.submit([ticket("first")])
+    held = s.assign(1.0, table, timed=False)  # type: ignore[arg-type]  # learns the caps, once
+    peaks = []
+    tracemalloc.start()
+    try:
+        for i in range(200):
+            s.submit([ticket(f"t{i}")])
+            if i % 3 == 2:  # a result back: its worker has a free slot again
+                done = held.pop(0)
+                s.complete(done.worker_id, done.tile_id, now=1.0)
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            held += s.assign(1.0, table, timed=False)  # type: ignore[arg-type]
+            peaks.append(tracemalloc.get_traced_memory()[1] - before)
+    finally:
+        tracemalloc.stop()
+    assert len(held) == 201 - 200 // 3
+    assert max(peaks) < 16 << 10  # a walk over 20,000 workers allocates ~1 MB
+    s.check_invariants()
 
 
 # --- randomized: invariants over long event sequences -----------------------------------

@@ -34,9 +34,9 @@ def pool(*workers: tuple[str, int]) -> Scheduler:
 def test_planned_tiles_go_to_their_worker_first_and_in_plan_order() -> None:
     sched = pool(("a", 2), ("b", 2))
     sched.submit([planned("t1", "b"), ticket("t2"), planned("t3", "b"), planned("t4", "a")])
-    # Planned tiles first (a: t4; b: t1, t3, in plan order), then the common queue
-    # (t2) to the next worker with a free slot.
-    assert pairs(sched.assign(0.0)) == [("a", "t4"), ("b", "t1"), ("b", "t3"), ("a", "t2")]
+    # Planned tiles first (b: t1, t3, in plan order; a: t4; the workers in the order
+    # their plans began), then the common queue (t2) to the next worker with a free slot.
+    assert pairs(sched.assign(0.0)) == [("b", "t1"), ("b", "t3"), ("a", "t4"), ("a", "t2")]
     sched.check_invariants()
 
 
