@@ -38,6 +38,7 @@ bench: setup
 	$(BIN)/python bench/bench_ingress.py
 	$(BIN)/python bench/bench_verify.py
 	$(BIN)/python bench/bench_step.py
+	$(BIN)/python bench/bench_core.py
 
 # Every picture in docs/: the benchmarks' from their tables in docs/benchmarks.md (seconds),
 # the simulator's by running its report again (about 20 minutes on 2 cores).
