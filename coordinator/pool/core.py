@@ -104,7 +104,8 @@ class CoordinatorCore:
         self.counters = Counters()
         self.workers: dict[str, Worker] = {}
         self.tiles: dict[str, Any] = {}  # tile id -> Tile, until it is verified or taken over
-        self.pool = PoolView()
+        self._pool = PoolView()
+        self._pool_stale = False
         self.predict = Predictions(self.workers, self.tiles, self.scheduler, lambda: self.now)
         self._estimates_moved = False
         # How far the training has come and why workers may wait (signed once per
@@ -118,6 +119,27 @@ class CoordinatorCore:
 
     def active_workers(self) -> int:
         return sum(1 for w in self.workers.values() if not w.paused)
+
+    @property
+    def pool(self) -> PoolView:
+        """The pool as it stands, for the planner. Made in one pass over the workers when
+        read after joins, leaves, pauses or moved estimates, however many there were: a
+        pass per join cost the event loop a pass over each of a thousand workers
+        reconnecting at once. Read it on the core's thread; other threads read the view
+        their server last took from here."""
+        if self._pool_stale:
+            self._pool = self._pool_view()
+            self._pool_stale = self._estimates_moved = False
+        return self._pool
+
+    @property
+    def pool_stale(self) -> bool:
+        return self._pool_stale
+
+    def pool_changed(self) -> None:
+        """A worker joined, left, paused or resumed: the next read of ``pool`` makes it
+        anew."""
+        self._pool_stale = True
 
     def refusal(self, hello: Hello) -> str:
         """Why this worker may not join (its key is banned), or ''."""
@@ -133,7 +155,7 @@ class CoordinatorCore:
         """What the core knows of a worker's speed and links, told from outside (the
         simulator's pool whose true speeds are known, as if learnt)."""
         self.workers[worker_id].estimate = estimate
-        self.refresh_pool()
+        self.pool_changed()
 
     # ---- inputs ------------------------------------------------------------------------
 
@@ -170,7 +192,7 @@ class CoordinatorCore:
             now=now,
             mem_cap_bytes=worker.profile.mem_cap_bytes or None,
         )
-        self.refresh_pool()
+        self.pool_changed()
         log.info(
             "worker %s joined as %s: %s, %d threads, %.0f GFLOP/s",
             worker.who,
@@ -349,7 +371,7 @@ class CoordinatorCore:
         self._speculate(effects)
         self.rescue_stranded(effects)
         if self._estimates_moved:
-            self.refresh_pool()
+            self.pool_changed()
         return effects
 
     # ---- decisions -----------------------------------------------------------------------
@@ -369,7 +391,7 @@ class CoordinatorCore:
     def forget(self, worker: Worker, effects: Effects) -> None:
         if self.workers.pop(worker.worker_id, None) is None:
             return
-        self.refresh_pool()
+        self.pool_changed()
         if worker.worker_id in self.scheduler.workers():
             requeued = self.scheduler.remove_worker(worker.worker_id, self.now)
             if requeued:
@@ -380,11 +402,8 @@ class CoordinatorCore:
         self.dispatch(effects)
         self.rescue_stranded(effects)
 
-    def refresh_pool(self) -> None:
-        """Publish a new ``PoolView`` (on joins, leaves, pauses, and moved estimates).
-
-        One pass over the workers: it runs at every join, so a thousand workers
-        reconnecting at once cost the loop a thousand such passes."""
+    def _pool_view(self) -> PoolView:
+        """One pass over the workers."""
         active = 0
         estimates: list[DeviceEstimate] = []
         # The smallest cap, so any worker can take any tile. Caps below a floor are
@@ -401,8 +420,7 @@ class CoordinatorCore:
                 active += 1
                 if w.estimate is not None:
                     estimates.append(w.estimate)
-        self._estimates_moved = False
-        self.pool = PoolView(
+        return PoolView(
             workers=len(self.workers), active=active, estimates=tuple(estimates), memory_cap=cap
         )
 

@@ -54,8 +54,8 @@ class CoreApi(Protocol):
         """Send the newest JobState, if the worker has not had it."""
         ...
 
-    def refresh_pool(self) -> None:
-        """Publish a new pool view (a worker joined, left, paused or resumed)."""
+    def pool_changed(self) -> None:
+        """A worker joined, left, paused or resumed: the pool view is made anew."""
         ...
 
     def dispatch(self, effects: Effects) -> None:

@@ -59,7 +59,7 @@ def on_heartbeat(core: CoreApi, worker: Worker, msg: Heartbeat, effects: Effects
 def on_pause(core: CoreApi, worker: Worker, msg: Pause, effects: Effects) -> None:
     worker.state, worker.reason = WorkerState.PAUSED, msg.reason
     requeued = core.scheduler.set_paused(worker.worker_id, True, core.now)
-    core.refresh_pool()
+    core.pool_changed()
     log.info(
         "worker %s paused (%s); %d tiles move elsewhere", worker.name, msg.reason, len(requeued)
     )
@@ -70,7 +70,7 @@ def on_pause(core: CoreApi, worker: Worker, msg: Pause, effects: Effects) -> Non
 def on_resume(core: CoreApi, worker: Worker, msg: Resume, effects: Effects) -> None:
     worker.state, worker.reason = WorkerState.WORKING, ""
     core.scheduler.set_paused(worker.worker_id, False, core.now)
-    core.refresh_pool()
+    core.pool_changed()
     effects.workers_changed = True
     core.dispatch(effects)
 

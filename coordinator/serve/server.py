@@ -133,6 +133,8 @@ class CoordinatorServer:
         self._flush_lock = threading.Lock()
         self._ledger_retry_at = 0.0  # after a failed commit, the next try waits till then
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool = self.core.pool
+        self._pool_due = False  # a turn of the loop will take the pool view anew
 
     # The core's state, for the CLI, the offload and tests.
     @property
@@ -141,7 +143,9 @@ class CoordinatorServer:
 
     @property
     def pool(self) -> PoolView:
-        return self.core.pool
+        """The pool as the event loop last took it from the core (once a turn, however
+        many workers joined or paused in it): a snapshot, safe to read from any thread."""
+        return self._pool
 
     @property
     def conns(self) -> dict[str, Worker]:
@@ -206,7 +210,7 @@ class CoordinatorServer:
             log.error("background task %s failed", task.get_coro(), exc_info=task.exception())
 
     async def wait_for_workers(self, count: int) -> None:
-        while self.pool.active < count:
+        while self.core.pool.active < count:
             self._workers_changed.clear()
             await self._workers_changed.wait()
 
@@ -250,6 +254,9 @@ class CoordinatorServer:
             self._spawn(self._compute_here(tile))
         if effects.workers_changed:
             self._workers_changed.set()
+        if self.core.pool_stale and not self._pool_due:
+            self._pool_due = True
+            asyncio.get_running_loop().call_soon(self._take_pool)
         if not self._flush_due and self.ledger.waiting and self.clock() >= self._ledger_retry_at:
             # The credit of the tiles verified in this turn of the loop, in one commit
             # on the ledger's thread once the turn is over (or in the next one, if a
@@ -257,6 +264,10 @@ class CoordinatorServer:
             # the commit).
             self._flush_due = True
             asyncio.get_running_loop().call_soon(self._flush_ledger)
+
+    def _take_pool(self) -> None:
+        self._pool_due = False
+        self._pool = self.core.pool
 
     def _flush_ledger(self) -> None:
         self._flush_due = False

@@ -40,10 +40,11 @@ from common.messages import (
 from common.signing import generate_private_key, public_key_hex
 from coordinator.plan.estimates import DeviceEstimate
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.pool import core as core_module
 from coordinator.pool.core import MIN_PLANNING_MEMORY_CAP, CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, CloseCode, Effects
 from coordinator.pool.ledger import Ledger
-from coordinator.pool.workers import WorkerState
+from coordinator.pool.workers import PoolView, WorkerState
 from coordinator.schedule.scheduler import SchedulerConfig
 from coordinator.serve.checks import Checker
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
@@ -191,6 +192,29 @@ def test_memory_caps_below_the_planning_floor_do_not_shrink_the_pool_cap(h: Harn
     h.admit("mid", profile=replace(PROFILE, mem_cap_bytes=32 << 20))
     assert h.core.pool.memory_cap == 32 << 20
     assert len(h.core.pool.estimates) == 3
+
+
+def test_joins_leaves_and_pauses_before_a_read_of_the_pool_cost_one_pass_over_it(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each pass reads every worker: a thousand workers reconnecting at once, one pass
+    # each, cost the event loop a pass over each of them a thousand times.
+    built: list[PoolView] = []
+
+    def counted(**fields: Any) -> PoolView:
+        built.append(PoolView(**fields))
+        return built[-1]
+
+    monkeypatch.setattr(core_module, "PoolView", counted)
+    ids = [h.admit(f"w{i}", window=2)[0] for i in range(30)]
+    h.receive(ids[0], Pause("computer in use"))
+    h.core.disconnected(ids[1], h.now)
+    assert (h.core.pool.workers, h.core.pool.active) == (29, 28)
+    assert len(built) == 1
+    assert h.core.pool is built[0]  # and none more until something changes
+    h.receive(ids[0], Resume())
+    assert (h.core.pool.workers, h.core.pool.active) == (29, 29)
+    assert len(built) == 2
 
 
 # ---- results -------------------------------------------------------------------------------
