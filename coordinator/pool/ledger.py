@@ -17,6 +17,7 @@ restart pays each of its GEMMs once (``coordinator.pool.payouts``).
 
 from __future__ import annotations
 
+import heapq
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -191,7 +192,14 @@ class Ledger:
         """Every row, most FLOPs first."""
         with self._lock:
             rows = list(self._rows.values())
-        return sorted(rows, key=lambda c: (-c.flops, c.worker))
+        return sorted(rows, key=_most_flops_first)
+
+    def top(self, count: int) -> tuple[list[Contribution], int]:
+        """The ``count`` rows of ``all`` first, without sorting the rest, and how many
+        rows there are."""
+        with self._lock:
+            rows = list(self._rows.values())
+        return heapq.nsmallest(count, rows, key=_most_flops_first), len(rows)
 
     def banned(self) -> list[Contribution]:
         """Banned workers, in the order they were banned."""
@@ -209,3 +217,7 @@ def _journal(journal: dict[str, Payout], payout: Payout) -> None:
     """Add a GEMM's payout to what the journal holds for it since the last commit."""
     had = journal.get(payout.gemm)
     journal[payout.gemm] = replace(payout, flops=had.flops + payout.flops) if had else payout
+
+
+def _most_flops_first(row: Contribution) -> tuple[int, str]:
+    return -row.flops, row.worker

@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import heapq
+import operator
 from typing import Any
 
 from common.signing import fingerprint
 from coordinator.pool.core_api import CoreApi
+from coordinator.pool.workers import Worker, WorkerState
+
+# Rows of the status's worker and ledger lists. A page (and a metrics scrape) of a pool
+# of thousands is built on the event loop every second a dashboard is open: it lists the
+# workers with the most tiles this session and the keys with the most FLOPs credited,
+# and counts them all ("pool").
+STATUS_ROWS = 200
+
+
+def _listed(workers: dict[str, Worker]) -> list[Worker]:
+    """At most ``STATUS_ROWS`` workers, the busiest this session, in the order they joined."""
+    if len(workers) <= STATUS_ROWS:
+        return list(workers.values())
+    busiest = heapq.nlargest(
+        STATUS_ROWS, workers.values(), key=operator.attrgetter("tiles_session")
+    )
+    chosen = {id(worker) for worker in busiest}
+    return [worker for worker in workers.values() if id(worker) in chosen]
 
 
 def core_status(core: CoreApi, now: float) -> dict[str, Any]:
     workers = []
-    for worker in core.workers.values():
+    for worker in _listed(core.workers):
         standing = core.ledger.get(worker.key)
         workers.append(
             {
@@ -36,10 +56,17 @@ def core_status(core: CoreApi, now: float) -> dict[str, Any]:
             }
         )
     counters = core.counters
+    keys, key_count = core.ledger.top(STATUS_ROWS)
+    paused = WorkerState.PAUSED
     return {
         "coordinator_key": fingerprint(core.key),
+        "pool": {
+            "connected": len(core.workers),
+            "active": sum(worker.state != paused for worker in core.workers.values()),
+            "ledger_keys": key_count,
+        },
         "workers": workers,
-        "ledger": {c.key_fingerprint: c.to_json() for c in core.ledger.all()},
+        "ledger": {c.key_fingerprint: c.to_json() for c in keys},
         "banned": [
             {"key": c.key_fingerprint, "name": c.name, "reason": c.banned_reason}
             for c in core.ledger.banned()

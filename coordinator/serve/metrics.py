@@ -84,7 +84,7 @@ class StatusCollector(Collector):
             )
         _totals(out, self._status)
         _training(out, self._status)
-        _workers(out, self._status.get("workers") or [])
+        _workers(out, self._status.get("workers") or [], self._status.get("pool") or {})
         banned = self._status.get("banned")
         if isinstance(banned, list):
             out.gauge("cleave_workers_banned", "Worker keys banned from this pool.", len(banned))
@@ -240,11 +240,17 @@ def _training(out: _Families, status: Mapping[str, Any]) -> None:
             )
 
 
-def _workers(out: _Families, workers: Iterable[Mapping[str, Any]]) -> None:
+def _workers(out: _Families, workers: Iterable[Mapping[str, Any]], pool: Mapping[str, Any]) -> None:
+    """The pool's counts, and a series of each worker the status lists (in a large pool,
+    the busiest: ``coordinator.pool.status.STATUS_ROWS``)."""
     rows = list(workers)
-    out.gauge("cleave_workers_connected", "Workers connected now.", len(rows))
-    active = sum(worker.get("state") != "paused" for worker in rows)
+    connected = pool.get("connected", len(rows))
+    out.gauge("cleave_workers_connected", "Workers connected now.", connected)
+    active = pool.get("active", sum(worker.get("state") != "paused" for worker in rows))
     out.gauge("cleave_workers_active", "Connected workers not paused.", active)
+    out.gauge(
+        "cleave_ledger_keys", "Worker keys with a row in the ledger.", pool.get("ledger_keys")
+    )
     for worker in rows:
         # Names are chosen by volunteers: never trusted. generate_latest escapes quotes,
         # backslashes and newlines; printable() replaces the other control characters.

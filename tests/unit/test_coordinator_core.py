@@ -41,6 +41,7 @@ from common.signing import generate_private_key, public_key_hex
 from coordinator.plan.estimates import DeviceEstimate
 from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
 from coordinator.pool import core as core_module
+from coordinator.pool import status as status_module
 from coordinator.pool.core import MIN_PLANNING_MEMORY_CAP, CoordinatorCore, CoreConfig
 from coordinator.pool.effects import Check, CloseCode, Effects
 from coordinator.pool.ledger import Ledger
@@ -756,6 +757,36 @@ def test_status_shows_each_worker_and_the_counters(h: Harness) -> None:
     assert worker["in_flight"] == 1
     assert status["tiles"]["verified"] == 1 and status["tiles"]["sent"] == 2
     assert status["tiles"]["queued"] == len(jobs) - 2
+
+
+def test_a_large_pool_lists_its_busiest_workers_and_top_keys_and_counts_them_all(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A page or a scrape of a pool of thousands would build a row for every worker and
+    # every key ever credited, on the event loop, every second a dashboard is open.
+    monkeypatch.setattr(status_module, "STATUS_ROWS", 5)
+    ids = [h.admit(f"w{i}")[0] for i in range(12)]
+    for busy, worker_id in enumerate(ids[3:9]):
+        h.core.workers[worker_id].tiles_session = 10 + busy
+    h.receive(ids[0], Pause("computer in use"))
+    for i in range(8):
+        h.ledger.credit(
+            f"key{i}",
+            name=f"k{i}",
+            flops=10**9 * (i + 1),
+            bytes_down=0,
+            bytes_up=0,
+            compute_s=1.0,
+            reputation=1.0,
+            now=h.now,
+        )
+    status = h.core.status(h.now)
+    # The five with the most tiles this session, in the order they joined.
+    assert [w["id"] for w in status["workers"]] == ids[4:9]
+    assert status["pool"] == {"connected": 12, "active": 11, "ledger_keys": 8}
+    assert [row["name"] for row in status["ledger"].values()] == ["k7", "k6", "k5", "k4", "k3"]
+    monkeypatch.setattr(status_module, "STATUS_ROWS", 20)
+    assert [w["id"] for w in h.core.status(h.now)["workers"]] == ids  # all, as they joined
 
 
 def test_checks_carry_the_result_bytes_and_claimed_time(h: Harness) -> None:

@@ -123,6 +123,15 @@ def test_a_full_status_parses_strictly_with_the_values_it_holds() -> None:
     assert parsed.types["cleave_worker_tiles_verified_total"] == "counter"
 
 
+def test_a_large_pool_counts_every_worker_and_keeps_series_for_those_listed() -> None:
+    status = _status(pool={"connected": 10_000, "active": 9_000, "ledger_keys": 25_000})
+    parsed = parse_exposition(render_metrics(status))
+    assert parsed.value("cleave_workers_connected") == 10_000
+    assert parsed.value("cleave_workers_active") == 9_000
+    assert parsed.value("cleave_ledger_keys") == 25_000
+    assert parsed.value("cleave_worker_tiles_verified_total", id="w1", worker="alice") == 300
+
+
 def test_a_rank_labels_every_series_with_itself_and_says_how_many_ranks_there_are() -> None:
     status = _status(rank={"rank": 1, "world": 2})
     parsed = parse_exposition(render_metrics(status))
