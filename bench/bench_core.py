@@ -10,6 +10,10 @@ larger than its work, where every tile goes out as soon as it is submitted), eac
 result is for a tile picked at random among those out, and brings the next tile.
 Heartbeats are left out (``bench_load.py`` has them, over real connections).
 
+A second table: the training thread's planning of one GEMM (``LivePlanning.plan``, as
+the offload calls it before cutting each GEMM: grid, placement, commitments) for a pool
+of that many workers of mixed speeds whose links were measured, over the same for 2.
+
 Run: ``python bench/bench_core.py [--tiles 20000] [--backlog 0.5]``.
 """
 
@@ -26,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.messages import DeviceProfile, Hello, Result  # noqa: E402
 from common.signing import generate_private_key  # noqa: E402
+from coordinator.plan.estimates import DeviceEstimate  # noqa: E402
+from coordinator.plan.live import Commitments, LivePlanning  # noqa: E402
+from coordinator.plan.planner import GemmShape, plan_config_for  # noqa: E402
 from coordinator.pool.core import CoordinatorCore, CoreConfig  # noqa: E402
 from coordinator.pool.effects import Checked, Effects  # noqa: E402
 from coordinator.pool.ledger import Ledger  # noqa: E402
@@ -34,6 +41,8 @@ from coordinator.sim.devices import SimGemm, SimTile  # noqa: E402
 from coordinator.tiles.verify import CheckResult  # noqa: E402
 
 POOLS = [100, 1_000, 3_000, 10_000]
+PLANNED_POOLS = [2, 100, 1_000, 10_000]
+PLANNED = GemmShape("mm", 1, 1024, 768, 768, 4)  # a GPT-2-small layer's, at 1,024 tokens
 TILE = 128  # side of the tiles' GEMMs, a slot each (their sizes only: nothing is multiplied)
 TILES_PER_GEMM = 64
 PASSED = CheckResult(ok=True, margin=0.0)
@@ -111,6 +120,22 @@ def per_tile(workers: int, tiles: int, backlog: float) -> float:
     return seconds / tiles
 
 
+def plan_seconds(workers: int, gemms: int = 20) -> float:
+    """CPU seconds to plan one GEMM for ``workers``, each planned after the last."""
+    rng = random.Random(0)
+    estimates = [
+        DeviceEstimate(f"w{i}", rng.uniform(5e9, 5e10), 1.25e7, 1.25e7, 1 << 30, 0.0, 3)
+        for i in range(workers)
+    ]
+    planning, commitments = LivePlanning(), Commitments()
+    config = plan_config_for(1.0)(workers, 1 << 30)
+    planning.plan(PLANNED, estimates, config, commitments)
+    start = time.process_time()
+    for i in range(gemms):
+        planning.plan(PLANNED, estimates, config, commitments, now=float(i))
+    return (time.process_time() - start) / gemms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiles", type=int, default=20_000, help="results timed per pool")
@@ -129,6 +154,14 @@ def main() -> None:
         f"(CPU of the coordinator's core per verified tile, {args.tiles} results each; "
         f"tiles in the pool: {args.backlog:g} per worker slot; ratio: over the first pool)"
     )
+    print(f"\n{'workers':>8} {'plan ms/GEMM':>13} {'ratio':>6}")
+    base = None
+    for workers in PLANNED_POOLS:
+        seconds = plan_seconds(workers)
+        base = base or seconds
+        print(f"{workers:>8} {seconds * 1e3:>13.2f} {seconds / base:>6.2f}")
+    shape = f"{PLANNED.m}x{PLANNED.k} @ {PLANNED.k}x{PLANNED.n} fp32"
+    print(f"(CPU to plan one {shape} GEMM; ratio: over 2 workers)")
 
 
 if __name__ == "__main__":

@@ -174,8 +174,11 @@ def place_tiles(
     held: Mapping[str, frozenset[Block]] | None = None,
     links: LinkModel = SEQUENTIAL,
     rule: str = "finish",
+    beat: float = math.inf,
 ) -> tuple[Placement, ...] | None:
-    """Place tiles on devices one at a time. None when some tile fits no device's cap.
+    """Place tiles on devices one at a time. None when some tile fits no device's cap,
+    or as soon as one would finish after `beat`: a placement's makespan only grows as
+    tiles are placed, so it could no longer beat a plan that finishes by then.
 
     rule "finish" (the planner): largest tile first, each to the device that finishes it
     earliest (list scheduling). A device that already holds one of the tile's operand
@@ -221,6 +224,8 @@ def place_tiles(
         if choice is None:
             return None
         chosen, run, down = choice
+        if run[3] > beat:
+            return None
         lane = lanes[chosen]
         lane.take(run, blocks)
         sent += down
@@ -342,9 +347,16 @@ def plan_for_pool(
         )
     for plan in grids:
         placed = place_tiles(
-            shape, plan.tiles, everyone, ready_at=ready_at, held=held, links=links, rule=rule
+            shape,
+            plan.tiles,
+            everyone,
+            ready_at=ready_at,
+            held=held,
+            links=links,
+            rule=rule,
+            beat=best.makespan,
         )
-        if placed is None:
+        if placed is None:  # some tile fits no device, or it cannot beat the best so far
             continue
         makespan = max(p.finish for p in placed)
         better = makespan < best.makespan or (
@@ -367,12 +379,12 @@ def fastest(
         return list(devices[:count])
     tile = plan.tiles[0]
     size = tile.total_bytes(shape.itemsize)
+    # Read once, not once a device: a tile's sizes are worked out from its bounds.
+    flops, down, up = tile.flops, tile.down_bytes(shape.itemsize), tile.up_bytes(shape.itemsize)
 
     def seconds(d: DeviceEstimate) -> float:
         if not d.can_hold(size):
             return math.inf
-        return d.tile_seconds(
-            tile.flops, tile.down_bytes(shape.itemsize), tile.up_bytes(shape.itemsize)
-        )
+        return d.tile_seconds(flops, down, up)
 
-    return sorted(devices, key=seconds)[:count]
+    return heapq.nsmallest(count, devices, key=seconds)  # sorted(...)[:count], ties alike

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from bench_core import Pool, per_tile  # noqa: E402
+from bench_core import Pool, per_tile, plan_seconds  # noqa: E402
 
 
 def test_the_tiles_stay_out_and_each_result_is_credited() -> None:
@@ -28,3 +28,7 @@ def test_the_tiles_stay_out_and_each_result_is_credited() -> None:
 
 def test_a_run_measures_the_tiles_it_was_asked_for() -> None:
     assert per_tile(workers=20, tiles=200, backlog=0.25) > 0
+
+
+def test_a_planning_run_plans_the_gemms_it_was_asked_for() -> None:
+    assert plan_seconds(workers=5, gemms=2) > 0

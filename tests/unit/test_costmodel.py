@@ -7,10 +7,12 @@ was computed by hand (the walk-throughs are in the comments).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
 from common.messages import DeviceProfile
+from coordinator.plan import placement
 from coordinator.plan.estimates import (
     UNMEASURED_FLOPS_PER_S,
     DeviceEstimate,
@@ -153,6 +155,44 @@ def test_place_tiles_starts_from_ready_times() -> None:
     placed = place_tiles(SHAPE, four_tiles()[:1], [FAST, SLOW], ready_at={"fast": 3.0})
     assert placed is not None
     assert [(p.worker_id, p.start, p.finish) for p in placed] == [("slow", 0.0, 6.0)]
+
+
+def test_placing_stops_once_a_tile_would_finish_after_the_plan_to_beat() -> None:
+    # The walk-through above: its last tile finishes at 11.
+    assert place_tiles(SHAPE, four_tiles(), [FAST, SLOW], beat=11.0) is not None
+    assert place_tiles(SHAPE, four_tiles(), [FAST, SLOW], beat=10.5) is None
+    assert place_tiles(SHAPE, four_tiles(), [FAST, SLOW], beat=5.0) is None  # at the 2nd
+
+
+def test_grids_that_cannot_beat_the_best_are_given_up_with_the_same_plan_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each grid is placed tile by tile: once a tile of a grid finishes later than the
+    # best plan so far, the rest of that grid need not be placed, and the plan chosen
+    # is the one a placement of every grid chooses.
+    shape = GemmShape("mm", 1, 512, 512, 512, 4)
+    config = PlanConfig(min_offload_flops=1, min_tile_flops=1, min_tile_outputs=1)
+    devices = [
+        DeviceEstimate(f"d{i}", 1e9 * (1 + i % 7), 1e7 * (1 + i % 3), 1e7, None, 0.0, 1)
+        for i in range(40)
+    ]
+    real = placement.place_tiles
+    given_up: list[bool] = []
+
+    def pruned(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        given_up.append(result is None)
+        return result
+
+    def every_tile(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("beat")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "place_tiles", pruned)
+    chosen = plan_for_pool(shape, devices, local_flops_per_s=0.0, base=config, rule="pull")
+    assert chosen.plan is not None and any(given_up) and not all(given_up)
+    monkeypatch.setattr(placement, "place_tiles", every_tile)
+    assert plan_for_pool(shape, devices, local_flops_per_s=0.0, base=config, rule="pull") == chosen
 
 
 def test_candidate_grids() -> None:
