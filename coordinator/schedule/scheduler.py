@@ -96,8 +96,7 @@ class Scheduler:
         worker = WorkerRecord(
             worker_id, window, mem_cap_bytes, now, state.next_seq(), state.config.slot_flops
         )
-        state.workers[worker_id] = worker
-        state.caps_changed()
+        state.joined(worker)
         state.window_total += window
         state.push_heartbeat(worker)
         state.refresh_ready(worker)
@@ -124,6 +123,7 @@ class Scheduler:
         if worker.paused == paused:
             return []
         worker.paused = paused
+        (state.deactivate if paused else state.activate)(worker)
         lost: list[str] = []
         if paused:
             for tile_id in worker.in_flight:
@@ -235,13 +235,18 @@ class Scheduler:
         """Queued tiles that no connected, unpaused worker may ever take: every one of
         them refused the tile, or it exceeds every one's memory cap. Waiting would wait
         forever, so the caller computes these itself. Empty while no worker is active
-        (then waiting for one is right). O(queue): most tiles are ruled out in O(1)."""
+        (then waiting for one is right). O(1) unless a queued tile is larger than every
+        active worker's memory cap or was refused; then O(queue)."""
         state = self._state
-        active = [w for w in state.workers.values() if not w.paused]
-        if not active:
+        if not state.active:
             return []
-        caps = [w.mem_cap_bytes for w in active]
-        largest_cap = None if None in caps else max(c for c in caps if c is not None)
+        largest_cap = None if state.active_uncapped else state.active_caps.largest()
+        biggest = state.queued_sizes.largest()
+        too_big = largest_cap is not None and biggest is not None and biggest > largest_cap
+        refused = (state.tiles[tile_id] for tile_id in state.refused)
+        if not too_big and not any(t.queue_token is not None and not t.holders for t in refused):
+            return []  # what a leave or a refusal usually finds, without reading the queue
+        active = [w for w in state.workers.values() if not w.paused]
         stranded = []
         for entry in state.queue:
             tile = state.live_queue_entry(entry)
@@ -285,6 +290,7 @@ class Scheduler:
         if not held and worker_id not in tile.released_to:
             return False
         tile.refused_by.add(worker_id)
+        state.refused[tile_id] = None
         state.bump("rejected")
         if held:
             del tile.holders[worker_id]

@@ -27,6 +27,38 @@ QueueEntry = tuple[str, int]
 RingEntry = tuple[int, WorkerRecord]
 
 
+class Largest:
+    """A multiset of sizes that says its largest in O(log n): a count of each size, and
+    a max-heap of them from which sizes no longer held are dropped when they surface."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[int] = Counter()
+        self._heap: list[int] = []  # negated
+
+    def add(self, size: int) -> None:
+        if not self._counts[size]:
+            heapq.heappush(self._heap, -size)
+            if len(self._heap) > 2 * len(self._counts) + 64:
+                self._heap = [-kept for kept in self._counts]
+                heapq.heapify(self._heap)
+        self._counts[size] += 1
+
+    def remove(self, size: int) -> None:
+        self._counts[size] -= 1
+        if not self._counts[size]:
+            del self._counts[size]
+
+    def counts(self) -> Counter[int]:
+        return self._counts
+
+    def largest(self) -> int | None:
+        """None when it is empty."""
+        heap = self._heap
+        while heap and -heap[0] not in self._counts:
+            heapq.heappop(heap)
+        return -heap[0] if heap else None
+
+
 class SchedulerState:
     """Everything one `Scheduler` knows; its indexes must agree (`invariant_problems`)."""
 
@@ -55,22 +87,47 @@ class SchedulerState:
         self._deadlines: list[tuple[float, int, str, str]] = []
         self._heartbeats: list[tuple[float, int, str]] = []
         self.window_total = 0
+        # What `stranded` needs, kept as it changes rather than found by reading every
+        # worker and every queued tile: the active (unpaused) workers' memory caps (and
+        # how many have none), the queued tiles' sizes, and the tiles a worker refused.
+        self.active_caps = Largest()
+        self.active_uncapped = 0
+        self.active = 0
+        self.queued_sizes = Largest()
+        self.refused: dict[str, None] = {}
         self.counts = dict.fromkeys(STAT_NAMES, 0)
-        self._largest_cap: int | None = None
-        self._caps_known = False
+        # Every worker's memory cap, paused or not (and how many have none).
+        self._caps = Largest()
+        self._uncapped = 0
 
     def largest_cap(self) -> int | None:
         """The largest memory cap among the workers (None when one has none): no tile
-        above it is worth offering to any of them. Kept until a worker joins or leaves."""
-        if not self._caps_known:
-            caps = [w.mem_cap_bytes for w in self.workers.values()]
-            capped = [cap for cap in caps if cap is not None]
-            self._largest_cap = max(capped, default=0) if len(capped) == len(caps) else None
-            self._caps_known = True
-        return self._largest_cap
+        above it is worth offering to any of them."""
+        return None if self._uncapped else (self._caps.largest() or 0)
 
-    def caps_changed(self) -> None:
-        self._caps_known = False
+    def joined(self, worker: WorkerRecord) -> None:
+        self.workers[worker.worker_id] = worker
+        if worker.mem_cap_bytes is None:
+            self._uncapped += 1
+        else:
+            self._caps.add(worker.mem_cap_bytes)
+        self.activate(worker)
+
+    def activate(self, worker: WorkerRecord) -> None:
+        """The worker joined or resumed."""
+        self.active += 1
+        if worker.mem_cap_bytes is None:
+            self.active_uncapped += 1
+        else:
+            self.active_caps.add(worker.mem_cap_bytes)
+
+    def deactivate(self, worker: WorkerRecord) -> None:
+        """The worker paused or left."""
+        self.active -= 1
+        if worker.mem_cap_bytes is None:
+            self.active_uncapped -= 1
+        else:
+            self.active_caps.remove(worker.mem_cap_bytes)
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -181,6 +238,7 @@ class SchedulerState:
     def enqueue(self, tile: TileRecord, *, front: bool) -> None:
         if tile.queue_token is None:
             self.queued += 1
+            self.queued_sizes.add(tile.ticket.wire_bytes)
         tile.queue_token = self.next_seq()
         entry = (tile.tile_id, tile.queue_token)
         owner = self.workers.get(tile.ticket.planned_for or "")
@@ -231,6 +289,7 @@ class SchedulerState:
         """Hand out a queued tile whose queue entry the caller has taken off its queue."""
         tile.queue_token = None
         self.queued -= 1
+        self.queued_sizes.remove(tile.ticket.wire_bytes)
         return self.hand_out(tile, worker, now)
 
     def retire(self, tile: TileRecord, *, winner: str | None) -> list[str]:
@@ -251,6 +310,8 @@ class SchedulerState:
                 worker.remember_cancel(tile_id)
         if tile.queue_token is not None:
             self.queued -= 1  # its queue entry is now stale
+            self.queued_sizes.remove(tile.ticket.wire_bytes)
+        self.refused.pop(tile_id, None)
         del self.tiles[tile_id]
         gemm_tiles = self.tiles_by_gemm.get(tile.ticket.gemm_id)
         if gemm_tiles is not None:
@@ -267,8 +328,13 @@ class SchedulerState:
         """Forget a worker; returns the tiles that went back to the queue because of it."""
         worker_id = worker.worker_id
         del self.workers[worker_id]
-        self.caps_changed()
+        if worker.mem_cap_bytes is None:
+            self._uncapped -= 1
+        else:
+            self._caps.remove(worker.mem_cap_bytes)
         self.unready(worker)
+        if not worker.paused:
+            self.deactivate(worker)
         self.window_total -= worker.window
         lost: list[str] = []
         for tile_id in worker.in_flight:
@@ -336,3 +402,18 @@ class SchedulerState:
             yield f"queue count {self.queued}, tiles {queued}, live entries {live_entries}"
         if self.window_total != sum(w.window for w in self.workers.values()):
             yield "window total is wrong"
+        every = Counter(w.mem_cap_bytes for w in self.workers.values())
+        if self._uncapped != every.pop(None, 0) or self._caps.counts() != every:
+            yield "the workers' memory caps are wrong"
+        active = [w for w in self.workers.values() if not w.paused]
+        uncapped = sum(w.mem_cap_bytes is None for w in active)
+        if (self.active, self.active_uncapped) != (len(active), uncapped):
+            yield "active worker counts are wrong"
+        caps = Counter(w.mem_cap_bytes for w in active if w.mem_cap_bytes is not None)
+        if self.active_caps.counts() != caps:
+            yield "active workers' memory caps are wrong"
+        sizes = Counter(t.ticket.wire_bytes for t in self.tiles.values() if t.queue_token)
+        if self.queued_sizes.counts() != sizes:
+            yield "queued tiles' sizes are wrong"
+        if any(t.refused_by and t.tile_id not in self.refused for t in self.tiles.values()):
+            yield "a refused tile is not among the refused"
