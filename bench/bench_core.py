@@ -10,7 +10,12 @@ larger than its work, where every tile goes out as soon as it is submitted), eac
 result is for a tile picked at random among those out, and brings the next tile.
 Heartbeats are left out (``bench_load.py`` has them, over real connections).
 
-A second table: the training thread's planning of one GEMM (``LivePlanning.plan``, as
+A second table: a reconnect storm. With three tiles queued per worker, the workers
+join one after another (each join hands out tiles), then half of them leave (each
+leave re-queues its tiles and asks which tiles nobody left may take): the core's CPU
+per join and per leave.
+
+A third table: the training thread's planning of one GEMM (``LivePlanning.plan``, as
 the offload calls it before cutting each GEMM: grid, placement, commitments) for a pool
 of that many workers of mixed speeds whose links were measured, over the same for 2.
 
@@ -63,14 +68,17 @@ class Pool:
         self._gemm = SimGemm("g0")
         self.now = 0.0
         for i in range(workers):
-            hello = Hello(
-                name=f"w{i}",
-                profile=DeviceProfile(mem_cap_bytes=1 << 30, gflops=100.0, threads=1),
-                window=2,
-                worker_key=hashlib.sha256(f"w{i}".encode()).hexdigest(),
-                cache_bytes=1 << 30,  # as cleave-worker keeps blocks: the core mirrors them
-            )
-            self._apply(self.core.admit(f"w{i}", hello, self.now))
+            self.join(f"w{i}")
+
+    def join(self, worker_id: str) -> None:
+        hello = Hello(
+            name=worker_id,
+            profile=DeviceProfile(mem_cap_bytes=1 << 30, gflops=100.0, threads=1),
+            window=2,
+            worker_key=hashlib.sha256(worker_id.encode()).hexdigest(),
+            cache_bytes=1 << 30,  # as cleave-worker keeps blocks: the core mirrors them
+        )
+        self._apply(self.core.admit(worker_id, hello, self.now))
 
     def submit(self, count: int) -> None:
         tiles = []
@@ -120,6 +128,22 @@ def per_tile(workers: int, tiles: int, backlog: float) -> float:
     return seconds / tiles
 
 
+def storm_seconds(workers: int) -> tuple[float, float]:
+    """CPU seconds per join and per leave: ``workers`` join a core with three tiles
+    queued for each, then half of them leave."""
+    pool = Pool(0, 0.0)
+    pool.submit(3 * workers)
+    start = time.process_time()
+    for i in range(workers):
+        pool.join(f"w{i}")
+    joined = time.process_time()
+    for i in range(workers // 2):
+        pool.now += 1e-3
+        pool._apply(pool.core.disconnected(f"w{i}", pool.now))
+    left = time.process_time()
+    return (joined - start) / workers, (left - joined) / (workers // 2)
+
+
 def plan_seconds(workers: int, gemms: int = 20) -> float:
     """CPU seconds to plan one GEMM for ``workers``, each planned after the last."""
     rng = random.Random(0)
@@ -154,6 +178,17 @@ def main() -> None:
         f"(CPU of the coordinator's core per verified tile, {args.tiles} results each; "
         f"tiles in the pool: {args.backlog:g} per worker slot; ratio: over the first pool)"
     )
+    print(f"\n{'workers':>8} {'µs/join':>9} {'ratio':>6} {'µs/leave':>9} {'ratio':>6}")
+    bases = None
+    storm_seconds(POOLS[0])  # warm: what a core does once (imports, first hand-outs)
+    for workers in POOLS:
+        join, leave = storm_seconds(workers)
+        bases = bases or (join, leave)
+        print(
+            f"{workers:>8} {join * 1e6:>9.1f} {join / bases[0]:>6.2f} "
+            f"{leave * 1e6:>9.1f} {leave / bases[1]:>6.2f}"
+        )
+    print("(CPU of the core per join and per leave, three tiles queued per worker)")
     print(f"\n{'workers':>8} {'plan ms/GEMM':>13} {'ratio':>6}")
     base = None
     for workers in PLANNED_POOLS:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from bench_core import Pool, per_tile, plan_seconds  # noqa: E402
+from bench_core import Pool, per_tile, plan_seconds, storm_seconds  # noqa: E402
 
 
 def test_the_tiles_stay_out_and_each_result_is_credited() -> None:
@@ -32,3 +32,8 @@ def test_a_run_measures_the_tiles_it_was_asked_for() -> None:
 
 def test_a_planning_run_plans_the_gemms_it_was_asked_for() -> None:
     assert plan_seconds(workers=5, gemms=2) > 0
+
+
+def test_a_storm_measures_joins_and_leaves() -> None:
+    join, leave = storm_seconds(workers=30)
+    assert join > 0 and leave > 0
