@@ -38,10 +38,10 @@ class Largest:
     def add(self, size: int) -> None:
         if not self._counts[size]:
             heapq.heappush(self._heap, -size)
-            if len(self._heap) > 2 * len(self._counts) + 64:
-                self._heap = [-kept for kept in self._counts]
-                heapq.heapify(self._heap)
         self._counts[size] += 1
+        if len(self._heap) > 2 * len(self._counts) + 64:
+            self._heap = [-kept for kept in self._counts]
+            heapq.heapify(self._heap)
 
     def remove(self, size: int) -> None:
         self._counts[size] -= 1

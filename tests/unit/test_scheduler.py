@@ -31,7 +31,7 @@ from coordinator.schedule.scheduler import (
     UnknownWorkerError,
     Verdict,
 )
-from coordinator.schedule.state import SchedulerState
+from coordinator.schedule.state import Largest, SchedulerState
 
 CONFIG = SchedulerConfig(heartbeat_timeout_s=10.0, tile_timeout_s=30.0)
 
@@ -948,6 +948,41 @@ def test_stranded_tiles_are_those_no_active_worker_may_take(seed: int) -> None:
         for tile_id in sched.stranded()[:1]:
             sched.take_over(tile_id)
     sched.check_invariants()
+
+
+def test_the_largest_size_survives_the_heap_being_compacted() -> None:
+    # Sizes gone at once leave stale entries under the largest, till the heap is rebuilt;
+    # some of these counts have it rebuilt by the very add of 500.
+    for churned in range(40, 180):
+        sizes = Largest()
+        sizes.add(10**6)
+        for size in range(1, churned):
+            sizes.add(size)
+            sizes.remove(size)
+        sizes.add(500)
+        sizes.remove(10**6)
+        assert sizes.largest() == 500, churned
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_largest_of_a_changing_multiset_of_sizes(seed: int) -> None:
+    # Many sizes come and go while few are held at once (new ones often the largest),
+    # so its heap is compacted along the way.
+    rng = random.Random(seed)
+    sizes, held = Largest(), Counter[int]()
+    for step in range(3000):
+        if len(held) > 3 or (held and rng.random() < 0.4):
+            size = rng.choice(sorted(held.elements()))
+            sizes.remove(size)
+            held[size] -= 1
+            held += Counter()  # drops sizes no longer held
+        else:
+            size = step + rng.randrange(-50, 50) if rng.random() < 0.8 else rng.randrange(1, 9)
+            size = max(1, size)
+            sizes.add(size)
+            held[size] += 1
+        assert sizes.largest() == max(held, default=None)
+        assert sizes.counts() == held
 
 
 def test_workers_leaving_do_not_each_send_the_stranded_check_through_the_queue(
