@@ -54,6 +54,10 @@ class CoreApi(Protocol):
         """Send the newest JobState, if the worker has not had it."""
         ...
 
+    def active_workers(self) -> int:
+        """Connected workers not paused."""
+        ...
+
     def pool_changed(self) -> None:
         """A worker joined, left, paused or resumed: the pool view is made anew."""
         ...

@@ -8,7 +8,7 @@ from typing import Any
 
 from common.signing import fingerprint
 from coordinator.pool.core_api import CoreApi
-from coordinator.pool.workers import Worker, WorkerState
+from coordinator.pool.workers import Worker
 
 # Rows of the status's worker and ledger lists. A page (and a metrics scrape) of a pool
 # of thousands is built on the event loop every second a dashboard is open: it lists the
@@ -57,12 +57,11 @@ def core_status(core: CoreApi, now: float) -> dict[str, Any]:
         )
     counters = core.counters
     keys, key_count = core.ledger.top(STATUS_ROWS)
-    paused = WorkerState.PAUSED
     return {
         "coordinator_key": fingerprint(core.key),
         "pool": {
             "connected": len(core.workers),
-            "active": sum(worker.state != paused for worker in core.workers.values()),
+            "active": core.active_workers(),
             "ledger_keys": key_count,
         },
         "workers": workers,

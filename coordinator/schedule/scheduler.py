@@ -123,7 +123,7 @@ class Scheduler:
         if worker.paused == paused:
             return []
         worker.paused = paused
-        (state.deactivate if paused else state.activate)(worker)
+        (state.active_caps.remove if paused else state.active_caps.add)(worker.mem_cap_bytes)
         lost: list[str] = []
         if paused:
             for tile_id in worker.in_flight:
@@ -238,9 +238,9 @@ class Scheduler:
         (then waiting for one is right). O(1) unless a queued tile is larger than every
         active worker's memory cap or was refused; then O(queue)."""
         state = self._state
-        if not state.active:
+        if not state.active_caps.workers:
             return []
-        largest_cap = None if state.active_uncapped else state.active_caps.largest()
+        largest_cap = state.active_caps.largest()
         biggest = state.queued_sizes.largest()
         too_big = largest_cap is not None and biggest is not None and biggest > largest_cap
         refused = (state.tiles[tile_id] for tile_id in state.refused)

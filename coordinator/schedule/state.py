@@ -59,6 +59,40 @@ class Largest:
         return -heap[0] if heap else None
 
 
+class Caps:
+    """The memory caps of a set of workers, kept as workers come and go."""
+
+    def __init__(self) -> None:
+        self._capped = Largest()
+        self._uncapped = 0
+        self.workers = 0
+
+    def add(self, cap: int | None) -> None:
+        self.workers += 1
+        if cap is None:
+            self._uncapped += 1
+        else:
+            self._capped.add(cap)
+
+    def remove(self, cap: int | None) -> None:
+        self.workers -= 1
+        if cap is None:
+            self._uncapped -= 1
+        else:
+            self._capped.remove(cap)
+
+    def largest(self) -> int | None:
+        """The largest cap; None when a worker has none, 0 when there are no workers."""
+        return None if self._uncapped else (self._capped.largest() or 0)
+
+    def counts(self) -> Counter[int | None]:
+        """How many workers have each cap (None: no cap)."""
+        counts: Counter[int | None] = Counter(self._capped.counts())
+        if self._uncapped:
+            counts[None] = self._uncapped
+        return counts
+
+
 class SchedulerState:
     """Everything one `Scheduler` knows; its indexes must agree (`invariant_problems`)."""
 
@@ -87,47 +121,24 @@ class SchedulerState:
         self._deadlines: list[tuple[float, int, str, str]] = []
         self._heartbeats: list[tuple[float, int, str]] = []
         self.window_total = 0
-        # What `stranded` needs, kept as it changes rather than found by reading every
-        # worker and every queued tile: the active (unpaused) workers' memory caps (and
-        # how many have none), the queued tiles' sizes, and the tiles a worker refused.
-        self.active_caps = Largest()
-        self.active_uncapped = 0
-        self.active = 0
+        # Kept as they change rather than found by reading every worker and every queued
+        # tile: the memory caps of every worker and of the active (unpaused) ones, and
+        # what `stranded` needs besides: the queued tiles' sizes and the refused tiles.
+        self.caps = Caps()
+        self.active_caps = Caps()
         self.queued_sizes = Largest()
         self.refused: dict[str, None] = {}
         self.counts = dict.fromkeys(STAT_NAMES, 0)
-        # Every worker's memory cap, paused or not (and how many have none).
-        self._caps = Largest()
-        self._uncapped = 0
 
     def largest_cap(self) -> int | None:
         """The largest memory cap among the workers (None when one has none): no tile
         above it is worth offering to any of them."""
-        return None if self._uncapped else (self._caps.largest() or 0)
+        return self.caps.largest()
 
     def joined(self, worker: WorkerRecord) -> None:
         self.workers[worker.worker_id] = worker
-        if worker.mem_cap_bytes is None:
-            self._uncapped += 1
-        else:
-            self._caps.add(worker.mem_cap_bytes)
-        self.activate(worker)
-
-    def activate(self, worker: WorkerRecord) -> None:
-        """The worker joined or resumed."""
-        self.active += 1
-        if worker.mem_cap_bytes is None:
-            self.active_uncapped += 1
-        else:
-            self.active_caps.add(worker.mem_cap_bytes)
-
-    def deactivate(self, worker: WorkerRecord) -> None:
-        """The worker paused or left."""
-        self.active -= 1
-        if worker.mem_cap_bytes is None:
-            self.active_uncapped -= 1
-        else:
-            self.active_caps.remove(worker.mem_cap_bytes)
+        self.caps.add(worker.mem_cap_bytes)
+        self.active_caps.add(worker.mem_cap_bytes)
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -328,13 +339,10 @@ class SchedulerState:
         """Forget a worker; returns the tiles that went back to the queue because of it."""
         worker_id = worker.worker_id
         del self.workers[worker_id]
-        if worker.mem_cap_bytes is None:
-            self._uncapped -= 1
-        else:
-            self._caps.remove(worker.mem_cap_bytes)
+        self.caps.remove(worker.mem_cap_bytes)
         self.unready(worker)
         if not worker.paused:
-            self.deactivate(worker)
+            self.active_caps.remove(worker.mem_cap_bytes)
         self.window_total -= worker.window
         lost: list[str] = []
         for tile_id in worker.in_flight:
@@ -402,16 +410,14 @@ class SchedulerState:
             yield f"queue count {self.queued}, tiles {queued}, live entries {live_entries}"
         if self.window_total != sum(w.window for w in self.workers.values()):
             yield "window total is wrong"
-        every = Counter(w.mem_cap_bytes for w in self.workers.values())
-        if self._uncapped != every.pop(None, 0) or self._caps.counts() != every:
-            yield "the workers' memory caps are wrong"
-        active = [w for w in self.workers.values() if not w.paused]
-        uncapped = sum(w.mem_cap_bytes is None for w in active)
-        if (self.active, self.active_uncapped) != (len(active), uncapped):
-            yield "active worker counts are wrong"
-        caps = Counter(w.mem_cap_bytes for w in active if w.mem_cap_bytes is not None)
-        if self.active_caps.counts() != caps:
-            yield "active workers' memory caps are wrong"
+        for caps, workers in (
+            (self.caps, list(self.workers.values())),
+            (self.active_caps, [w for w in self.workers.values() if not w.paused]),
+        ):
+            if caps.workers != len(workers) or caps.counts() != Counter(
+                w.mem_cap_bytes for w in workers
+            ):
+                yield "the workers' memory caps are wrong"
         sizes = Counter(t.ticket.wire_bytes for t in self.tiles.values() if t.queue_token)
         if self.queued_sizes.counts() != sizes:
             yield "queued tiles' sizes are wrong"
