@@ -7,17 +7,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.plan.estimates import DeviceEstimate, LinkModel, for_planning
+from coordinator.plan.layouts import Layouts, Operand
 from coordinator.plan.placement import (
     LOCAL,
+    Block,
     PoolPlan,
     candidate_configs,
     candidate_plans,
     fastest,
     plan_for_pool,
+    plans_on_grids,
 )
 from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, plan_gemm
 
@@ -50,6 +53,16 @@ class Commitments:
         """Drop workers that left (the caller passes those still there)."""
         alive = set(keep)
         self._free = {w: t for w, t in self._free.items() if w in alive}
+
+
+@dataclass(frozen=True)
+class _Aligned:
+    """What `Layouts` adds to a GEMM's planning: the grids to try (None: the usual
+    candidates) and the blocks each worker holds."""
+
+    grids: list[GemmPlan] | None = None
+    held: Mapping[str, frozenset[Block]] = dataclasses.field(default_factory=dict)
+    later: Callable[[GemmPlan], float] | None = None  # plan_for_pool's
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,10 @@ class LivePlanning:
     # keep_home.CPU_S_PER_BYTE): where it binds, a grid that sends a block to two
     # workers, or cuts more tiles than the workers need, finishes later.
     cpu_s_per_byte: float = 0.0
+    # Where it is counted, the plan that costs the coordinator's CPU least is chosen from
+    # those that finish within this factor of the fastest (placement.plan_for_pool): a
+    # pool steps no faster than its coordinator hands steps out.
+    cpu_slack: float = 1.25
     egress_bps: float = math.inf  # the coordinator's uplink, if known
     # Links a worker has not shown yet are planned as 10 Gbit/s (estimates.for_planning).
     optimistic_link_bps: float = 1.25e9
@@ -127,24 +144,44 @@ class LivePlanning:
         *,
         now: float = 0.0,
         coordinator_busy_s: float = 0.0,
+        layouts: Layouts | None = None,
+        operands: tuple[Operand | None, Operand | None] = (None, None),
     ) -> LiveChoice:
         """The grid for one GEMM, the tiles kept at the coordinator and the worker each
         other tile is planned for, planned after the work `commitments` hold (and the
-        coordinator's `coordinator_busy_s`), which then hold this plan's too. Raises
-        ValueError (from plan_gemm) when not even a one-element tile fits the grid
-        planner's limits."""
+        coordinator's `coordinator_busy_s`), which then hold this plan's too; with
+        `layouts` (and the GEMM's A and B as `operands`), the grids that cut its operands
+        as earlier plans did are tried too, the blocks those placed counted as held, and
+        this plan's cut and placements kept for later ones. Raises ValueError (from
+        plan_gemm) when not even a one-element tile fits the grid planner's limits."""
         ready = None
         if commitments is not None:
             ready = commitments.ready_at(now, [e.worker_id for e in estimates])
             ready[LOCAL] = coordinator_busy_s
+        aligned = _Aligned()
+        if layouts is not None and self.cost_model and estimates:
+            layouts.forget(e.worker_id for e in estimates)
+            aligned = self._aligned(shape, estimates, config, layouts, operands)
         if self.rule == "auto":
-            chosen, follow = self._auto(shape, estimates, config, ready)
+            chosen, follow = self._auto(shape, estimates, config, ready, aligned)
         else:
-            chosen, follow = self.pool_plan(shape, estimates, config, ready), self.rule == "finish"
+            chosen = self.pool_plan(
+                shape,
+                estimates,
+                config,
+                ready,
+                grids=aligned.grids,
+                held=aligned.held,
+                later=aligned.later,
+            )
+            follow = self.rule == "finish"
         if chosen is None:
             return LiveChoice(plan_gemm(shape, config))
         if commitments is not None:
             commitments.add(now, chosen)
+        if layouts is not None and chosen.plan is not None:
+            caps = {e.worker_id: e.mem_cap_bytes for e in estimates}
+            layouts.record(shape, chosen.plan.grid, operands, chosen.placements, caps)
         return LiveChoice(
             chosen.plan,
             frozenset(t.index for t in chosen.local_tiles),
@@ -153,12 +190,51 @@ class LivePlanning:
             else {},
         )
 
+    def _devices(
+        self, shape: GemmShape, estimates: Sequence[DeviceEstimate], config: PlanConfig
+    ) -> list[DeviceEstimate]:
+        """The devices a plan is made for: at most `max_workers`, the fastest."""
+        devices = [for_planning(e, self.optimistic_link_bps) for e in estimates]
+        if len(devices) > self.max_workers:
+            devices = fastest(shape, devices, config, self.max_workers)
+        return devices
+
+    def _aligned(
+        self,
+        shape: GemmShape,
+        estimates: Sequence[DeviceEstimate],
+        config: PlanConfig,
+        layouts: Layouts,
+        operands: tuple[Operand | None, Operand | None],
+    ) -> _Aligned:
+        """The candidate grids with those that cut the operands as earlier plans did
+        (None where there are none of those), and the blocks each worker holds."""
+        held = layouts.held(shape, operands)
+        later = None
+        if self.cpu_s_per_byte > 0:
+
+            def later(plan: GemmPlan) -> float:
+                return layouts.later_bytes(shape, operands, plan.grid) * self.cpu_s_per_byte
+
+        if not held:  # no worker holds a block of them: nothing to align with
+            return _Aligned(None, held, later)
+        devices = self._devices(shape, estimates, config)
+        configs = candidate_configs(config)
+        candidates = candidate_plans(
+            shape, devices, config, tiles_per_device=self.tiles_per_device, configs=configs
+        )
+        extra = layouts.variants(shape, operands, [p.grid for p in candidates])
+        if not extra:
+            return _Aligned(None, held, later)
+        return _Aligned(candidates + plans_on_grids(shape, devices, extra, configs), held, later)
+
     def _auto(
         self,
         shape: GemmShape,
         estimates: Sequence[DeviceEstimate],
         config: PlanConfig,
         ready: Mapping[str, float] | None,
+        aligned: _Aligned,
     ) -> tuple[PoolPlan | None, bool]:
         """The "auto" rule: the grid whose tiles, as pull would hand them out, finish
         first; then that grid or the finest one (up to `tiles_per_device` per worker)
@@ -168,7 +244,17 @@ class LivePlanning:
         `follow_max_workers` of them, and compute binding (within `follow_within` of the
         bound) or a gain over pull of `follow_gain`. Placing by earliest finish costs
         tiles x workers, so it is done for two grids, not for every candidate."""
-        pulled = self.pool_plan(shape, estimates, config, ready, rule="pull")
+        held, later = aligned.held, aligned.later
+        pulled = self.pool_plan(
+            shape,
+            estimates,
+            config,
+            ready,
+            rule="pull",
+            grids=aligned.grids,
+            held=held,
+            later=later,
+        )
         if pulled is None or pulled.plan is None:
             return pulled, False
         if len(estimates) > self.follow_max_workers or any(not e.link_samples for e in estimates):
@@ -177,7 +263,14 @@ class LivePlanning:
         grids = candidate_plans(shape, estimates, config)
         finest = max(grids, key=lambda g: len(g.tiles), default=pulled.plan)
         finish = self.pool_plan(
-            shape, estimates, config, ready, rule="finish", grids=[pulled.plan, finest]
+            shape,
+            estimates,
+            config,
+            ready,
+            rule="finish",
+            grids=[pulled.plan, finest],
+            held=held,
+            later=later,
         )
         if finish is None or finish.plan is None:  # placed so, the coordinator would win
             return pulled, False
@@ -196,16 +289,17 @@ class LivePlanning:
         *,
         rule: str | None = None,
         grids: Sequence[GemmPlan] | None = None,
+        held: Mapping[str, frozenset[Block]] | None = None,
+        later: Callable[[GemmPlan], float] | None = None,
     ) -> PoolPlan | None:
         """The cost model's whole plan (placements included; `rule`: place_tiles', by
-        default this planning's, "finish" for "auto"), or None where the grid planner
-        decides (no cost model, or no estimates yet)."""
+        default this planning's, "finish" for "auto"; `held`: the blocks each worker
+        holds already), or None where the grid planner decides (no cost model, or no
+        estimates yet)."""
         if not self.cost_model or not estimates:
             return None
         rule = rule or self.rule
-        devices = [for_planning(e, self.optimistic_link_bps) for e in estimates]
-        if len(devices) > self.max_workers:
-            devices = fastest(shape, devices, config, self.max_workers)
+        devices = self._devices(shape, estimates, config)
         share = self.coordinator_flops_per_s > 0
         return plan_for_pool(
             shape,
@@ -221,4 +315,8 @@ class LivePlanning:
             configs=candidate_configs(config),
             rule="finish" if rule == "auto" else rule,
             grids=grids,
+            held=held,
+            later=later,
+            byte_cost_s=self.cpu_s_per_byte,
+            cpu_slack=self.cpu_slack,
         )

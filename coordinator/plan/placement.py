@@ -10,23 +10,39 @@ A tile's time on a device is estimates.py's model.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.plan.estimates import SEQUENTIAL, DeviceEstimate, LinkModel, lower_bound
-from coordinator.plan.planner import GemmPlan, GemmShape, PlanConfig, TileRegion, plan_gemm
+from coordinator.plan.planner import (
+    GemmPlan,
+    GemmShape,
+    Grid,
+    PlanConfig,
+    TileRegion,
+    grid_plan,
+    plan_gemm,
+)
 
-Block = tuple[str, int, int, int]  # ("A", bi, mi, ki) or ("B", bi, ni, ki)
+# An operand block by the ranges it covers: ("A", b0, b1, m0, m1, k0, k1) or
+# ("B", b0, b1, k0, k1, n0, n1). Ranges, not grid indices, so that grids of one GEMM
+# that cut an operand alike name its blocks alike (coordinator.plan.layouts).
+Block = tuple[str, int, int, int, int, int, int]
 Run = tuple[float, float, float, float]  # (start, download end, compute end, finish)
 Choice = tuple[int, Run, int]  # (lane index, its run of the tile, operand bytes sent)
 Attempt = Callable[["_Lane"], tuple[Run, int]]
 DEFAULT_PLAN = PlanConfig()
 # The coordinator itself, when it computes a share of a GEMM: no link to cross.
 LOCAL = "coordinator"
+# Queued tiles a free worker looks through for one whose operand block it holds, as the
+# scheduler's PREFERENCE_LOOKAHEAD (planning does not import scheduling).
+PREFERENCE_LOOKAHEAD = 16
 
 
 @dataclass(frozen=True)
@@ -58,11 +74,11 @@ class PoolPlan:
 
 def operand_blocks(shape: GemmShape, tile: TileRegion) -> tuple[tuple[Block, int], ...]:
     """The A and B blocks a tile reads, with their sizes in bytes."""
-    bi, mi, ni, ki = tile.index
+    t = tile
     b, m, n, k = tile.dims
     return (
-        (("A", bi, mi, ki), shape.itemsize * b * m * k),
-        (("B", bi, ni, ki), shape.itemsize * b * k * n),
+        (("A", t.b0, t.b1, t.m0, t.m1, t.k0, t.k1), shape.itemsize * b * m * k),
+        (("B", t.b0, t.b1, t.k0, t.k1, t.n0, t.n1), shape.itemsize * b * k * n),
     )
 
 
@@ -148,6 +164,25 @@ def _pull_choice(
     return choice
 
 
+def _preferred(
+    shape: GemmShape, lane: _Lane, head: TileRegion, pending: collections.deque[TileRegion]
+) -> TileRegion:
+    """The tile pull hands the worker with the earliest free slot: the head of the queue,
+    or, where it holds none of the head's operand blocks, the first of the next few that
+    it holds one of and can hold (which then leaves `pending`; the head goes back to its
+    front). The scheduler prefers so too (coordinator.schedule.assignment), which keeps
+    a block sent for one tile, or for an earlier GEMM, at the worker that holds it."""
+    if not lane.held or any(block in lane.held for block, _ in operand_blocks(shape, head)):
+        return head
+    for i, tile in enumerate(itertools.islice(pending, PREFERENCE_LOOKAHEAD)):
+        if any(block in lane.held for block, _ in operand_blocks(shape, tile)):
+            if lane.device.can_hold(tile.total_bytes(shape.itemsize)):
+                del pending[i]
+                pending.appendleft(head)
+                return tile
+    return head
+
+
 def _finish_choice(
     lanes: Sequence[_Lane], blocks: tuple[tuple[Block, int], ...], size: int, attempt: Attempt
 ) -> Choice | None:
@@ -187,8 +222,9 @@ def place_tiles(
     operands, then to the earlier device in `devices`.
 
     rule "pull" (what the server's scheduler does): tiles in grid order, each to the
-    device with the earliest free slot, however slow it is; a device with no link (the
-    coordinator, LOCAL) takes a tile instead when it would finish it no later.
+    device with the earliest free slot, however slow it is, which takes one of the next
+    few whose operand block it holds before the head (`_preferred`); a device with no
+    link (the coordinator, LOCAL) takes a tile instead when it would finish it no later.
     """
     if rule not in ("finish", "pull"):
         raise ValueError(f"unknown rule {rule!r}")
@@ -209,7 +245,11 @@ def place_tiles(
     slots = [(lane.slot(links.window), i) for i, lane in enumerate(lanes) if i not in here]
     heapq.heapify(slots)
     placements: list[Placement] = []
-    for tile in order:
+    pending = collections.deque(order)
+    while pending:
+        tile = pending.popleft()
+        if rule == "pull" and slots:
+            tile = _preferred(shape, lanes[slots[0][1]], tile, pending)
         blocks = operand_blocks(shape, tile)
         size = tile.total_bytes(shape.itemsize)
         # A download cannot end before the coordinator's uplink carried it and the bytes
@@ -276,12 +316,9 @@ def candidate_plans(
     The memory cap is the largest device's (never above the config's): a tile only needs
     one device that can hold it, and K is split only when even that one cannot.
     """
-    caps = [d.mem_cap_bytes for d in devices]
     plans: dict[tuple[int, int, int, int], GemmPlan] = {}
     for config in configs or [base]:
-        cap = config.tile_mem_cap_bytes
-        if caps and None not in caps:
-            cap = min(cap, max(c for c in caps if c is not None))
+        cap = _largest_cap(devices, config)
         target = 1
         while target <= max(1, tiles_per_device * len(devices)):
             grown = _grown(config, target, cap)
@@ -294,6 +331,33 @@ def candidate_plans(
             plans.setdefault(plan.grid, plan)
             target *= 2
     return list(plans.values())
+
+
+def _largest_cap(devices: Sequence[DeviceEstimate], config: PlanConfig) -> int:
+    """The memory cap a tile must fit: the largest device's, never above the config's."""
+    caps = [d.mem_cap_bytes for d in devices]
+    if caps and None not in caps:
+        return min(config.tile_mem_cap_bytes, max(c for c in caps if c is not None))
+    return config.tile_mem_cap_bytes
+
+
+def plans_on_grids(
+    shape: GemmShape,
+    devices: Sequence[DeviceEstimate],
+    grids: Sequence[Grid],
+    configs: Sequence[PlanConfig],
+) -> list[GemmPlan]:
+    """Plans on exactly these grids (``planner.grid_plan``), each where one of `configs`
+    allows it, capped as candidate_plans caps them."""
+    plans = []
+    for grid in grids:
+        for config in configs:
+            cap = _largest_cap(devices, config)
+            plan = grid_plan(shape, grid, _grown(config, config.target_tiles, cap))
+            if plan is not None:
+                plans.append(plan)
+                break
+    return plans
 
 
 def plan_for_pool(
@@ -310,6 +374,9 @@ def plan_for_pool(
     configs: Sequence[PlanConfig] | None = None,
     rule: str = "finish",
     grids: Sequence[GemmPlan] | None = None,
+    later: Callable[[GemmPlan], float] | None = None,
+    byte_cost_s: float = 0.0,
+    cpu_slack: float = 1.0,
 ) -> PoolPlan:
     """Offload vs local and the tile grid with the smallest estimated makespan.
 
@@ -321,6 +388,15 @@ def plan_for_pool(
     `configs` are the tile limits whose grids are tried (default: base's alone;
     `candidate_configs(base)` adds bigger tiles and K splits for long K); `grids`, if
     given, are the only grids tried.
+
+    Without `byte_cost_s` the plan that finishes first is chosen. With it, the plan that
+    costs the coordinator's CPU least among those that finish within `cpu_slack` times
+    the first: the coordinator's CPU is shared by every GEMM in flight, and a pool can
+    step no faster than it hands steps out, while the makespan counts it only where it
+    delays this GEMM (and the links' estimates carry the rest of that CPU). Its CPU is
+    `byte_cost_s` a byte the placement moves (operands sent, results back), the tiles it
+    keeps, and what `later` says the grid costs the GEMMs after this one (seconds, for
+    the bytes it makes them move).
 
     `local_flops_per_s` 0 means the coordinator computes no GEMM of its own (local takes
     forever), unless no worker can.
@@ -345,6 +421,10 @@ def plan_for_pool(
         grids = candidate_plans(
             shape, devices, base, tiles_per_device=tiles_per_device, configs=configs
         )
+    fastest_s = best.makespan
+    # Each plan that was placed, with its CPU seconds at the coordinator.
+    here_s = shape.flops / local_flops_per_s if local_flops_per_s else 0.0
+    found: list[tuple[PoolPlan, float]] = [(best, here_s)]
     for plan in grids:
         placed = place_tiles(
             shape,
@@ -354,19 +434,40 @@ def plan_for_pool(
             held=held,
             links=links,
             rule=rule,
-            beat=best.makespan,
+            beat=fastest_s * cpu_slack if byte_cost_s else fastest_s,
         )
         if placed is None:  # some tile fits no device, or it cannot beat the best so far
             continue
         makespan = max(p.finish for p in placed)
-        better = makespan < best.makespan or (
-            makespan == best.makespan
-            and best.plan is not None
-            and len(placed) < len(best.placements)
-        )
-        if better:
-            best = PoolPlan(plan, placed, makespan, bound, local)
-    return best
+        fastest_s = min(fastest_s, makespan)
+        chosen = PoolPlan(plan, placed, makespan, bound, local)
+        found.append((chosen, _coordinator_cpu_s(chosen, local_flops_per_s, byte_cost_s, later)))
+    if not byte_cost_s:  # the fastest; ties to local, then to fewer tiles, then the first
+        return min(
+            found, key=lambda f: (f[0].makespan, f[0].plan is not None, len(f[0].placements))
+        )[0]
+    near = [f for f in found if f[0].makespan <= fastest_s * cpu_slack]
+    return min(near, key=lambda f: (f[1], f[0].makespan, len(f[0].placements)))[0]
+
+
+def _coordinator_cpu_s(
+    chosen: PoolPlan,
+    local_flops_per_s: float,
+    byte_cost_s: float,
+    later: Callable[[GemmPlan], float] | None,
+) -> float:
+    """What a plan costs the coordinator's CPU: the tiles it computes itself, the bytes
+    its placements move (operands sent, results back), and what `later` says its grid
+    costs the GEMMs after it."""
+    assert chosen.plan is not None
+    shape = chosen.plan.shape
+    cpu = later(chosen.plan) if later is not None else 0.0
+    for p in chosen.placements:
+        if p.worker_id == LOCAL:
+            cpu += p.tile.flops / local_flops_per_s
+        else:
+            cpu += (p.down_bytes + p.tile.up_bytes(shape.itemsize)) * byte_cost_s
+    return cpu
 
 
 def fastest(

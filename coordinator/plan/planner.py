@@ -182,6 +182,22 @@ def plan_gemm(shape: GemmShape, config: PlanConfig = PlanConfig()) -> GemmPlan |
     return GemmPlan(shape=shape, grid=grid, tiles=_tiles(shape, grid))
 
 
+@functools.lru_cache(maxsize=4096)
+def grid_plan(shape: GemmShape, grid: Grid, config: PlanConfig = PlanConfig()) -> GemmPlan | None:
+    """The plan on exactly `grid`, or None where plan_gemm would keep the GEMM here, the
+    grid cuts a dim into more parts than it has, or its tiles break `config`'s memory cap
+    or FLOP limit or have too few outputs to check."""
+    if min(shape.dims) == 0 or shape.flops < config.min_offload_flops:
+        return None
+    if any(not 1 <= parts <= size for size, parts in zip(shape.dims, grid, strict=True)):
+        return None
+    if not _fits(shape, config, grid):
+        return None
+    if _smallest_tile_outputs(shape, grid) < config.min_tile_outputs:
+        return None
+    return GemmPlan(shape=shape, grid=grid, tiles=_tiles(shape, grid))
+
+
 def _check_feasible(shape: GemmShape, config: PlanConfig) -> None:
     if not _fits(shape, config, shape.dims):
         raise ValueError(

@@ -18,13 +18,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.gemm_speed import matmul_gflops
 from common.ops import TileOp
-from common.tensors import DTYPE_NAMES
+from common.tensors import DTYPE_NAMES, stored_layout
 from common.unfold import Unfold
 from coordinator.plan.keep_home import KeepHome
+from coordinator.plan.layouts import Layouts, Operand
 from coordinator.plan.live import Commitments, LivePlanning
 from coordinator.plan.planner import GemmShape, PlanConfig
 from coordinator.pool.workers import PoolView
 from coordinator.step.executor import GemmDone
+from coordinator.step.gemm_names import step_of
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
 
 log = logging.getLogger("cleave.coordinator")
@@ -62,6 +64,8 @@ class TileOffload:
         self._plan_config = plan_config
         self._planning = planning
         self._commitments = Commitments()  # training thread only, as start() is
+        self._layouts = Layouts()  # likewise: this step's
+        self._step: int | None = None
         self._clock = time.monotonic
         self._keep_home = keep_home
         self._speeds: dict[torch.dtype, float] = {}  # FLOP/s of a GEMM here, by dtype
@@ -90,6 +94,10 @@ class TileOffload:
             shape, lambda: self._speed(a.dtype)
         ):
             return 0  # fewer FLOPs than bytes are worth: cheaper here than as tiles
+        if step_of(name) != self._step:
+            # A new step: the memory that last step's matrices lay in is another's now
+            # (and the weights have changed), so its cuts name nothing any more.
+            self._step, self._layouts = step_of(name), Layouts()
         pool = self._server.pool  # an immutable snapshot: safe to read from this thread
         config = self._plan_config(pool.active, pool.memory_cap)
         self._commitments.forget(e.worker_id for e in pool.estimates)
@@ -97,7 +105,13 @@ class TileOffload:
             # GEMMs already out keep their workers busy for a while: this one is planned
             # after them (the coordinator's share of them is done: start() computed it).
             choice = self._planning.plan(
-                shape, pool.estimates, config, self._commitments, now=self._clock()
+                shape,
+                pool.estimates,
+                config,
+                self._commitments,
+                now=self._clock(),
+                layouts=self._layouts,
+                operands=(None, None) if unfold is not None else (operand(a), operand(b)),
             )
         except ValueError as exc:  # no tile of this GEMM fits: the coordinator computes it
             log.warning("running %s locally: %s", name, exc)
@@ -129,3 +143,23 @@ class TileOffload:
             a = torch.rand(256, 256, generator=torch.Generator().manual_seed(0)).to(dtype)
             self._speeds[dtype] = matmul_gflops(a, a, target_s=0.02) * 1e9
         return self._speeds[dtype]
+
+
+def operand(t: torch.Tensor) -> Operand | None:
+    """A GEMM operand as ``Layouts`` names it: the memory its bytes lie in (where, their
+    shape and strides as they lie) and their version, which an in-place change (the
+    optimizer's step) moves on. None for a tensor without a version (inference mode)."""
+    source, transposed = stored_layout(t)
+    try:
+        version = t._version
+    except RuntimeError:
+        return None
+    key = (
+        source.device,
+        source.data_ptr(),
+        tuple(source.shape),
+        source.stride(),
+        source.dtype,
+        version,
+    )
+    return Operand(key, transposed)

@@ -35,7 +35,7 @@ from coordinator.plan.placement import (
     place_tiles,
     plan_for_pool,
 )
-from coordinator.plan.planner import GemmShape, PlanConfig, plan_gemm
+from coordinator.plan.planner import GemmShape, PlanConfig, grid_plan, plan_gemm
 
 # C[4, 4] = A[4, 2] @ B[2, 4], one byte per element: 64 FLOPs.
 SHAPE = GemmShape("mm", 1, 4, 4, 2, 1)
@@ -295,10 +295,14 @@ def test_the_coordinator_takes_a_share(rule: str) -> None:
     #   t01: coordinator 8 vs FAST fresh 4 -> FAST [0,4]
     #   t10: coordinator 8 ties FAST fresh 4 + 4 = 8 -> coordinator (holds B0) [4,8]
     #   t11: coordinator 12 vs FAST (holds B1) 4 + 3.5 -> FAST [4,7.5]
+    # ("pull" places t11 before t10: FAST, free first, prefers the tile whose block it
+    # holds; the outcome is the same.)
     coordinator = DeviceEstimate(LOCAL, 4.0, math.inf, math.inf)
     placed = place_tiles(SHAPE, four_tiles(), [coordinator, FAST], rule=rule)
     assert placed is not None
-    table = [(p.tile.index[1:3], p.worker_id, p.start, p.finish, p.down_bytes) for p in placed]
+    table = sorted(
+        (p.tile.index[1:3], p.worker_id, p.start, p.finish, p.down_bytes) for p in placed
+    )
     assert table == [
         ((0, 0), LOCAL, 0.0, 4.0, 0),
         ((0, 1), "fast", 0.0, 4.0, 8),
@@ -394,3 +398,46 @@ def test_commitments_delay_the_next_plan_until_planned_work_is_done() -> None:
     # A plan made while FAST is busy for 12 s starts its tiles at 12.
     later = plan_for_pool(SHAPE, [FAST], local_flops_per_s=1.0, base=TINY, ready_at={"fast": 12.0})
     assert later.makespan == 26.0 and later.placements[0].start == 12.0
+
+
+def test_pull_hands_a_worker_a_tile_whose_block_it_holds_before_the_head() -> None:
+    # FAST, free first, holds B1 (sent for an earlier GEMM): of the queue t00 t01 t10
+    # t11 it takes t01, and is sent its A0 alone; as the scheduler prefers.
+    tiles = four_tiles()
+    b1 = placement.operand_blocks(SHAPE, tiles[1])[1][0]
+    other = DeviceEstimate("other", 8.0, 8.0, 4.0)
+    placed = place_tiles(SHAPE, tiles, [FAST, other], held={"fast": frozenset({b1})}, rule="pull")
+    assert placed is not None
+    assert (placed[0].worker_id, placed[0].tile.index, placed[0].down_bytes) == (
+        "fast",
+        tiles[1].index,
+        4,
+    )
+    blind = place_tiles(SHAPE, tiles, [FAST, other], rule="pull")
+    assert blind is not None and blind[0].tile.index == tiles[0].index
+
+
+def test_counting_cpu_picks_the_plan_that_moves_fewest_bytes_near_the_fastest() -> None:
+    # One tile on one worker moves each operand once; four tiles on two workers finish
+    # sooner but send each worker a row block of A and a column block of B for each tile.
+    other = DeviceEstimate("other", 8.0, 8.0, 4.0)
+    whole = grid_plan(SHAPE, (1, 1, 1, 1), TINY)
+    four = plan_gemm(
+        SHAPE, PlanConfig(min_offload_flops=1, min_tile_flops=1, min_tile_outputs=1, target_tiles=4)
+    )
+    assert whole is not None and four is not None and len(four.tiles) == 4
+
+    def chosen(**kw: Any) -> PoolPlan:
+        return plan_for_pool(SHAPE, [FAST, other], local_flops_per_s=0, grids=[four, whole], **kw)
+
+    fastest = chosen()
+    one = plan_for_pool(SHAPE, [FAST, other], local_flops_per_s=0, grids=[whole])
+    assert fastest.plan == four and one.makespan > fastest.makespan
+    slower_by = one.makespan / fastest.makespan
+    assert one.down_bytes < fastest.down_bytes
+    # Within the slack the frugal plan wins; outside it, the fastest still does.
+    assert chosen(byte_cost_s=1.0, cpu_slack=slower_by).plan == whole
+    assert chosen(byte_cost_s=1.0, cpu_slack=0.99 * slower_by).plan == four
+    # What a grid costs later GEMMs counts with its own bytes.
+    later = {four.grid: 0.0, whole.grid: 1e3}
+    assert chosen(byte_cost_s=1.0, cpu_slack=slower_by, later=lambda p: later[p.grid]).plan == four
