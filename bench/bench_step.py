@@ -552,6 +552,7 @@ BREAKDOWN_ROWS = [
     ("worker rest", "the rest of the workers' CPU: receive, decode, encode, send"),
     ("cut", "coordinator: lay each operand block out (a copy, unless in order already), hash it"),
     ("sign", "coordinator: frame and sign each task"),
+    ("kept GEMMs", "coordinator: whole GEMMs computed here (too small, or too few FLOPs a byte)"),
     ("training rest", "coordinator: non-GEMM ops, optimizer, tracing, GEMM setup"),
     ("checkpoint", "coordinator: the checkpoint's snapshot, and its write on its own thread"),
     ("kept tiles", "coordinator: the GEMM tiles the planner kept here"),
@@ -655,10 +656,12 @@ def step_breakdown(served: Served) -> dict[str, float]:
             "worker rest": worker_cpu - rec["worker_compute_s"],
             "cut": cpu["cut"],
             "sign": cpu["sign"] + cpu["sign_variant"],
+            "kept GEMMs": cpu["kept_gemms"],
             "training rest": cpu["thread:training"]
             - cpu["cut"]
             - cpu["sign"]
             - cpu["kept_tiles"]
+            - cpu["kept_gemms"]
             - cpu["checkpoint"],
             "checkpoint": cpu["checkpoint"] + cpu["checkpoint_write"],
             "kept tiles": cpu["kept_tiles"],

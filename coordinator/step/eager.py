@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.ops import TileOp
+from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
 from coordinator.step.flops import op_flops, op_label, op_name
 from coordinator.step.gemm_start import start_gemm
@@ -63,14 +64,19 @@ class EagerOffloadMode(TorchDispatchMode):
                 out = lowering(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        if func in GEMM_OPS:
+        kept = func in GEMM_OPS
+        if kept:
             out = self._gemm(func, args, kwargs)
             if out is not None:
                 return out
             self.stats.gemms_local += 1
         if func is GROUPED_MM and (out := self._grouped(func, args, kwargs)) is not None:
             return out
-        out = func(*args, **kwargs)
+        if kept:
+            with COSTS.timed("kept_gemms"):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         self.stats.flops.ran_here(func, op_flops(func, args, kwargs, out), op_label(func, args))
         return out
 

@@ -21,6 +21,7 @@ from torch.fx.node import map_arg
 
 from common.ops import TileOp
 from common.unfold import Unfold
+from coordinator.step.cpu_costs import COSTS
 from coordinator.step.flops import FlopTally, op_name
 from coordinator.step.gemm_start import start_gemm
 from coordinator.step.grouped_mm import GROUPED_MM, GroupedCall, split_grouped_mm, start_pieces
@@ -157,12 +158,16 @@ class DataflowExecutor:
                     in_flight += 1
                     stats.max_gemms_in_flight = max(stats.max_gemms_in_flight, in_flight)
                 else:
-                    if node.target in GEMM_OPS:
-                        stats.gemms_local += 1
                     stats.flops.ran_here(node.target, node_flops[node], labels.get(node))
                     args = map_arg(node.args, lambda n: env[n])
                     kwargs = map_arg(node.kwargs, lambda n: env[n])
-                    flow.complete(node, node.target(*args, **kwargs))  # type: ignore[operator]
+                    if node.target in GEMM_OPS:
+                        stats.gemms_local += 1
+                        with COSTS.timed("kept_gemms"):
+                            value = node.target(*args, **kwargs)  # type: ignore[operator]
+                    else:
+                        value = node.target(*args, **kwargs)  # type: ignore[operator]
+                    flow.complete(node, value)
                     flow.release(node)
             if flow.done():
                 break

@@ -22,6 +22,7 @@ from support.small_nets import BatchNormNet
 from torch import nn
 
 from coordinator.jobs.tiny_gpt import make_job
+from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import DataflowExecutor, GemmDone, StepCancelled, finish_addmm
 from coordinator.step.job import Job
 from coordinator.step.tracing import TracedStep, trace_step
@@ -214,6 +215,19 @@ def test_declining_every_gemm_is_exact(gpt: Any) -> None:
         offload.close()
     assert_exact(got, want)
     assert (stats.gemms_local, stats.gemms_offloaded) == (GPT_GEMMS, 0)
+
+
+def test_gemms_run_here_are_timed_as_kept_gemms(gpt: Any) -> None:
+    # The per-step breakdown names them, apart from the rest of the training thread.
+    _, traced, flat, _ = gpt
+    offload = ThreadedOffload(decline=lambda name, op: op == "bmm")
+    before = COSTS.snapshot().get("kept_gemms", 0.0)
+    try:
+        _, stats = DataflowExecutor(offload).run(traced, flat)
+    finally:
+        offload.close()
+    assert stats.gemms_local > 0
+    assert COSTS.snapshot().get("kept_gemms", 0.0) > before
 
 
 def test_an_exception_from_the_offload_is_raised_by_run(gpt: Any) -> None:
