@@ -137,7 +137,7 @@ class Layouts:
         and returns p partial outputs (K x N for A, M x K for B) where one would do: the
         smaller of the two. A matrix read before (an earlier GEMM's cut is known) adds
         nothing: this is that later read."""
-        gb, gm, gn, _ = grid
+        _, gm, gn, _ = grid
         extra = 0
         if operands[0] is not None and operands[0].key not in self._cuts and gm > 1:
             extra += min((gm - 1) * shape.k * shape.n, shape.m * shape.k)

@@ -208,7 +208,8 @@ class LivePlanning:
         operands: tuple[Operand | None, Operand | None],
     ) -> _Aligned:
         """The candidate grids with those that cut the operands as earlier plans did
-        (None where there are none of those), and the blocks each worker holds."""
+        (None where there are none of those), the blocks each worker holds, and what a
+        grid's cut of a matrix read for the first time costs its later read."""
         held = layouts.held(shape, operands)
         later = None
         if self.cpu_s_per_byte > 0:

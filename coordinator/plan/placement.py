@@ -378,7 +378,8 @@ def plan_for_pool(
     byte_cost_s: float = 0.0,
     cpu_slack: float = 1.0,
 ) -> PoolPlan:
-    """Offload vs local and the tile grid with the smallest estimated makespan.
+    """Offload vs local, and the tile grid: the one with the smallest estimated makespan,
+    or, where the coordinator's CPU is counted, the cheapest near it (below).
 
     With `share_local` the coordinator is one more device in the placement (worker id
     LOCAL, no link to cross), so a plan may keep some tiles here and send the rest: on a
