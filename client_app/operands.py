@@ -48,7 +48,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.nbytes
 
 
-class OperandBlocks(BlockCache[torch.Tensor]):
+class OperandBlocks(BlockCache[str, torch.Tensor]):
     """Block id -> operand kept between tasks, least recently used first.
 
     A block is kept as the view of the received message it arrived in, not a copy, when

@@ -11,22 +11,23 @@ cache fits its budget.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
+K = TypeVar("K", bound=Hashable)  # a block's name: its content id, on both ends
 V = TypeVar("V")
 
 
-class BlockCache(Mapping[str, V], Generic[V]):
+class BlockCache(Mapping[K, V], Generic[K, V]):
     """Block id -> value (a tensor on the worker, its size at the coordinator), LRU."""
 
     def __init__(self, budget: int, size: Callable[[V], int]) -> None:
         self.budget = budget
         self._size = size
-        self._blocks: OrderedDict[str, V] = OrderedDict()
+        self._blocks: OrderedDict[K, V] = OrderedDict()
         self.bytes = 0
 
-    def __getitem__(self, block: str) -> V:
+    def __getitem__(self, block: K) -> V:
         return self._blocks[block]
 
     def __contains__(self, block: object) -> bool:
@@ -34,12 +35,12 @@ class BlockCache(Mapping[str, V], Generic[V]):
         # asks this for every candidate worker of every tile.
         return block in self._blocks
 
-    def holds_any(self, blocks: Iterable[str]) -> bool:
+    def holds_any(self, blocks: Iterable[K]) -> bool:
         """Whether any of ``blocks`` is held: one call where ``in`` for each is one per
         block (the scheduler asks it of every candidate worker of every tile)."""
         return not self._blocks.keys().isdisjoint(blocks)
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[K]:
         return iter(self._blocks)
 
     def __len__(self) -> int:
@@ -50,11 +51,11 @@ class BlockCache(Mapping[str, V], Generic[V]):
         """Whether blocks are kept at all (a budget of 0: every operand is sent)."""
         return self.budget > 0
 
-    def record(self, blocks: Iterable[tuple[str, V | None]]) -> list[str]:
+    def record(self, blocks: Iterable[tuple[K, V | None]]) -> list[K]:
         """One task's blocks, in order: a held one becomes the most recently used; a new
         one is added (its value given; None: it did not arrive, so nothing to keep).
         Returns the blocks let go to fit the budget, the least recently used first."""
-        evicted: list[str] = []
+        evicted: list[K] = []
         if not self.keeps:
             return evicted
         for block, value in blocks:
@@ -69,7 +70,7 @@ class BlockCache(Mapping[str, V], Generic[V]):
             evicted.append(block)
         return evicted
 
-    def replace(self, block: str, value: V) -> None:
+    def replace(self, block: K, value: V) -> None:
         """A held block's value swapped for an equal one of the same size; its place in
         the order stays."""
         self._blocks[block] = value

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from common.block_cache import BlockCache
 from coordinator.plan.placement import LOCAL, Block, Placement
 from coordinator.plan.planner import GemmShape, Grid, TileRegion
 
@@ -90,9 +91,8 @@ class Layouts:
         self._matrices = matrices
         self._worker_bytes = worker_bytes
         self._cuts: OrderedDict[Hashable, _Cut] = OrderedDict()
-        # Per worker, least recently placed first: (matrix, region) -> bytes.
-        self._placed: dict[str, OrderedDict[tuple[Hashable, Region], int]] = {}
-        self._bytes: dict[str, int] = {}
+        # Each worker's cache as the plans filled it, by the same rule as the worker's own.
+        self._caches: dict[str, BlockCache[tuple[Hashable, Region], int]] = {}
 
     def _cut(self, shape: GemmShape, operand: Operand, name: str) -> _Cut | None:
         """The operand's last cut, if it is of a matrix of this operand's sizes."""
@@ -183,7 +183,8 @@ class Layouts:
             self._cuts[operand.key] = cut  # the most recently cut last
             cuts.append((name, operand, cut))
         while len(self._cuts) > self._matrices:
-            self._drop_matrix(next(iter(self._cuts)))
+            # Its blocks stay in the workers' caches until they are let go, as there.
+            self._cuts.popitem(last=False)
         for p in placements:
             if p.worker_id == LOCAL:
                 continue
@@ -195,35 +196,24 @@ class Layouts:
     def _place(
         self, worker: str, key: Hashable, cut: _Cut, region: Region, size: int, cap: int | None
     ) -> None:
-        placed = self._placed.setdefault(worker, OrderedDict())
-        old = placed.pop((key, region), None)
-        self._bytes[worker] = self._bytes.get(worker, 0) - (old or 0) + size
-        placed[(key, region)] = size
+        cache = self._caches.get(worker)
+        if cache is None:
+            budget = self._worker_bytes if cap is None else min(cap, self._worker_bytes)
+            cache = self._caches[worker] = BlockCache(budget, int)
         cut.holders.setdefault(worker, set()).add(region)
-        budget = self._worker_bytes if cap is None else min(cap, self._worker_bytes)
-        while self._bytes[worker] > budget and len(placed) > 1:
-            (gone_key, gone), gone_size = placed.popitem(last=False)
-            self._bytes[worker] -= gone_size
+        for gone_key, gone in cache.record([((key, region), size)]):
             gone_cut = self._cuts.get(gone_key)
             if gone_cut is not None:
                 gone_cut.holders.get(worker, set()).discard(gone)
 
-    def _drop_matrix(self, key: Hashable) -> None:
-        cut = self._cuts.pop(key)
-        for worker, regions in cut.holders.items():
-            placed = self._placed.get(worker, OrderedDict())
-            for region in regions:
-                self._bytes[worker] -= placed.pop((key, region), 0)
-
     def forget(self, keep: Iterable[str]) -> None:
         """Drop workers that left (the caller passes those still there)."""
         alive = set(keep)
-        for worker in [w for w in self._placed if w not in alive]:
-            for key, _region in self._placed.pop(worker):
+        for worker in [w for w in self._caches if w not in alive]:
+            for key, _region in self._caches.pop(worker):
                 cut = self._cuts.get(key)
                 if cut is not None:
                     cut.holders.pop(worker, None)
-            del self._bytes[worker]
 
 
 def _region_bytes(region: Region, itemsize: int) -> int:

@@ -208,8 +208,9 @@ class LivePlanning:
         operands: tuple[Operand | None, Operand | None],
     ) -> _Aligned:
         """The candidate grids with those that cut the operands as earlier plans did
-        (None where there are none of those), the blocks each worker holds, and what a
-        grid's cut of a matrix read for the first time costs its later read."""
+        (None where no worker holds a block of them: then the usual candidates), the
+        blocks each worker holds, and what a grid's cut of a matrix read for the first
+        time costs its later read."""
         held = layouts.held(shape, operands)
         later = None
         if self.cpu_s_per_byte > 0:
@@ -225,8 +226,6 @@ class LivePlanning:
             shape, devices, config, tiles_per_device=self.tiles_per_device, configs=configs
         )
         extra = layouts.variants(shape, operands, [p.grid for p in candidates])
-        if not extra:
-            return _Aligned(None, held, later)
         return _Aligned(candidates + plans_on_grids(shape, devices, extra, configs), held, later)
 
     def _auto(

@@ -74,7 +74,7 @@ class Worker:
     estimate: DeviceEstimate | None = None  # speed and links, learnt from its tiles
     # The worker's operand cache, mirrored: block id -> bytes, least recently used first,
     # kept in the same order and budget as the worker keeps it (client_app.operands).
-    blocks: BlockCache[int] = field(default_factory=lambda: BlockCache(0, int))
+    blocks: BlockCache[str, int] = field(default_factory=lambda: BlockCache(0, int))
     sent_bytes: dict[str, int] = field(default_factory=dict)  # tile id -> bytes it cost
     # When its last result arrived: a tile sent while another was computing starts its
     # own compute no earlier (estimates.queued_start).

@@ -6,7 +6,7 @@ from common.block_cache import BlockCache
 
 
 def test_blocks_are_kept_in_use_order_within_the_budget() -> None:
-    cache: BlockCache[int] = BlockCache(30, int)
+    cache: BlockCache[str, int] = BlockCache(30, int)
     cache.record([("a0", 10), ("b", 10)])
     cache.record([("a1", 10), ("b", None)])  # b referred to: most recent again
     cache.record([("a2", 10), ("b", None)])  # over budget: a0, the oldest, goes
@@ -20,14 +20,14 @@ def test_blocks_are_kept_in_use_order_within_the_budget() -> None:
 
 
 def test_a_zero_budget_keeps_nothing() -> None:
-    cache: BlockCache[int] = BlockCache(0, int)
+    cache: BlockCache[str, int] = BlockCache(0, int)
     assert not cache.keeps and BlockCache(1, int).keeps
     assert cache.record([("a", 1)]) == []  # nothing was kept, so nothing is let go
     assert len(cache) == 0 and cache.bytes == 0
 
 
 def test_record_names_what_it_let_go_and_replace_keeps_the_order() -> None:
-    cache: BlockCache[int] = BlockCache(30, int)
+    cache: BlockCache[str, int] = BlockCache(30, int)
     assert cache.record([("a", 10), ("b", 10), ("c", 10)]) == []
     assert cache.record([("a", None), ("d", 15)]) == ["b", "c"]
     cache.replace("a", 10)
@@ -35,7 +35,7 @@ def test_record_names_what_it_let_go_and_replace_keeps_the_order() -> None:
 
 
 def test_holds_any_says_whether_one_of_the_blocks_is_held() -> None:
-    cache: BlockCache[int] = BlockCache(30, int)
+    cache: BlockCache[str, int] = BlockCache(30, int)
     assert not cache.holds_any(("a", "b"))  # empty
     cache.record([("a", 10), ("b", 10)])
     assert cache.holds_any(("x", "b")) and cache.holds_any(["a"])
