@@ -26,7 +26,8 @@ from coordinator.plan.live import Commitments, LivePlanning
 from coordinator.plan.planner import GemmShape, PlanConfig
 from coordinator.pool.workers import PoolView
 from coordinator.step.executor import GemmDone
-from coordinator.step.gemm_names import step_of
+from coordinator.step.gemm_names import step_of, traced
+from coordinator.tiles.step_blocks import StepBlocks, memory_name
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm
 
 log = logging.getLogger("cleave.coordinator")
@@ -65,6 +66,7 @@ class TileOffload:
         self._planning = planning
         self._commitments = Commitments()  # training thread only, as start() is
         self._layouts = Layouts()  # likewise: this step's
+        self._blocks = StepBlocks()  # likewise: the blocks this step has cut
         self._step: int | None = None
         self._clock = time.monotonic
         self._keep_home = keep_home
@@ -97,7 +99,7 @@ class TileOffload:
         if step_of(name) != self._step:
             # A new step: the memory that last step's matrices lay in is another's now
             # (and the weights have changed), so its cuts name nothing any more.
-            self._step, self._layouts = step_of(name), Layouts()
+            self._step, self._layouts, self._blocks = step_of(name), Layouts(), StepBlocks()
         pool = self._server.pool  # an immutable snapshot: safe to read from this thread
         config = self._plan_config(pool.active, pool.memory_cap)
         self._commitments.forget(e.worker_id for e in pool.estimates)
@@ -120,7 +122,17 @@ class TileOffload:
             return 0  # all of it here: one GEMM is cheaper than its tiles
         local = choice.local
         gemm = TiledGemm(
-            name, choice.plan, a, b, on_done=done, local=local, owners=choice.owners, unfold=unfold
+            name,
+            choice.plan,
+            a,
+            b,
+            on_done=done,
+            local=local,
+            owners=choice.owners,
+            unfold=unfold,
+            # An eager step runs user code between its GEMMs, which may write a tensor
+            # without moving its version: its blocks are hashed every time.
+            step_blocks=self._blocks if traced(name) else None,
         )
         local = gemm.local
         sent = sum(r.flops for r in gemm.plan.tiles if r.index not in local)
@@ -146,20 +158,8 @@ class TileOffload:
 
 
 def operand(t: torch.Tensor) -> Operand | None:
-    """A GEMM operand as ``Layouts`` names it: the memory its bytes lie in (where, their
-    shape and strides as they lie) and their version, which an in-place change (the
-    optimizer's step) moves on. None for a tensor without a version (inference mode)."""
-    source, transposed = stored_layout(t)
-    try:
-        version = t._version
-    except RuntimeError:
-        return None
-    key = (
-        source.device,
-        source.data_ptr(),
-        tuple(source.shape),
-        source.stride(),
-        source.dtype,
-        version,
-    )
-    return Operand(key, transposed)
+    """A GEMM operand as ``Layouts`` names it: the memory its bytes lie in and their
+    version (``memory_name``: the optimizer's step, in place, moves it on), and which
+    way round the GEMM reads them. None for a tensor without a version (inference mode)."""
+    name = memory_name(t)
+    return None if name is None else Operand(name, stored_layout(t)[1])

@@ -29,6 +29,7 @@ from common.ops import TileOp
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import GemmOffload, StepCancelled, StepStats, finish_addmm
 from coordinator.step.flops import op_flops, op_label, op_name
+from coordinator.step.gemm_names import eager_name
 from coordinator.step.gemm_start import start_gemm
 from coordinator.step.grouped_mm import GROUPED_MM, split_grouped_mm, start_pieces
 from coordinator.step.job import Job
@@ -97,7 +98,7 @@ class EagerOffloadMode(TorchDispatchMode):
         if call is None or not call.pieces:
             return None
         results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        name = f"{self._label}:eager_grouped_mm_{self._count}"
+        name = eager_name(self._label, "grouped_mm", self._count)
         self._count += 1
         sent = start_pieces(call, self._offload, name, lambda i, v: results.put((i, v)))
         while call.left:
@@ -120,7 +121,7 @@ class EagerOffloadMode(TorchDispatchMode):
         op = GEMM_OPS[func]
         a, b, unfold = gemm_operands(func, args)
         results: queue.SimpleQueue[torch.Tensor | BaseException] = queue.SimpleQueue()
-        name = f"{self._label}:eager_{op}_{self._count}"
+        name = eager_name(self._label, op, self._count)
         self._count += 1
         if unfold is None:
             sent = start_gemm(

@@ -28,6 +28,7 @@ from coordinator.plan.planner import GemmPlan, TileRegion, align_plan
 from coordinator.schedule.scheduler import TileTicket
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.torch_threads import computing
+from coordinator.tiles.step_blocks import StepBlocks
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,12 @@ class TiledGemm:
         local: Collection[tuple[int, int, int, int]] = (),
         owners: Mapping[tuple[int, int, int, int], str] | None = None,
         unfold: Unfold | None = None,
+        step_blocks: StepBlocks | None = None,
     ) -> None:
+        """``step_blocks``: the blocks this step's GEMMs have cut so far, where a block
+        cut again from unchanged memory may take an earlier cut's id and bytes."""
         self.gemm_id = gemm_id
+        self._step_blocks = step_blocks
         self.unfold = unfold
         if unfold is not None:
             # Tiles cut between images (rows of the patches) and channels (columns).
@@ -195,16 +200,21 @@ class TiledGemm:
     def iter_tiles(self, key: Ed25519PrivateKey) -> Iterator[SignedTile]:
         """Sign tiles one at a time, so the first can be on its way to a worker while
         the rest are still being cut. Each operand block is copied out of its matrix and
-        hashed once, by the first tile that needs it; the tiles sharing it send it from
-        the same memory."""
+        hashed once, by the first tile that needs it (or by an earlier GEMM of the step,
+        ``step_blocks``); the tiles sharing it send it from the same memory."""
         itemsize = self._a.element_size()
         blocks: dict[tuple[str, int, int, int], Block] = {}
 
         def block(at: tuple[str, int, int, int], region: TileRegion) -> Block:
             if at not in blocks:  # its view is made only here: slicing costs microseconds
                 with COSTS.timed("cut"):
-                    blocks[at] = encode_block(self._operand(at[0], region), share=True)
-                COSTS.add_bytes("cut", blocks[at].nbytes)
+                    view = self._operand(at[0], region)
+                    if self._step_blocks is None:
+                        blocks[at], fresh = encode_block(view, share=True), True
+                    else:
+                        blocks[at], fresh = self._step_blocks.encode(view)
+                if fresh:  # what was hashed
+                    COSTS.add_bytes("cut", blocks[at].nbytes)
             return blocks[at]
 
         for region in self.plan.tiles:

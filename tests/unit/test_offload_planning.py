@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+import common.tensors
 from common.signing import generate_private_key
+from common.tensors import content_id
 from coordinator.plan.estimates import DeviceEstimate, LinkModel, for_planning
 from coordinator.plan.keep_home import CPU_S_PER_BYTE
 from coordinator.plan.layouts import Layouts, Operand
@@ -303,3 +305,43 @@ def test_an_operand_is_named_by_the_memory_it_lies_in_whichever_way_it_is_read()
     assert operand(w) != named
     with torch.inference_mode():
         assert operand(torch.ones(2, 2)) is None  # no version to tell changes by
+
+
+@pytest.mark.parametrize(
+    ("names", "hashed_again"),
+    [
+        (("s0:mm", "s0:mm_1"), False),  # a traced step's GEMMs
+        (("s0:eager_mm_0", "s0:eager_mm_1"), True),  # user code ran between them
+        (("s0:mm", "s1:mm"), True),  # another step
+    ],
+)
+def test_a_traced_steps_blocks_cut_again_are_not_hashed_again(
+    monkeypatch: pytest.MonkeyPatch, names: tuple[str, str], hashed_again: bool
+) -> None:
+    hashed: list[int] = []
+
+    def counting(t: torch.Tensor) -> str:
+        hashed.append(t.numel() * t.element_size())
+        return content_id(t)
+
+    monkeypatch.setattr(common.tensors, "content_id", counting)
+    loop = asyncio.new_event_loop()
+    try:
+        server = FakeServer(POOL)
+        offload = TileOffload(server, loop, generate_private_key(), lambda *_: CONFIG)
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        for name in names:  # the same product twice: some blocks are cut alike
+            assert offload.start(name, "mm", a, b, lambda _: None)
+        loop.run_until_complete(asyncio.sleep(0))
+        # Each GEMM's distinct blocks (content id -> bytes); random data: one content,
+        # one block.
+        cut: dict[str, dict[str, int]] = {name: {} for name in names}
+        for job in server.submitted:
+            for block in (job.a_block, job.b_block):
+                cut[job.gemm.gemm_id][block.id] = block.nbytes
+        each = sum(sum(blocks.values()) for blocks in cut.values())
+        distinct = sum({k: v for blocks in cut.values() for k, v in blocks.items()}.values())
+        assert distinct < each  # the second GEMM cut some blocks as the first did
+        assert sum(hashed) == (each if hashed_again else distinct)
+    finally:
+        loop.close()
