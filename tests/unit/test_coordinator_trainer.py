@@ -28,6 +28,7 @@ from coordinator.jobs.tiny_gpt import make_job
 from coordinator.step import trainer as trainer_module
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import GemmDone, StepCancelled
+from coordinator.step.gemm_names import traced
 from coordinator.step.job import Job, train_locally
 from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
 
@@ -505,6 +506,21 @@ def test_frozen_parameters_take_no_gradient_and_no_gemm_until_unfrozen() -> None
 def _scale_the_gradient(p: torch.Tensor) -> None:
     assert p.grad is not None
     p.grad.mul_(0.1)
+
+
+def test_the_offload_tells_a_traced_steps_gemms_from_an_eager_steps() -> None:
+    # What may take an earlier cut's block id (coordinator.tiles.step_blocks) depends on
+    # it: Python runs between an eager step's GEMMs.
+    names = {}
+    for kind in ("traced", "eager"):
+        job = _mlp_job(batches=2)
+        if kind == "eager":  # a parameter's own hook makes its step run eagerly
+            next(job.model.parameters()).register_hook(lambda g: g)
+        offload = RecordingOffload()
+        Trainer(job, offload).run(2)
+        names[kind] = [name for name, _, _ in offload.calls]
+    assert names["traced"] and all(traced(name) for name in names["traced"])
+    assert names["eager"] and not any(traced(name) for name in names["eager"])
 
 
 @pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
