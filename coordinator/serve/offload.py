@@ -56,9 +56,11 @@ class TileOffload:
         plan_config: Callable[[int, int | None], PlanConfig],
         planning: LivePlanning = DEFAULT_PLANNING,
         keep_home: KeepHome | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``keep_home``: which GEMMs are cheaper computed here than handed out (None:
-        every GEMM goes to the planner)."""
+        every GEMM goes to the planner); ``clock``: when GEMMs are planned, which the
+        workers' commitments to earlier plans are counted from."""
         self._server = server
         self._loop = loop
         self._key = key
@@ -68,7 +70,7 @@ class TileOffload:
         self._layouts = Layouts()  # likewise: this step's
         self._blocks = StepBlocks()  # likewise: the blocks this step has cut
         self._step: int | None = None
-        self._clock = time.monotonic
+        self._clock = clock
         self._keep_home = keep_home
         self._speeds: dict[torch.dtype, float] = {}  # FLOP/s of a GEMM here, by dtype
 

@@ -65,17 +65,15 @@ class EagerOffloadMode(TorchDispatchMode):
                 out = lowering(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        kept = func in GEMM_OPS
-        if kept:
+        if func in GEMM_OPS:
             out = self._gemm(func, args, kwargs)
             if out is not None:
                 return out
             self.stats.gemms_local += 1
-        if func is GROUPED_MM and (out := self._grouped(func, args, kwargs)) is not None:
-            return out
-        if kept:
             with COSTS.timed("kept_gemms"):
                 out = func(*args, **kwargs)
+        elif func is GROUPED_MM and (out := self._grouped(func, args, kwargs)) is not None:
+            return out
         else:
             out = func(*args, **kwargs)
         self.stats.flops.ran_here(func, op_flops(func, args, kwargs, out), op_label(func, args))

@@ -328,7 +328,14 @@ def test_a_traced_steps_blocks_cut_again_are_not_hashed_again(
     loop = asyncio.new_event_loop()
     try:
         server = FakeServer(POOL)
-        offload = TileOffload(server, loop, generate_private_key(), lambda *_: CONFIG)
+        offload = TileOffload(
+            server,
+            loop,
+            generate_private_key(),
+            lambda *_: CONFIG,
+            LivePlanning(),
+            clock=lambda: 0.0,
+        )
         a, b = torch.randn(512, 512), torch.randn(512, 512)
         for name in names:  # the same product twice: some blocks are cut alike
             assert offload.start(name, "mm", a, b, lambda _: None)
