@@ -66,6 +66,7 @@ from bench_egress import WORKERS, bare  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from common.malloc_policy import keep_freed_memory  # noqa: E402
 from common.tensors import content_id, stored_layout  # noqa: E402
 from coordinator.jobs.tiny_gpt import GPTConfig  # noqa: E402
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt  # noqa: E402
@@ -506,6 +507,7 @@ def measure_floor(records: list[dict[str, Any]], eager: EagerRun) -> Floor:
     # As many frames of the step's mean sizes, at most 256 MB of them, scaled to a step.
     frames = max(16, min(tiles, int((256 << 20) // max(1, (down + up) // tiles))))
     frames -= frames % WORKERS
+    keep_freed_memory()  # the bare connection in a process set up as the coordinator's
     sent, cpu = asyncio.run(bare(int(down // tiles), int(up // tiles), frames))
     return Floor(
         mb_down=down / 1e6,

@@ -1,0 +1,46 @@
+"""How a long-running Cleave process sets up the C allocator (glibc's ``malloc``).
+
+A training step moves gigabytes through buffers of a few megabytes each: frames
+received, operand blocks laid out for the wire, GEMM outputs assembled from tiles.
+glibc's defaults hand such buffers back to the kernel soon after they are freed (one
+above the mmap threshold is its own mapping, unmapped at ``free``; the top of the heap
+is trimmed once enough of it is free), so the next step's buffer of the same size is
+fresh memory again: a page fault for every 4 KiB it writes, and an unmap that every
+thread of the process must flush from its TLB. In the coordinator that was a large
+share of its system time. Kept in the process, freed memory serves the next buffer
+without either, and the peak stays where it was: what a step frees is what the next
+step allocates again.
+
+Buffers above the mmap threshold (at most 32 MiB: glibc refuses more) still get
+mappings of their own, so one outsized tensor does not pin its memory for good.
+
+Elsewhere (macOS, Windows, musl) nothing is changed: their allocators have no such
+switches, or none that this reaches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+# mallopt(3) parameters (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts (half its heap's maximum size)
+TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim, in effect
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed buffers up to ``MMAP_THRESHOLD`` in the process for reuse (see the
+    module). True where the allocator took both settings."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    kept = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return bool(kept and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
