@@ -60,6 +60,7 @@ from common.auth import answer_challenge, check_welcome, new_nonce  # noqa: E402
 from common.batches import packed  # noqa: E402
 from common.errors import ProtocolError  # noqa: E402
 from common.limits import DEFAULT_LIMITS, held_tiles_limit  # noqa: E402
+from common.malloc_policy import keep_freed_memory  # noqa: E402
 from common.messages import (  # noqa: E402
     Ack,
     Bye,
@@ -308,6 +309,7 @@ def coordinator_process(pipe: Connection, cfg: LoadConfig, profile: str = "") ->
     the loop spends per tile, without the joins and leaves around it.
     """
     _raise_fd_limit(cfg.workers)
+    keep_freed_memory()  # as the coordinator's process entry does
     # Timed by the thread's CPU clock: on shared cores a wall clock charges the time the
     # thread sat preempted to whatever call it was in.
     profiler = cProfile.Profile(timer=time.thread_time) if profile else None

@@ -25,15 +25,21 @@ import sys
 
 # mallopt(3) parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts (half its heap's maximum size)
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim, in effect
+# What a heap keeps free beyond its requests. Threads other than the main one (the
+# training and check threads) allocate in heaps of their own, each unmapped whole once
+# it is free unless the heap before it has less than this to spare: with glibc's 128 KiB
+# they still gave most of a step's buffers back, whatever the trim threshold.
+TOP_PAD = 64 << 20
 
 
 def keep_freed_memory() -> bool:
     """Keep freed buffers up to ``MMAP_THRESHOLD`` in the process for reuse (see the
-    module). True where the allocator took both settings."""
+    module). True where the allocator took them."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -42,5 +48,12 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    kept = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    return bool(kept and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    taken = [
+        mallopt(parameter, value)
+        for parameter, value in (
+            (M_TOP_PAD, TOP_PAD),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        )
+    ]
+    return all(taken)

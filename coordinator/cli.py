@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from common.errors import ConfigError
+from common.malloc_policy import keep_freed_memory
 from coordinator.config_file import read_config
 from coordinator.plan.live import Planner
 from coordinator.run import CoordinatorRun
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if log.getEffectiveLevel() > logging.DEBUG:
         # One line per HTTP request and connection drowns the training output.
         logging.getLogger("websockets").setLevel(logging.WARNING)
+    keep_freed_memory()  # before the job's first buffers: the heap grows to fit them once
     return asyncio.run(serve(args))
 
 

@@ -12,9 +12,6 @@ heartbeat p99 and event-loop lag rows). Two things keep full collections rare an
   surviving two young collections into the old generation, whose growth is what
   triggers a full collection.
 
-It also keeps the C allocator's freed memory in the process for the next step's
-buffers (``common.malloc_policy``).
-
 Only the coordinator's process entry calls this: in tests, many servers share one
 process, and freezing would keep their cyclic garbage for good.
 """
@@ -23,15 +20,11 @@ from __future__ import annotations
 
 import gc
 
-from common.malloc_policy import keep_freed_memory
-
 YOUNG_THRESHOLD = 20_000  # allocations between young collections (Python's default: 700)
 
 
 def settle_after_start() -> None:
-    """Freeze what is alive now, widen the young generation and keep freed memory (see
-    the module)."""
-    keep_freed_memory()
+    """Freeze what is alive now and widen the young generation (see the module)."""
     gc.freeze()
     _, middle, old = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
