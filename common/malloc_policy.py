@@ -1,4 +1,4 @@
-"""How a long-running Cleave process sets up the C allocator (glibc's ``malloc``).
+"""How the coordinator's process sets up the C allocator (glibc's ``malloc``).
 
 A training step moves gigabytes through buffers of a few megabytes each: frames
 received, operand blocks laid out for the wire, GEMM outputs assembled from tiles.
@@ -8,8 +8,8 @@ is trimmed once enough of it is free), so the next step's buffer of the same siz
 fresh memory again: a page fault for every 4 KiB it writes, and an unmap that every
 thread of the process must flush from its TLB. In the coordinator that was a large
 share of its system time. Kept in the process, freed memory serves the next buffer
-without either, and the peak stays where it was: what a step frees is what the next
-step allocates again.
+without either, and the peak moves little: what a step frees is what the next step
+allocates again.
 
 Buffers above the mmap threshold (at most 32 MiB: glibc refuses more) still get
 mappings of their own, so one outsized tensor does not pin its memory for good.
@@ -30,10 +30,10 @@ M_MMAP_THRESHOLD = -3
 
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts (half its heap's maximum size)
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim, in effect
-# What a heap keeps free beyond its requests. Threads other than the main one (the
-# training and check threads) allocate in heaps of their own, each unmapped whole once
-# it is free unless the heap before it has less than this to spare: with glibc's 128 KiB
-# they still gave most of a step's buffers back, whatever the trim threshold.
+# What a heap keeps free beyond its requests. With glibc's 128 KiB the two settings
+# above left a served step's page faults about where they were: threads other than the
+# main one (training, checks) allocate in heaps of their own, which glibc unmaps whole
+# once free unless that would leave less than this pad spare (no trim threshold there).
 TOP_PAD = 64 << 20
 
 
