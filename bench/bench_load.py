@@ -60,7 +60,6 @@ from common.auth import answer_challenge, check_welcome, new_nonce  # noqa: E402
 from common.batches import packed  # noqa: E402
 from common.errors import ProtocolError  # noqa: E402
 from common.limits import DEFAULT_LIMITS, held_tiles_limit  # noqa: E402
-from common.malloc_policy import keep_freed_memory  # noqa: E402
 from common.messages import (  # noqa: E402
     Ack,
     Bye,
@@ -85,6 +84,7 @@ from coordinator.run import open_ledger  # noqa: E402
 from coordinator.serve.gc_policy import settle_after_start  # noqa: E402
 from coordinator.serve.server import CoordinatorServer, ServerConfig  # noqa: E402
 from coordinator.step.cpu_costs import COSTS  # noqa: E402
+from coordinator.step.heap import keep_freed_memory  # noqa: E402
 from coordinator.step.torch_threads import orchestrate_on_one_thread  # noqa: E402
 from coordinator.tiles.tiled_gemm import SignedTile, TiledGemm  # noqa: E402
 

@@ -66,11 +66,11 @@ from bench_egress import WORKERS, bare  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from common.malloc_policy import keep_freed_memory  # noqa: E402
 from common.tensors import content_id, stored_layout  # noqa: E402
 from coordinator.jobs.tiny_gpt import GPTConfig  # noqa: E402
 from coordinator.jobs.tiny_gpt import make_job as make_tiny_gpt  # noqa: E402
 from coordinator.plan.live import Planner  # noqa: E402
+from coordinator.step.heap import keep_freed_memory  # noqa: E402
 from coordinator.step.job import Job  # noqa: E402
 
 WIDTH = int(os.environ.get("CLEAVE_BENCH_WIDTH", "2048"))
@@ -507,7 +507,9 @@ def measure_floor(records: list[dict[str, Any]], eager: EagerRun) -> Floor:
     # As many frames of the step's mean sizes, at most 256 MB of them, scaled to a step.
     frames = max(16, min(tiles, int((256 << 20) // max(1, (down + up) // tiles))))
     frames -= frames % WORKERS
-    keep_freed_memory()  # the bare connection in a process set up as the coordinator's
+    # The bare connection in a process set up as the coordinator's (not at this script's
+    # entry: the eager baseline runs it too, and must keep glibc's defaults).
+    keep_freed_memory()
     sent, cpu = asyncio.run(bare(int(down // tiles), int(up // tiles), frames))
     return Floor(
         mb_down=down / 1e6,

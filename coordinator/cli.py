@@ -15,12 +15,12 @@ import tempfile
 from pathlib import Path
 
 from common.errors import ConfigError
-from common.malloc_policy import keep_freed_memory
 from coordinator.config_file import read_config
 from coordinator.plan.live import Planner
 from coordinator.run import CoordinatorRun
 from coordinator.serve.local_workers import die_with_parent
 from coordinator.serve_options import ServeOptions
+from coordinator.step.heap import keep_freed_memory
 from coordinator.step.job import Job
 from coordinator.step.ranks import from_environment, rank_environment
 from coordinator.structured_log import LOG_FORMATS, configure
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if log.getEffectiveLevel() > logging.DEBUG:
         # One line per HTTP request and connection drowns the training output.
         logging.getLogger("websockets").setLevel(logging.WARNING)
-    keep_freed_memory()  # before the job's first buffers: the heap grows to fit them once
+    keep_freed_memory()  # before the job's first buffers (coordinator.step.heap)
     return asyncio.run(serve(args))
 
 

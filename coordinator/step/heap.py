@@ -1,4 +1,5 @@
-"""Giving the C heap's free memory back to the system once a training step is over.
+"""The coordinator's C heap: kept for the next step's buffers, and given back to the
+system once a training step is over if too much of it is free.
 
 A step allocates and frees its operand blocks, results, activations and gradients on
 several threads (training, event loop, checks), and glibc keeps a heap per thread
@@ -16,7 +17,16 @@ fill them. So the heap is trimmed only once its free memory passes both a bound
 for the next one, while no heap grows to more than half free, whatever fragmentation
 does over the steps.
 
-Elsewhere (macOS, Windows, musl) there is no ``malloc_trim`` and nothing is done.
+Left to itself, glibc gives memory back sooner than that, at ``free``: a buffer above its
+mmap threshold is a mapping of its own, the main heap is trimmed once its free top
+passes a threshold, and a thread's heap is unmapped whole once free. A step's frames,
+blocks and outputs (a few MB each) were fresh pages step after step, each faulted in and
+unmapped again (an unmap every thread must flush from its TLB).
+``keep_freed_memory``, at the process entry, turns that off, so only the trim between
+steps gives memory back.
+
+Elsewhere (macOS, Windows, musl) there is no ``mallopt`` or ``malloc_trim`` and nothing
+is done.
 """
 
 from __future__ import annotations
@@ -26,6 +36,21 @@ import sys
 from collections.abc import Callable
 
 TRIM_ABOVE_BYTES = 256 << 20  # free heap memory always kept rather than faulted in again
+
+# mallopt(3) parameters (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+
+# The largest glibc accepts (half its heap's maximum size): a larger buffer still has a
+# mapping of its own, so one outsized tensor does not pin its memory for good.
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim at free, in effect
+# What a heap keeps free beyond its requests. With glibc's 128 KiB the two settings
+# above left a served step's page faults about where they were: threads other than the
+# main one (training, checks) allocate in heaps of their own, which glibc unmaps whole
+# once free unless that would leave less than this pad spare (no trim threshold there).
+TOP_PAD = 64 << 20
 
 
 class _MallInfo2(ctypes.Structure):
@@ -46,18 +71,41 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-def _libc() -> tuple[Callable[[int], int] | None, Callable[[], _MallInfo2] | None]:
+_Libc = tuple[
+    Callable[[int], int] | None, Callable[[], _MallInfo2] | None, Callable[[int, int], int] | None
+]
+
+
+def _libc() -> _Libc:
     if not sys.platform.startswith("linux"):
-        return None, None
+        return None, None, None
     libc = ctypes.CDLL(None)  # this process's C library
     trim = getattr(libc, "malloc_trim", None)
     info = getattr(libc, "mallinfo2", None)  # glibc 2.33 on: without it, always trim
     if info is not None:
         info.restype = _MallInfo2
-    return trim, info
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is not None:
+        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        mallopt.restype = ctypes.c_int
+    return trim, info, mallopt
 
 
-_TRIM, _INFO = _libc()
+_TRIM, _INFO, _MALLOPT = _libc()
+
+
+def keep_freed_memory() -> bool:
+    """Keep buffers freed below ``MMAP_THRESHOLD`` in the process for the next ones (see
+    the module); called once, at the coordinator's process entry, before the job's first
+    buffers, so the heap grows to fit them once. True where the C library took it."""
+    if _MALLOPT is None:
+        return False
+    settings = (
+        (M_TOP_PAD, TOP_PAD),
+        (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+    )
+    return all([_MALLOPT(parameter, value) for parameter, value in settings])
 
 
 def heap_bytes() -> tuple[int, int] | None:

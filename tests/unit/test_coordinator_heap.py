@@ -1,9 +1,13 @@
-"""Free heap memory goes back to the system between training steps, once it is large:
-larger than a bound and than the memory the heap has in use."""
+"""Freed heap memory is kept for the next buffers rather than given back at ``free``;
+it goes back to the system between training steps, once it is large: larger than a
+bound and than the memory the heap has in use."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -59,3 +63,56 @@ def test_a_heap_is_trimmed_once_more_is_free_than_the_bound_and_than_is_in_use(
     free: int, in_use: int, up_to_in_use: bool, due: bool
 ) -> None:
     assert trim_due(free, in_use, above_bytes=256, up_to_in_use=up_to_in_use) is due
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Buffers of a few sizes made and freed in turn, as a step's frames, blocks and outputs
+# are; the page faults of each round are counted (a fault is a page fresh from the
+# kernel). The sizes are below the mmap threshold the policy sets.
+PROBE = """
+import json, resource, sys, torch
+torch.set_num_threads(1)
+from coordinator.step.heap import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "1" else None
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+rounds = []
+for _ in range(4):
+    before = faults()
+    for size in (3 << 20, 8 << 20, 1 << 20, 12 << 20):
+        buffers = [torch.ones(size, dtype=torch.uint8) for _ in range(4)]
+        del buffers
+    rounds.append(faults() - before)
+print(json.dumps({"kept": kept, "rounds": rounds}))
+"""
+
+
+def _faults_by_round(policy: bool) -> dict[str, object]:
+    """The probe in a process of its own: the policy is process-wide, and other tests
+    must not inherit it."""
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, "1" if policy else "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def test_buffers_made_again_reuse_the_memory_freed_before() -> None:
+    default = _faults_by_round(policy=False)
+    rounds = default["rounds"]
+    assert isinstance(rounds, list)
+    if sum(rounds[1:]) < 1000:
+        pytest.skip("this C library keeps freed memory by default: nothing to compare")
+    kept = _faults_by_round(policy=True)
+    assert kept["kept"] is True
+    later = kept["rounds"]
+    assert isinstance(later, list)
+    # After the first round the buffers are made of memory freed before: few fresh
+    # pages (where the interpreter's own allocations split the free memory, a buffer
+    # may not fit in what is left and the heap grows once more).
+    assert sum(later[1:]) < sum(rounds[1:]) / 4, (rounds, later)
