@@ -37,6 +37,7 @@ from common.ops import TileOp
 from coordinator.pool.effects import Check, Checked
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.torch_threads import computing, orchestrate_on_one_thread, orchestrating
+from coordinator.tiles import row_products
 from coordinator.tiles.check_parts import CheckCache, new_generator
 from coordinator.tiles.tiled_gemm import SignedTile
 from coordinator.tiles.verify import check_products
@@ -126,6 +127,7 @@ Done = Callable[[Check, "Checked | BaseException"], None]
 
 class CheckThread:
     def __init__(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
+        row_products.kernels()  # compiled (or loaded) now, not in the first step's checks
         self._pool = ThreadPoolExecutor(
             1, thread_name_prefix="cleave-verify", initializer=_check_thread_started
         )

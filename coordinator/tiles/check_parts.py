@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from common.tensors import stored_layout
+from coordinator.tiles.row_products import kernels
 
 SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
 MAX_CHUNKS = 32  # column chunks per row, and at most one per 128 columns (below)
@@ -105,21 +106,26 @@ def rows_times_each(
     v_t = v.mT.contiguous()
     out = torch.empty(len(xs), v.shape[-1], xs[0].numel() // width, dtype=v.dtype)
     step = max(1, SLICE_ELEMENTS // width)
+    compiled = kernels()  # numba's loops (coordinator.tiles.row_products), where it has them
     for i, x in enumerate(xs):
         into = out[i]
-        if stored_layout(x)[1]:
+        transposed = stored_layout(x)[1]
+        norms = norms_into[i] if norms_into is not None else None
+        if compiled is not None and compiled.row_products(x, width, v_t, into, norms, transposed):
+            continue
+        if transposed:
             *lead, rows, cols = x.shape
             chunks = cols // width
             projected = v_t @ x.mT.reshape(*lead, chunks, width, rows)  # [..., chunks, V, rows]
             into.mT.copy_(projected.movedim(-1, -3).reshape(-1, v.shape[-1]))
-            if norms_into is not None:
-                norms_into[i].copy_(chunk_norms(x, chunks, width).reshape(-1))
+            if norms is not None:
+                norms.copy_(chunk_norms(x, chunks, width).reshape(-1))
             continue
         cut = x.reshape(-1, width)
         for span in (slice(s, s + step) for s in range(0, cut.shape[0], step)):
             torch.mm(v_t, cut[span].mT, out=into[:, span])  # times_skinny's (vᵀ xᵀ)
-            if norms_into is not None:
-                torch.linalg.vector_norm(cut[span], dim=-1, out=norms_into[i, span])
+            if norms is not None:
+                torch.linalg.vector_norm(cut[span], dim=-1, out=norms[span])
     return out.mT
 
 

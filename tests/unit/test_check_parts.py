@@ -1,7 +1,8 @@
 """The result check's building blocks against plain torch (coordinator.tiles.check_parts):
 row-chunk norms and products by the check vectors, for blocks in row order and blocks
 that lie transposed (as weight blocks are sent), several blocks into one answer with
-their row norms taken on the way."""
+their row norms taken on the way; the products both as torch makes them and as numba's
+compiled loops do (coordinator.tiles.row_products)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import pytest
 import torch
 
+from coordinator.tiles import check_parts, row_products
 from coordinator.tiles.check_parts import chunk_norms, rows_times_each
 
 SHAPES = ((1, 64, 64, 1), (1, 300, 96, 3), (2, 128, 512, 4), (1, 1024, 768, 2), (3, 17, 40, 5))
@@ -22,9 +24,23 @@ def _block(batch: int, rows: int, cols: int, transposed: bool, dtype: torch.dtyp
     return torch.randn(batch, rows, cols, generator=gen, dtype=dtype)
 
 
+@pytest.fixture(params=["torch", "compiled"])
+def products(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which products ``rows_times_each`` takes, for every size: torch's, or the loops
+    numba compiles (skipped where numba is missing)."""
+    if request.param == "torch":
+        monkeypatch.setattr(check_parts, "kernels", lambda: None)
+    else:
+        if row_products.kernels() is None:
+            pytest.skip("numba is not installed")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_chunk_norms_and_rows_times_match_torch(transposed: bool, dtype: torch.dtype) -> None:
+def test_chunk_norms_and_rows_times_match_torch(
+    transposed: bool, dtype: torch.dtype, products: str
+) -> None:
     for batch, rows, cols, chunks in SHAPES:
         x = _block(batch, rows, cols, transposed, dtype)
         width = cols // chunks
@@ -44,3 +60,32 @@ def test_chunk_norms_and_rows_times_match_torch(transposed: bool, dtype: torch.d
             torch.testing.assert_close(each, expected, rtol=tolerance, atol=tolerance)
             norms_expected = torch.linalg.vector_norm(chunked, dim=-1).to(dtype)
             torch.testing.assert_close(each_norms.view(batch, rows, chunks), norms_expected)
+
+
+@pytest.mark.parametrize("vectors", [4, 8])
+def test_the_compiled_loops_sum_what_torch_sums_or_leave_the_block_to_it(vectors: int) -> None:
+    """Every row of every chunk, in order and transposed, batched, with any number of
+    vectors; infinities and NaNs come through; a block laid out otherwise (a strided
+    view) is left to torch, untouched."""
+    compiled = row_products.kernels()
+    if compiled is None:
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(vectors)
+    v_t = torch.randn(vectors, 64, generator=gen)
+    for transposed in (False, True):
+        x = _block(3, 40, 128, transposed, torch.float32)
+        x[1, 7, 5] = math.inf
+        x[2, 3, 70] = math.nan
+        out = torch.full((vectors, 3 * 40 * 2), math.nan)
+        norms = torch.full((3 * 40 * 2,), math.nan)
+        assert compiled.row_products(x, 64, v_t, out, norms, transposed)
+        chunked = x.reshape(3, 40, 2, 64).double()
+        expected = torch.einsum("brcw,vw->vbrc", chunked, v_t.double()).reshape(vectors, -1)
+        torch.testing.assert_close(out, expected.float(), rtol=1e-4, atol=1e-4, equal_nan=True)
+        expected_norms = torch.linalg.vector_norm(chunked, dim=-1).reshape(-1).float()
+        torch.testing.assert_close(norms, expected_norms, equal_nan=True)
+        assert out[:, (1 * 40 + 7) * 2].isinf().all() and out[:, (2 * 40 + 3) * 2 + 1].isnan().all()
+    strided = torch.randn(40, 256)[:, :128]
+    untouched = torch.full((vectors, 80), 7.0)
+    assert not compiled.row_products(strided, 64, v_t, untouched, None, False)
+    assert bool((untouched == 7.0).all())
