@@ -37,6 +37,15 @@ def _tier(item: pytest.Item) -> str:
     return folder
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # The result check's compiled loops (coordinator.tiles.row_products), compiled and
+    # cached once before any test: every coordinator, this process's or a test's own,
+    # then loads them in under a second instead of compiling them on its start.
+    from coordinator.tiles import row_products
+
+    row_products.kernels()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = _tier(item)
