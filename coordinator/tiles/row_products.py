@@ -12,7 +12,8 @@ model allows (``coordinator.tiles.honest_error``: any order of one chunk's sum).
 numba compiles them once a process first needs them (the coordinator: as its server
 starts), in seconds, once: the compiled code is cached beside this file, and later
 processes load it in well under a second. Wherever numba cannot be imported or compile
-them, the check takes torch's products. One path a process, never both: the two round
+them, the check takes torch's products. One path a process for every block that lies in
+one piece (all the check is given; a strided view would go to torch): the two round
 differently in the last bits, so a tile checked twice with the same vectors (a stack
 and the same tiles alone) would not get quite the same margins. Only reassociation and
 fused multiply-adds are allowed to the compiler: infinities and NaNs pass through as in
