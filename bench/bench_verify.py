@@ -26,6 +26,10 @@ before and much else has passed through the cache. Each tile of a working set la
 than the last-level cache (``--cold-mb``) is checked once per round, against the same
 tile checked again and again (in cache), one tile alone each.
 
+A third table times the reference ``a (b ρ)`` as the check makes it, for a tile alone,
+a row of tiles made together and a stack, with torch's products (the check where numba
+is missing) and with numba's loops, alternated in this process.
+
 Run: ``python bench/bench_verify.py [--threads N]``. Profile: ``python -m cProfile -s
 tottime bench/bench_verify.py``; or torch.profiler around ``check_product``.
 """
@@ -33,17 +37,19 @@ tottime bench/bench_verify.py``; or torch.profiler around ``check_product``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from coordinator.tiles import row_products  # noqa: E402
 from coordinator.tiles.check_parts import CheckCache, CheckPlan, new_generator  # noqa: E402
-from coordinator.tiles.verify import check_product, check_products  # noqa: E402
+from coordinator.tiles.verify import _reference, check_product, check_products  # noqa: E402
 
 SHAPES = [  # (batch or None, m, k, n, dtype, layout)
     (None, 256, 256, 256, torch.float32, "rows"),
@@ -63,6 +69,42 @@ COLD_SHAPES = [  # (m, k, n, layout): tiles of a 12 x 768 GPT's GEMMs as a run c
     (768, 1024, 768, "aT"),  # its weight gradient
     (1024, 1024, 768, "rows"),
 ]
+
+REFERENCES = [  # (a's shape as the check holds it, b ρ's columns, K blocks, what it is)
+    ((1, 512, 768), 4, 3, "a 512 x 768 x 768 tile alone"),
+    ((1, 1024, 3072), 4, 12, "a 1024 x 3072 x 768 tile alone"),
+    ((1, 1, 1024, 768), 24, 3, "a row of six 1024 x 768 x 768 tiles"),
+    ((1, 2048, 2048), 16, 8, "a 2048³ tile alone (4 chunks)"),
+    ((4, 1, 256, 256), 16, 1, "a 4 x 4 grid of 256³ in one stack"),
+    ((96, 128, 64), 4, 1, "a 96 x 128 x 64 x 128 bmm tile"),
+]
+
+
+@contextlib.contextmanager
+def torch_products() -> Iterator[None]:
+    """The check as it runs where numba is missing: torch's products throughout."""
+    kernels = row_products.kernels
+    row_products.kernels = lambda: None
+    try:
+        yield
+    finally:
+        row_products.kernels = kernels
+
+
+def reference_seconds(
+    a_shape: tuple[int, ...], columns: int, k_blocks: int, repeat: int
+) -> tuple[float, float]:
+    """Seconds of one reference with torch's products and with numba's loops, the two
+    alternated ``repeat`` times (best of each)."""
+    a = torch.randn(*a_shape)
+    projected = torch.randn(a_shape[-3], a_shape[-1], columns)
+    plan = CheckPlan(a_shape[-2], 1, columns, columns, k_blocks)
+    by_torch, by_loops = float("inf"), float("inf")
+    for _ in range(repeat):
+        with torch_products():
+            by_torch = min(by_torch, _best_seconds(lambda: _reference(a, projected, plan), 3))
+        by_loops = min(by_loops, _best_seconds(lambda: _reference(a, projected, plan), 3))
+    return by_torch, by_loops
 
 
 def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
@@ -203,6 +245,23 @@ def main() -> None:
     print(
         f"(one tile alone each; cached: the same tile checked again and again; cold: each "
         f"tile of {args.cold_mb} MB of tiles in turn, best of 2 rounds)"
+    )
+    if row_products.kernels() is None:
+        return
+    print()
+    print(
+        f"{'the reference a (b ρ) of':>36} {'columns':>7} {'K blocks':>8} {'torch µs':>9} "
+        f"{'loops µs':>9} {'ratio':>6}"
+    )
+    for a_shape, columns, k_blocks, what in REFERENCES:
+        by_torch, by_loops = reference_seconds(a_shape, columns, k_blocks, args.repeat)
+        print(
+            f"{what:>36} {columns:>7} {k_blocks:>8} {by_torch * 1e6:>9.1f} "
+            f"{by_loops * 1e6:>9.1f} {by_loops / by_torch:>6.2f}"
+        )
+    print(
+        "(torch's products, as where numba is missing, and numba's loops, alternated; "
+        "ratio: loops over torch)"
     )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from common.tensors import stored_layout
-from coordinator.tiles.row_products import kernels
+from coordinator.tiles import row_products
 
 SPLIT_ABOVE = 1 << 18  # K times a statistic's width beyond which rows are split
 MAX_CHUNKS = 32  # column chunks per row, and at most one per 128 columns (below)
@@ -106,7 +106,9 @@ def rows_times_each(
     v_t = v.mT.contiguous()
     out = torch.empty(len(xs), v.shape[-1], xs[0].numel() // width, dtype=v.dtype)
     step = max(1, SLICE_ELEMENTS // width)
-    compiled = kernels()  # numba's loops (coordinator.tiles.row_products), where it has them
+    compiled = (
+        row_products.kernels()
+    )  # numba's loops (coordinator.tiles.row_products), where it has them
     for i, x in enumerate(xs):
         into = out[i]
         transposed = stored_layout(x)[1]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from coordinator.tiles import row_products
 from coordinator.tiles.check_parts import (
     RHO_SQ,
     CheckCache,
@@ -564,7 +565,13 @@ def _check_stack_copied(
 def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> torch.Tensor:
     """``a (b ρ)`` in float64, ``[..., batch, m, chunks * V]`` (``a3`` may have a leading
     dim of its own): one fp32 product, or partial products over K blocks (short chains)
-    added in float64."""
+    added in float64. numba's loop where it has it (``row_products``), for every ``a``
+    that lies in order."""
+    compiled = row_products.kernels()
+    if compiled is not None:
+        made = compiled.reference(a3, projected, plan.k_blocks)
+        if made is not None:
+            return made
     if plan.k_blocks == 1:
         return as_float64(times_skinny(a3, projected))
     k = a3.shape[-1]
