@@ -106,9 +106,8 @@ def rows_times_each(
     v_t = v.mT.contiguous()
     out = torch.empty(len(xs), v.shape[-1], xs[0].numel() // width, dtype=v.dtype)
     step = max(1, SLICE_ELEMENTS // width)
-    compiled = (
-        row_products.kernels()
-    )  # numba's loops (coordinator.tiles.row_products), where it has them
+    # numba's loops (coordinator.tiles.row_products), where it has them
+    compiled = row_products.kernels()
     for i, x in enumerate(xs):
         into = out[i]
         transposed = stored_layout(x)[1]

@@ -566,7 +566,8 @@ def _reference(a3: torch.Tensor, projected: torch.Tensor, plan: CheckPlan) -> to
     """``a (b ρ)`` in float64, ``[..., batch, m, chunks * V]`` (``a3`` may have a leading
     dim of its own): one fp32 product, or partial products over K blocks (short chains)
     added in float64. numba's loop where it has it (``row_products``), for every ``a``
-    that lies in order."""
+    that lies in order; one that lies transposed takes torch's product (joined into a
+    stack, a small one lies in order: its margins there may differ in the last bits)."""
     compiled = row_products.kernels()
     if compiled is not None:
         made = compiled.reference(a3, projected, plan.k_blocks)
