@@ -19,7 +19,8 @@ numba compiles them once a process first needs them (the coordinator: as its ser
 starts), in seconds, once: the compiled code is cached beside this file, and later
 processes load it in well under a second. Wherever numba cannot be imported or compile
 them, the check takes torch's products. One path a process for every block that lies in
-one piece (all the check is given; a strided view would go to torch): the two round
+one piece (all the check is given; a strided view would go to torch), but for the
+reference of an ``a`` that lies transposed, which takes torch's product: the two round
 differently in the last bits, so a tile checked twice with the same vectors (a stack
 and the same tiles alone) would not get quite the same margins. Only reassociation and
 fused multiply-adds are allowed to the compiler: infinities and NaNs pass through as in
