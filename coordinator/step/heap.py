@@ -13,9 +13,14 @@ Pages handed back are faulted in and zeroed again when the next step allocates, 
 step allocates again what the one before freed (its operand blocks, results and
 activations): faulting them in anew costs the kernel about as much as the copies that
 fill them. So the heap is trimmed only once its free memory passes both a bound
-(``TRIM_ABOVE_BYTES``) and the memory the heap has in use: a step's transients are kept
-for the next one, while no heap grows to more than half free, whatever fragmentation
-does over the steps.
+(``TRIM_ABOVE_BYTES``) and the memory the heap has in use, and then only if the heap
+(free and in use) has grown by ``TRIM_GROWTH`` since it was last trimmed
+(``StepTrims``): a step's transients are kept for the next one, while what
+fragmentation adds over the steps goes back as the heap grows. The C library counts a
+trimmed chunk as free still (its pages come back at the next write), so without the
+growth condition a model whose step allocates more than it keeps between steps (a
+small model on a large batch) met the first condition at every step, and every step
+faulted in again all the memory the one before had handed back.
 
 Left to itself, glibc gives memory back sooner than that, at ``free``: a buffer above its
 mmap threshold is a mapping of its own, the main heap is trimmed once its free top
@@ -36,6 +41,7 @@ import sys
 from collections.abc import Callable
 
 TRIM_ABOVE_BYTES = 256 << 20  # free heap memory always kept rather than faulted in again
+TRIM_GROWTH = 1.25  # growth of the heap since its last trim before it is trimmed again
 
 # mallopt(3) parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -117,9 +123,14 @@ def heap_bytes() -> tuple[int, int] | None:
     return int(info.fordblks), int(info.uordblks)
 
 
-def trim_due(free: int, in_use: int, above_bytes: int, up_to_in_use: bool) -> bool:
-    """Whether a heap with ``free`` and ``in_use`` bytes in its arenas is trimmed."""
-    return free > above_bytes and not (up_to_in_use and free <= in_use)
+def trim_due(
+    free: int, in_use: int, above_bytes: int, up_to_in_use: bool, trimmed_at: int = 0
+) -> bool:
+    """Whether a heap with ``free`` and ``in_use`` bytes in its arenas is trimmed;
+    ``trimmed_at``: its size (free and in use) when it was last trimmed."""
+    if free <= above_bytes or (up_to_in_use and free <= in_use):
+        return False
+    return free + in_use > TRIM_GROWTH * trimmed_at
 
 
 def release_free_memory(above_bytes: int = TRIM_ABOVE_BYTES, *, up_to_in_use: bool = True) -> bool:
@@ -127,10 +138,33 @@ def release_free_memory(above_bytes: int = TRIM_ABOVE_BYTES, *, up_to_in_use: bo
     and (with ``up_to_in_use``) more than the heap has in use, or if the C library cannot
     say; True when it trimmed. (ctypes lets go of the GIL for the call: the other
     threads run on meanwhile.)"""
-    if _TRIM is None:
-        return False
     heap = heap_bytes()
     if heap is not None and not trim_due(*heap, above_bytes, up_to_in_use):
         return False
+    return _trim()
+
+
+def _trim() -> bool:
+    if _TRIM is None:
+        return False
     _TRIM(0)
     return True
+
+
+class StepTrims:
+    """``release_free_memory`` between training steps, once the heap has also grown by
+    ``TRIM_GROWTH`` since its last trim (the module says why)."""
+
+    def __init__(self, above_bytes: int = TRIM_ABOVE_BYTES) -> None:
+        self.above_bytes = above_bytes
+        self._trimmed_at = 0  # the heap's size (free and in use) at its last trim
+
+    def after_step(self) -> bool:
+        """Trim the heap if it is due; True when it was trimmed."""
+        heap = heap_bytes()
+        if heap is None:
+            return release_free_memory(self.above_bytes)
+        if not trim_due(*heap, self.above_bytes, True, self._trimmed_at):
+            return False
+        self._trimmed_at = sum(heap)
+        return _trim()

@@ -27,7 +27,7 @@ from coordinator.step.eager import run_eager_step
 from coordinator.step.executor import DataflowExecutor, GemmOffload, StepCancelled
 from coordinator.step.flops import describe
 from coordinator.step.gemm_names import step_label
-from coordinator.step.heap import release_free_memory
+from coordinator.step.heap import StepTrims
 from coordinator.step.job import Job
 from coordinator.step.ranks import Ranks
 from coordinator.step.tracing import StepTracer, dag_summary, gemm_dag
@@ -125,6 +125,7 @@ class Trainer:
             if checkpoint_path is not None
             else None
         )
+        self._heap = StepTrims()
         self.step = 0
         self.batches_consumed = 0
         self._checkpointed_step = -1
@@ -308,7 +309,7 @@ class Trainer:
         lr = self.job.optimizer.param_groups[0].get("lr")
         self.job.update()
         self.job.optimizer.zero_grad(set_to_none=True)
-        release_free_memory()  # the step's tensors are gone: coordinator.step.heap says why
+        self._heap.after_step()  # the step's tensors are gone: coordinator.step.heap says why
         if self.ranks is not None:
             self.ranks.broadcast_buffers(model)
         after = self.pool_counters()

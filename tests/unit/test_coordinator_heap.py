@@ -1,6 +1,7 @@
 """Freed heap memory is kept for the next buffers rather than given back at ``free``;
-it goes back to the system between training steps, once it is large: larger than a
-bound and than the memory the heap has in use."""
+it goes back to the system between training steps, once it is large (larger than a
+bound and than the memory the heap has in use) and the heap has grown since it last
+went back."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from coordinator.step.heap import heap_bytes, release_free_memory, trim_due
+from coordinator.step import heap as heap_module
+from coordinator.step.heap import StepTrims, heap_bytes, release_free_memory, trim_due
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
 
@@ -49,20 +51,42 @@ def test_the_heap_is_left_alone_while_its_free_memory_is_under_the_bound() -> No
 
 
 @pytest.mark.parametrize(
-    ("free", "in_use", "up_to_in_use", "due"),
+    ("free", "in_use", "up_to_in_use", "trimmed_at", "due"),
     [
-        (100, 1000, True, False),  # under the bound
-        (300, 1000, True, False),  # over the bound, but a step's worth beside what is in use
-        (1000, 1000, True, False),
-        (1001, 1000, True, True),  # more free than in use: trimmed
-        (300, 1000, False, True),  # the bound alone
-        (200, 100, False, False),
+        (100, 1000, True, 0, False),  # under the bound
+        (300, 1000, True, 0, False),  # over the bound, but a step's worth beside what is in use
+        (1000, 1000, True, 0, False),
+        (1001, 1000, True, 0, True),  # more free than in use: trimmed
+        (300, 1000, False, 0, True),  # the bound alone
+        (200, 100, False, 0, False),
+        (1001, 1000, True, 2001, False),  # as large as at the last trim: its pages are in use
+        (1500, 1000, True, 2001, False),  # grown, but by less than TRIM_GROWTH
+        (1600, 1000, True, 2001, True),  # grown by more
+        (400, 1000, False, 2001, False),
     ],
 )
-def test_a_heap_is_trimmed_once_more_is_free_than_the_bound_and_than_is_in_use(
-    free: int, in_use: int, up_to_in_use: bool, due: bool
+def test_a_heap_is_trimmed_once_more_is_free_than_the_bound_and_than_is_in_use_and_it_grew(
+    free: int, in_use: int, up_to_in_use: bool, trimmed_at: int, due: bool
 ) -> None:
-    assert trim_due(free, in_use, above_bytes=256, up_to_in_use=up_to_in_use) is due
+    assert (
+        trim_due(free, in_use, above_bytes=256, up_to_in_use=up_to_in_use, trimmed_at=trimmed_at)
+        is due
+    )
+
+
+def test_steps_that_free_as_much_as_the_last_are_not_trimmed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trimmed free chunk still counts as free, so a step that used the memory the last
+    trim handed back leaves the heap as it found it: trimming it again would only hand
+    back the pages the next step faults in once more."""
+    mib = 1 << 20
+    steps = [(400, 300), (380, 310), (420, 300), (700, 320), (690, 330), (300, 900)]
+    heaps = iter([(free * mib, in_use * mib) for free, in_use in steps])
+    monkeypatch.setattr(heap_module, "heap_bytes", lambda: next(heaps))
+    monkeypatch.setattr(heap_module, "_trim", lambda: True)
+    trims = StepTrims()
+    assert [trims.after_step() for _ in steps] == [True, False, False, True, False, False]
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,10 +25,10 @@ from torch import nn
 from torch.nn.utils import prune
 
 from coordinator.jobs.tiny_gpt import make_job
-from coordinator.step import trainer as trainer_module
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import GemmDone, StepCancelled
 from coordinator.step.gemm_names import traced
+from coordinator.step.heap import StepTrims
 from coordinator.step.job import Job, train_locally
 from coordinator.step.trainer import PoolCounters, StepRecord, Trainer
 
@@ -168,11 +168,11 @@ def test_the_heap_is_trimmed_after_each_step_once_its_gradients_are_gone(
     job = _mlp_job(batches=3)
     grads_then: list[bool] = []
 
-    def trim() -> bool:
+    def trim(_: StepTrims) -> bool:
         grads_then.append(any(p.grad is not None for p in job.model.parameters()))
         return True
 
-    monkeypatch.setattr(trainer_module, "release_free_memory", trim)
+    monkeypatch.setattr(StepTrims, "after_step", trim)
     Trainer(job, None).run(3)
     assert grads_then == [False, False, False]
 
