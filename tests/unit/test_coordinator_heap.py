@@ -59,7 +59,7 @@ def test_the_heap_is_left_alone_while_its_free_memory_is_under_the_bound() -> No
         (1001, 1000, True, 0, True),  # more free than in use: trimmed
         (300, 1000, False, 0, True),  # the bound alone
         (200, 100, False, 0, False),
-        (1001, 1000, True, 2001, False),  # as large as at the last trim: its pages are in use
+        (1001, 1000, True, 2001, False),  # no larger than at the last trim
         (1500, 1000, True, 2001, False),  # grown, but by less than TRIM_GROWTH
         (1600, 1000, True, 2001, True),  # grown by more
         (400, 1000, False, 2001, False),
