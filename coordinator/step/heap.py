@@ -17,10 +17,10 @@ fill them. So the heap is trimmed only once its free memory passes both a bound
 (free and in use) has grown by ``TRIM_GROWTH`` since it was last trimmed
 (``StepTrims``): a step's transients are kept for the next one, while what
 fragmentation adds over the steps goes back as the heap grows. The C library counts a
-trimmed chunk as free still (its pages come back at the next write), so without the
-growth condition a model whose step allocates more than it keeps between steps (a
-small model on a large batch) met the first condition at every step, and every step
-faulted in again all the memory the one before had handed back.
+trimmed chunk as free still (its pages come back at the next write), so a model whose
+step allocates more than it keeps between steps (a small model on a large batch) meets
+the first condition at every step: without the growth condition every step would fault
+in again all the memory the one before handed back.
 
 Left to itself, glibc gives memory back sooner than that, at ``free``: a buffer above its
 mmap threshold is a mapping of its own, the main heap is trimmed once its free top
