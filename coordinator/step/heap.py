@@ -23,12 +23,16 @@ the first condition at every step: without the growth condition every step would
 in again all the memory the one before handed back.
 
 Left to itself, glibc gives memory back sooner than that, at ``free``: a buffer above its
-mmap threshold is a mapping of its own, the main heap is trimmed once its free top
-passes a threshold, and a thread's heap is unmapped whole once free. A step's frames,
-blocks and outputs (a few MB each) were fresh pages step after step, each faulted in and
-unmapped again (an unmap every thread must flush from its TLB).
-``keep_freed_memory``, at the process entry, turns that off, so only the trim between
-steps gives memory back.
+mmap threshold (at most 32 MiB) is a mapping of its own, the main heap is trimmed once
+its free top passes a threshold, and a thread's heap is unmapped whole once free. A
+thread's heap is at most 64 MiB, so a larger buffer made on a thread (the training's and
+the checks' are) is a mapping of its own whatever the threshold. A step's frames, blocks,
+outputs and a wide model's activations were fresh pages step after step, each faulted in
+and unmapped again (an unmap every thread must flush from its TLB).
+``keep_freed_memory``, at the process entry, puts every buffer of every thread in the
+one main heap, which grows to any size, and turns the trim at ``free`` off, so only the
+trim between steps gives memory back. The threads then share one lock to allocate
+(Python's small objects have allocators of their own and do not take it).
 
 Elsewhere (macOS, Windows, musl) there is no ``mallopt`` or ``malloc_trim`` and nothing
 is done.
@@ -46,17 +50,11 @@ TRIM_GROWTH = 1.25  # growth of the heap since its last trim before it is trimme
 # mallopt(3) parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
-M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
 
-# The largest glibc accepts (half its heap's maximum size): a larger buffer still has a
-# mapping of its own, so one outsized tensor does not pin its memory for good.
-MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim at free, in effect
-# What a heap keeps free beyond its requests. With glibc's 128 KiB the two settings
-# above left a served step's page faults about where they were: threads other than the
-# main one (training, checks) allocate in heaps of their own, which glibc unmaps whole
-# once free unless that would leave less than this pad spare (no trim threshold there).
-TOP_PAD = 64 << 20
+TOP_PAD = 64 << 20  # what the heap grows by beyond a request: fewer, larger extensions
 
 
 class _MallInfo2(ctypes.Structure):
@@ -101,15 +99,16 @@ _TRIM, _INFO, _MALLOPT = _libc()
 
 
 def keep_freed_memory() -> bool:
-    """Keep buffers freed below ``MMAP_THRESHOLD`` in the process for the next ones (see
-    the module); called once, at the coordinator's process entry, before the job's first
-    buffers, so the heap grows to fit them once. True where the C library took it."""
+    """Keep freed buffers in the process for the next ones (see the module); called
+    once, at the coordinator's process entry, before the job's first buffers and
+    threads, so the heap grows to fit them once. True where the C library took it."""
     if _MALLOPT is None:
         return False
     settings = (
+        (M_ARENA_MAX, 1),
+        (M_MMAP_MAX, 0),
         (M_TOP_PAD, TOP_PAD),
         (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
     )
     return all([_MALLOPT(parameter, value) for parameter, value in settings])
 

@@ -93,30 +93,39 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Buffers of a few sizes made and freed in turn, as a step's frames, blocks and outputs
 # are; the page faults of each round are counted (a fault is a page fresh from the
-# kernel). The sizes are below the mmap threshold the policy sets.
+# kernel). argv: whether the policy is set, the sizes in MiB, whether they are made on a
+# thread other than the main one (as the training and the checks make theirs).
 PROBE = """
-import json, resource, sys, torch
+import json, resource, sys, threading, torch
 torch.set_num_threads(1)
 from coordinator.step.heap import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "1" else None
+sizes = [int(mib) << 20 for mib in sys.argv[2].split(",")]
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 rounds = []
-for _ in range(4):
-    before = faults()
-    for size in (3 << 20, 8 << 20, 1 << 20, 12 << 20):
-        buffers = [torch.ones(size, dtype=torch.uint8) for _ in range(4)]
-        del buffers
-    rounds.append(faults() - before)
+def run():
+    for _ in range(4):
+        before = faults()
+        for size in sizes:
+            buffers = [torch.ones(size, dtype=torch.uint8) for _ in range(4)]
+            del buffers
+        rounds.append(faults() - before)
+if sys.argv[3] == "1":
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+else:
+    run()
 print(json.dumps({"kept": kept, "rounds": rounds}))
 """
 
 
-def _faults_by_round(policy: bool) -> dict[str, object]:
+def _faults_by_round(policy: bool, sizes_mib: str, on_thread: bool) -> dict[str, object]:
     """The probe in a process of its own: the policy is process-wide, and other tests
     must not inherit it."""
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, "1" if policy else "0"],
+        [sys.executable, "-c", PROBE, "1" if policy else "0", sizes_mib, "1" if on_thread else "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -126,13 +135,23 @@ def _faults_by_round(policy: bool) -> dict[str, object]:
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
-def test_buffers_made_again_reuse_the_memory_freed_before() -> None:
-    default = _faults_by_round(policy=False)
+@pytest.mark.parametrize(
+    ("sizes_mib", "on_thread"),
+    [
+        ("3,8,1,12", False),
+        ("3,8,1,12", True),
+        # Larger than any mmap threshold glibc takes, and than a thread's own heap can
+        # hold: a wide model's activations.
+        ("48,130", True),
+    ],
+)
+def test_buffers_made_again_reuse_the_memory_freed_before(sizes_mib: str, on_thread: bool) -> None:
+    default = _faults_by_round(policy=False, sizes_mib=sizes_mib, on_thread=on_thread)
     rounds = default["rounds"]
     assert isinstance(rounds, list)
     if sum(rounds[1:]) < 1000:
         pytest.skip("this C library keeps freed memory by default: nothing to compare")
-    kept = _faults_by_round(policy=True)
+    kept = _faults_by_round(policy=True, sizes_mib=sizes_mib, on_thread=on_thread)
     assert kept["kept"] is True
     later = kept["rounds"]
     assert isinstance(later, list)
