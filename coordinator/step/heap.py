@@ -32,7 +32,10 @@ and unmapped again (an unmap every thread must flush from its TLB).
 ``keep_freed_memory``, at the process entry, puts every buffer of every thread in the
 one main heap, which grows to any size, and turns the trim at ``free`` off, so only the
 trim between steps gives memory back. The threads then share one lock to allocate
-(Python's small objects have allocators of their own and do not take it).
+(Python's small objects have allocators of their own and do not take it). The heap
+holds more than the mappings did: small allocations made between large buffers split
+the free memory, so it grows until a step's buffers fit around them, and an outsized
+buffer's memory stays until the trim that the heap's growth brings on.
 
 Elsewhere (macOS, Windows, musl) there is no ``mallopt`` or ``malloc_trim`` and nothing
 is done.
