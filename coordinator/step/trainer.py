@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,6 +79,11 @@ class StepRecord:
     # The learning rate this step's update used (the optimizer's first parameter group):
     # it moves with the job's lr_scheduler.
     lr: float | None = None
+
+
+# Step records ``Trainer.run`` returns at most: the latest steps'. A long run's records
+# go to its ``on_step`` as they come (the served run's log, metrics and status).
+KEPT_RECORDS = 1000
 
 
 @dataclass(frozen=True)
@@ -223,20 +229,22 @@ class Trainer:
         self, steps: int, on_step: Callable[[StepRecord], None] | None = None
     ) -> list[StepRecord]:
         """Train ``steps`` more steps; checkpoint every ``checkpoint_every`` and at the end.
+        Returns the records of the last ``KEPT_RECORDS`` steps: ``on_step`` gets each
+        one as it comes, and a run of a million steps would otherwise hold them all.
 
         When ``cancel`` is set the step in progress is abandoned, the last completed step
         is checkpointed (a stop loses no finished work) and ``StepCancelled`` raised."""
-        records: list[StepRecord] = []
+        records: deque[StepRecord] = deque(maxlen=KEPT_RECORDS)
         try:
             self._run_steps(steps, records, on_step)
         finally:
             self.close()
-        return records
+        return list(records)
 
     def _run_steps(
         self,
         steps: int,
-        records: list[StepRecord],
+        records: deque[StepRecord],
         on_step: Callable[[StepRecord], None] | None,
     ) -> None:
         for _ in range(steps):

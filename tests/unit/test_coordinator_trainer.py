@@ -24,6 +24,7 @@ from support.small_nets import repeated_batch_job
 from torch import nn
 from torch.nn.utils import prune
 
+import coordinator.step.trainer as trainer_module
 from coordinator.jobs.tiny_gpt import make_job
 from coordinator.step.cpu_costs import COSTS
 from coordinator.step.executor import GemmDone, StepCancelled
@@ -160,6 +161,16 @@ def test_training_stops_when_the_batches_run_out(tmp_path: Path) -> None:
     records = Trainer(_mlp_job(batches=2), None, metrics_out=metrics).run(5)
     assert [r.step for r in records] == [0, 1]
     assert len(metrics.read_text().splitlines()) == 2
+
+
+def test_a_run_returns_only_its_latest_step_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A served run of many steps hands each record to on_step; holding every one of
+    # them as well would grow the coordinator's memory with every step.
+    monkeypatch.setattr(trainer_module, "KEPT_RECORDS", 2, raising=False)
+    seen: list[StepRecord] = []
+    records = Trainer(_mlp_job(batches=5), None).run(5, on_step=seen.append)
+    assert [r.step for r in seen] == [0, 1, 2, 3, 4]
+    assert records == seen[-2:]
 
 
 def test_the_heap_is_trimmed_after_each_step_once_its_gradients_are_gone(
