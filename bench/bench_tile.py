@@ -14,11 +14,16 @@ next one (``TileComputer.give_back``).
 The ratio is tiles/s of the worker path over tiles/s of bare ``torch.matmul(a, b,
 out=c)`` into one reused ``c`` (the GEMM alone: fresh memory for each product would add
 the kernel's page faults to the baseline) with the same thread count, taken within one
-round of bare, sequential and pipelined runs in turn; the table shows medians over
-rounds. A round runs as many tiles as bare
-matmul does in ``--seconds`` (at least 8): a worker fed by its coordinator's window
-streams tiles, and the pipeline's fill and drain (the first tile's receive, the last
-one's encode) are paid once per stream, not once per handful of tiles.
+round of bare, sequential, pipelined and streamed runs in turn; the table shows medians
+over rounds. A round runs as many tiles as bare matmul does in ``--seconds`` (at least
+8): a worker fed by its coordinator's window streams tiles, and the pipeline's fill and
+drain (the first tile's receive, the last one's encode) are paid once per stream, not
+once per handful of tiles.
+
+*Streamed* is bare matmul too, on the operands as the worker path meets them: each task
+frame's own copy, in turn, rather than one pair of operands that stays in the caches
+from one multiply to the next. A GEMM on operands it has not read before is slower by
+itself; ``pipelined/streamed`` is what the worker path costs beyond that.
 Run: ``python bench/bench_tile.py [--quick]``.
 """
 
@@ -31,6 +36,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -107,11 +113,23 @@ def _interleaved(fns: list, count: int, repeat: int) -> list[list[float]]:
     return rounds
 
 
+@dataclass(frozen=True)
+class ShapeRates:
+    """One shape's medians over interleaved rounds: bare tiles/s, and ratios taken
+    within each round."""
+
+    bare: float  # tiles/s of bare matmul on one pair of operands, hot in cache
+    sequential: float  # the worker path, one thread, over bare
+    pipelined: float  # the worker path as the worker runs it, over bare
+    streamed: float  # bare matmul on each frame's operands in turn, over bare
+    pipelined_streamed: float  # pipelined over streamed
+    count: int  # tiles in a round
+
+
 def bench_shape(
     m: int, k: int, n: int, dtype: torch.dtype, threads: int, seconds: float, repeat: int
-) -> tuple[float, float, float, int]:
-    """Bare tiles/s, the sequential and pipelined worker paths' ratios to it (medians over
-    interleaved rounds), and the tiles in a round."""
+) -> ShapeRates:
+    """The worker path's tiles/s against bare matmul's on the same shape."""
     key = generate_private_key()
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(k, n).to(dtype)
@@ -125,10 +143,17 @@ def bench_shape(
     count = max(8, round(seconds / (time.perf_counter() - start)))
 
     product = torch.matmul(a, b)
+    # The operands as the worker path meets them: each frame's own copy, in turn.
+    streamed_operands = [(a.clone(), b.clone()) for _ in frames]
 
     def bare(c: int) -> None:
         for _ in range(c):
             torch.matmul(a, b, out=product)
+
+    def streamed(c: int) -> None:
+        for i in range(c):
+            x, y = streamed_operands[i % len(streamed_operands)]
+            torch.matmul(x, y, out=product)
 
     def sequential(c: int) -> None:
         session = _session(key)
@@ -186,12 +211,14 @@ def bench_shape(
             done += 1
         feeder.join()
 
-    rounds = _interleaved([bare, sequential, pipelined], count, repeat)
-    return (
-        statistics.median(r[0] for r in rounds),
-        statistics.median(r[1] / r[0] for r in rounds),
-        statistics.median(r[2] / r[0] for r in rounds),
-        count,
+    rounds = _interleaved([bare, sequential, pipelined, streamed], count, repeat)
+    return ShapeRates(
+        bare=statistics.median(r[0] for r in rounds),
+        sequential=statistics.median(r[1] / r[0] for r in rounds),
+        pipelined=statistics.median(r[2] / r[0] for r in rounds),
+        streamed=statistics.median(r[3] / r[0] for r in rounds),
+        pipelined_streamed=statistics.median(r[2] / r[3] for r in rounds),
+        count=count,
     )
 
 
@@ -206,20 +233,25 @@ def main() -> None:
     seconds, repeat = (0.05, 2) if args.quick else (args.seconds, 7)
     print(
         f"{'shape m x k x n':>20} {'dtype':>9} {'thr':>4} {'bare GFLOP/s':>13} "
-        f"{'sequential':>11} {'ratio':>6} {'pipelined':>10} {'ratio':>6} {'tiles':>6}"
+        f"{'sequential':>11} {'ratio':>6} {'pipelined':>10} {'ratio':>6} {'tiles':>6} "
+        f"{'streamed':>9} {'ratio':>6} {'pipelined/streamed':>19}"
     )
     for threads in args.threads:
         for m, k, n, dtype in SHAPES:
-            bare, seq, pipe, count = bench_shape(m, k, n, dtype, threads, seconds, repeat)
-            gflop = 2 * m * k * n / 1e9
+            r = bench_shape(m, k, n, dtype, threads, seconds, repeat)
+            gflop = r.bare * 2 * m * k * n / 1e9
             print(
                 f"{f'{m} x {k} x {n}':>20} {str(dtype).removeprefix('torch.'):>9} {threads:>4} "
-                f"{bare * gflop:>13.1f} {seq * bare * gflop:>11.1f} {seq:>6.2f} "
-                f"{pipe * bare * gflop:>10.1f} {pipe:>6.2f} {count:>6}"
+                f"{gflop:>13.1f} {r.sequential * gflop:>11.1f} {r.sequential:>6.2f} "
+                f"{r.pipelined * gflop:>10.1f} {r.pipelined:>6.2f} {r.count:>6} "
+                f"{r.streamed * gflop:>9.1f} {r.streamed:>6.2f} {r.pipelined_streamed:>19.2f}"
             )
     print(
-        f"(medians over {repeat} rounds, each running bare, sequential and pipelined in turn "
-        f"on the tiles bare matmul takes {seconds:g} s for; a ratio is taken within its round)"
+        f"(medians over {repeat} rounds, each running bare, sequential, pipelined and "
+        f"streamed in turn on the tiles bare matmul takes {seconds:g} s for; a ratio is "
+        "taken within its round; streamed: bare matmul on each task frame's own copy of "
+        "the operands in turn, as the worker path meets them, rather than on one pair "
+        "that stays in cache)"
     )
 
 
