@@ -239,12 +239,13 @@ def main() -> None:
     for threads in args.threads:
         for m, k, n, dtype in SHAPES:
             r = bench_shape(m, k, n, dtype, threads, seconds, repeat)
-            gflop = r.bare * 2 * m * k * n / 1e9
+            bare_gflops = r.bare * 2 * m * k * n / 1e9
             print(
                 f"{f'{m} x {k} x {n}':>20} {str(dtype).removeprefix('torch.'):>9} {threads:>4} "
-                f"{gflop:>13.1f} {r.sequential * gflop:>11.1f} {r.sequential:>6.2f} "
-                f"{r.pipelined * gflop:>10.1f} {r.pipelined:>6.2f} {r.count:>6} "
-                f"{r.streamed * gflop:>9.1f} {r.streamed:>6.2f} {r.pipelined_streamed:>19.2f}"
+                f"{bare_gflops:>13.1f} {r.sequential * bare_gflops:>11.1f} {r.sequential:>6.2f} "
+                f"{r.pipelined * bare_gflops:>10.1f} {r.pipelined:>6.2f} {r.count:>6} "
+                f"{r.streamed * bare_gflops:>9.1f} {r.streamed:>6.2f} "
+                f"{r.pipelined_streamed:>19.2f}"
             )
     print(
         f"(medians over {repeat} rounds, each running bare, sequential, pipelined and "
