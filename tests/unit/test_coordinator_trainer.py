@@ -166,7 +166,7 @@ def test_training_stops_when_the_batches_run_out(tmp_path: Path) -> None:
 def test_a_run_returns_only_its_latest_step_records(monkeypatch: pytest.MonkeyPatch) -> None:
     # A served run of many steps hands each record to on_step; holding every one of
     # them as well would grow the coordinator's memory with every step.
-    monkeypatch.setattr(trainer_module, "KEPT_RECORDS", 2, raising=False)
+    monkeypatch.setattr(trainer_module, "KEPT_RECORDS", 2)
     seen: list[StepRecord] = []
     records = Trainer(_mlp_job(batches=5), None).run(5, on_step=seen.append)
     assert [r.step for r in seen] == [0, 1, 2, 3, 4]
